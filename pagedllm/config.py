@@ -1,0 +1,129 @@
+"""The frozen configuration tree (EngineConfig and its parts), built once from EngineArgs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device_type: str) -> torch.dtype:
+    """``auto`` keeps the checkpoint's dtype on GPUs; on CPUs half types are slow, so it means float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+        return _DTYPES[dtype]
+    if device_type == "cpu":
+        return torch.float32
+    cfg_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(cfg_dtype, str):
+        cfg_dtype = _DTYPES.get(cfg_dtype)
+    if cfg_dtype in (None, torch.float32):
+        return torch.bfloat16
+    return cfg_dtype
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # local directory or file the weights come from (after any hub download)
+    tokenizer: str | None
+    hf_config: Any  # transformers.PretrainedConfig of the text model
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+    trust_remote_code: bool = False
+    skip_tokenizer_init: bool = False
+    generation_config: dict = field(default_factory=dict)  # defaults from generation_config.json
+    gguf_file: str | None = None
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        return archs[0] if archs else ""
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.hf_config.num_attention_heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(getattr(self.hf_config, "num_key_value_heads", None) or self.num_heads)
+
+    @property
+    def head_size(self) -> int:
+        head_dim = getattr(self.hf_config, "head_dim", None)
+        return int(head_dim or self.hf_config.hidden_size // self.num_heads)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V across all layers for one token."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * elem
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    prefix_hash_algo: str = "sha256"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"  # "cpu" or "cuda" (resolved from "auto")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    load_format: str = "auto"  # auto | safetensors | pt | dummy | gguf
+    download_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+    load_config: LoadConfig
+    attention_backend: str | None = None
+    enforce_eager: bool = False

@@ -1,0 +1,139 @@
+"""SamplingParams: how one request is decoded, validated up front with errors that name the field."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+# vLLM's limit on returned logprobs per token; larger values cost a vocabulary-wide sort per step.
+MAX_LOGPROBS = 20
+_SAMPLING_EPS = 1e-5
+
+
+def _fail(name: str, value: Any, rule: str) -> None:
+    raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """Decoding rules of one request. Field names, defaults and ranges follow vLLM's SamplingParams."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    detokenize: bool = True
+    # Filled by the engine: the model's EOS ids, kept apart from the user's stop_token_ids.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                _fail("logit_bias", self.logit_bias, "a mapping of integer token ids to float biases")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self._verify()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the other truncation knobs cannot change an argmax, so normalise them.
+            self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            _fail("n", self.n, "an integer >= 1")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            _fail("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            _fail("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            _fail("repetition_penalty", self.repetition_penalty, "in (0, 2]")
+        if not self.temperature >= 0.0:
+            _fail("temperature", self.temperature, ">= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or not (self.top_k == -1 or self.top_k >= 1):
+            # vLLM accepts 0 as "disabled" too; we keep the clearer -1 and map 0 to it.
+            if self.top_k == 0:
+                self.top_k = -1
+            else:
+                _fail("top_k", self.top_k, "-1 (disabled) or an integer >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", self.min_p, "in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            _fail("seed", self.seed, "an integer or None")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            _fail("max_tokens", self.max_tokens, "an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            _fail("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                _fail(name, value, f"an integer in [0, {MAX_LOGPROBS}]")
+        for s in self.stop:
+            if not isinstance(s, str) or s == "":
+                _fail("stop", self.stop, "a list of non-empty strings")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0:
+                _fail("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            _fail("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids")
+        if self.logit_bias:
+            for tok, bias in self.logit_bias.items():
+                if not -100.0 <= bias <= 100.0:
+                    _fail(f"logit_bias[{tok}]", bias, "in [-100, 100]")
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Checks token ids against the model's vocabulary (known only once the model is loaded)."""
+        for name, ids in (
+            ("logit_bias", list(self.logit_bias or {})),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("stop_token_ids", self.stop_token_ids),
+        ):
+            for t in ids:
+                if not 0 <= t < vocab_size:
+                    raise ValueError(
+                        f"{name} holds token id {t}, outside the vocabulary [0, {vocab_size})"
+                    )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            abs(self.presence_penalty) >= _SAMPLING_EPS
+            or abs(self.frequency_penalty) >= _SAMPLING_EPS
+            or abs(self.repetition_penalty - 1.0) >= _SAMPLING_EPS
+        )
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
