@@ -1,0 +1,7 @@
+"""pagedllm: a fast, exact LLM inference and serving engine with a vLLM-compatible API."""
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
