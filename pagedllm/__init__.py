@@ -1,7 +1,9 @@
 """pagedllm: a fast, exact LLM inference and serving engine with a vLLM-compatible API."""
+from pagedllm.engine_args import EngineArgs
+from pagedllm.entrypoints.llm import LLM
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

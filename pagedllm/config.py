@@ -2,21 +2,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the core imports this module and stays free of torch
+    import torch
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
+_DTYPE_NAMES = {
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
 }
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device_type: str) -> torch.dtype:
     """``auto`` keeps the checkpoint's dtype on GPUs; on CPUs half types are slow, so it means float32."""
+    import torch
+
+    _DTYPES = {k: getattr(torch, v) for k, v in _DTYPE_NAMES.items()}
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
@@ -74,7 +78,7 @@ class ModelConfig:
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V across all layers for one token."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * elem
 
 
@@ -108,6 +112,8 @@ class DeviceConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device)
 
 

@@ -1,0 +1,174 @@
+"""EngineArgs: the flat, vLLM-named engine options (Python and CLI) and their resolution into EngineConfig."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    resolve_dtype,
+)
+
+logger = logging.getLogger("pagedllm")
+
+_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    load_format: str = "auto"
+    device: str = "auto"
+    skip_tokenizer_init: bool = False
+    enforce_eager: bool = False
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    download_dir: str | None = None
+    attention_backend: str | None = None
+    num_gpu_blocks_override: int | None = None
+
+    # ---- CLI -----------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> argparse.ArgumentParser:
+        d = EngineArgs()
+        if not model_positional:
+            parser.add_argument("--model", type=str, default=None, help="HF model directory, .gguf file or hub id")
+        parser.add_argument("--tokenizer", type=str, default=None)
+        parser.add_argument("--dtype", type=str, default=d.dtype, choices=["auto", "float32", "float16", "bfloat16", "half", "float"])
+        parser.add_argument("--seed", type=int, default=d.seed)
+        parser.add_argument("--max-model-len", type=int, default=None)
+        parser.add_argument("--block-size", type=int, default=d.block_size, choices=[8, 16, 32, 64])
+        parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+        parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        parser.add_argument("--load-format", type=str, default=d.load_format, choices=["auto", "safetensors", "pt", "dummy", "gguf"])
+        parser.add_argument("--device", type=str, default=d.device, choices=["auto", "cpu", "cuda"])
+        parser.add_argument("--skip-tokenizer-init", action="store_true")
+        parser.add_argument("--enforce-eager", action="store_true")
+        parser.add_argument("--trust-remote-code", action="store_true")
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+        parser.add_argument("--download-dir", type=str, default=None)
+        parser.add_argument("--attention-backend", type=str, default=None, choices=["torch_ref", "triton"])
+        parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    # ---- resolution ----------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self.block_size not in (8, 16, 32, 64):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64; got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet (only 1)")
+
+    def create_engine_config(self) -> EngineConfig:
+        from pagedllm.model_loader.model_source import load_model_source
+
+        self._check()
+        device = self._resolve_device()
+        src = load_model_source(self.model, self.tokenizer, self.load_format, self.download_dir, self.trust_remote_code)
+        hf_config = src.hf_config
+        derived_max_len = _derive_max_model_len(hf_config)
+        max_model_len = self.max_model_len or derived_max_len
+        if max_model_len > derived_max_len:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's maximum context of {derived_max_len} "
+                f"(max_position_embeddings in its config)"
+            )
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = _DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not self.enable_chunked_prefill:
+                max_batched = max(max_batched, max_model_len)
+        if not self.enable_chunked_prefill and max_batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len ({max_model_len}); "
+                "enable chunked prefill or raise max_num_batched_tokens"
+            )
+        model_config = ModelConfig(
+            model=src.model_path,
+            tokenizer=src.tokenizer_path,
+            hf_config=hf_config,
+            dtype=resolve_dtype(self.dtype, hf_config, device),
+            max_model_len=max_model_len,
+            seed=self.seed,
+            trust_remote_code=self.trust_remote_code,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            generation_config=src.generation_config,
+            gguf_file=src.gguf_file,
+        )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            device_config=DeviceConfig(device=device),
+            load_config=LoadConfig(load_format=src.load_format, download_dir=self.download_dir),
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
+        )
+
+    def _resolve_device(self) -> str:
+        if self.device != "auto":
+            if self.device == "cuda":
+                import torch
+
+                if not torch.cuda.is_available():
+                    raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device")
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _derive_max_model_len(hf_config: Any) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048

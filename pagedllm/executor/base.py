@@ -1,0 +1,47 @@
+"""Executor interface: how the engine core reaches its workers, in-process or in other processes."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """KV-cache blocks every worker can hold (the minimum over workers)."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None:
+        ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        ...
+
+    def shutdown(self) -> None:
+        pass
+
+
+class UniProcExecutor(Executor):
+    """One worker in this process: the CPU path and single-GPU serving."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        from pagedllm.worker.worker import Worker
+
+        self.worker = Worker(config)
+        self.worker.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

@@ -1,0 +1,89 @@
+"""ModelSource: where a model's weights, config, generation defaults and tokenizer come from."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelSource:
+    model_path: str  # directory of an HF checkpoint, or a .gguf file
+    tokenizer_path: str | None
+    hf_config: Any  # transformers PretrainedConfig of the text model
+    load_format: str  # resolved: safetensors | pt | dummy | gguf
+    generation_config: dict = field(default_factory=dict)
+    gguf_file: str | None = None
+
+
+def _text_config(hf_config: Any) -> Any:
+    # Multimodal checkpoints wrap the language model's config; the engine serves the text model.
+    text = getattr(hf_config, "text_config", None)
+    if text is not None and getattr(text, "num_hidden_layers", None):
+        if not getattr(text, "architectures", None):
+            text.architectures = [a.replace("ForConditionalGeneration", "ForCausalLM") for a in hf_config.architectures or []]
+        return text
+    return hf_config
+
+
+def _generation_defaults(path: str) -> dict:
+    try:
+        from transformers import GenerationConfig
+
+        gc = GenerationConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return {}
+    keys = ("eos_token_id", "bos_token_id", "temperature", "top_p", "top_k", "repetition_penalty", "do_sample")
+    return {k: getattr(gc, k) for k in keys if getattr(gc, k, None) is not None}
+
+
+def load_model_source(
+    model: str | None,
+    tokenizer: str | None,
+    load_format: str,
+    download_dir: str | None,
+    trust_remote_code: bool,
+) -> ModelSource:
+    """Resolves a model name (local dir, .gguf file, hub id, or None for the default model)."""
+    from transformers import AutoConfig
+
+    from pagedllm.model_loader.hub import resolve_model_path
+
+    if model is None:
+        from pagedllm.model_loader.default_model import default_model_path
+
+        model = default_model_path()
+    is_gguf = load_format == "gguf" or str(model).endswith(".gguf")
+    if is_gguf:
+        from pagedllm.model_loader.gguf_loader import gguf_hf_config
+
+        path = os.path.abspath(model)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"GGUF file {model!r} does not exist")
+        hf_config = gguf_hf_config(path)
+        return ModelSource(
+            model_path=path,
+            tokenizer_path=tokenizer or path,
+            hf_config=_text_config(hf_config),
+            load_format="gguf",
+            gguf_file=path,
+        )
+    path = resolve_model_path(model, download_dir)
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if load_format == "auto":
+        files = os.listdir(path)
+        if any(f.endswith(".safetensors") for f in files):
+            load_format = "safetensors"
+        elif any(f.endswith(".bin") or f.endswith(".pt") for f in files):
+            load_format = "pt"
+        else:
+            raise FileNotFoundError(
+                f"no weights (*.safetensors, *.bin) in {path}; use load_format='dummy' for random weights"
+            )
+    return ModelSource(
+        model_path=path,
+        tokenizer_path=tokenizer or path,
+        hf_config=_text_config(hf_config),
+        load_format=load_format,
+        generation_config=_generation_defaults(path),
+    )
