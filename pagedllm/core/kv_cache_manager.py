@@ -64,6 +64,14 @@ class KVCacheManager:
         ``new_computed_blocks`` are prefix-cache hits taken on the request's first schedule. Returns the
         newly allocated blocks, or None (changing nothing) when the pool cannot supply them.
         """
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is not None and not new_computed_blocks:
+            # Fast path for a decode step that fits in the blocks it already has.
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens <= len(blocks) * self.block_size:
+                if num_tokens // self.block_size > self.req_to_num_cached_blocks[request.request_id]:
+                    self._cache_full_blocks(request, num_tokens)
+                return []
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -89,7 +97,7 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:
             return
-        # Only tokens already known can be hashed; a decode slot's token is sampled later.
+        # A chunk may end before the prompt does; never hash past the tokens known so far.
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         start = self.req_to_num_cached_blocks[request.request_id]
         if num_full <= start:

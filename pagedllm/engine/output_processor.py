@@ -32,14 +32,14 @@ class _ChildState:
 
 class _RequestState:
     def __init__(self, pr: ProcessedRequest, tokenizer: Any | None, kind: OutputKind) -> None:
-        from pagedllm.engine.detokenizer import IncrementalDetokenizer
-
         self.request_id = pr.request_id
         self.prompt = pr.prompt
         self.prompt_token_ids = pr.prompt_token_ids
         self.params = pr.params
         self.kind = kind
         detok = tokenizer is not None and pr.params.detokenize
+        if detok:
+            from pagedllm.engine.detokenizer import IncrementalDetokenizer
         want_lp = pr.params.logprobs is not None
         self.children = {
             r.request_id: _ChildState(

@@ -77,36 +77,48 @@ class InputBatch:
         req_ids = list(so.num_scheduled_tokens)
         num_reqs = len(req_ids)
         bs = self.block_size
-        total = so.total_num_scheduled_tokens
-        input_ids = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-        seq_lens = np.empty(num_reqs, dtype=np.int32)
-        max_blocks = max(len(self.requests[r].block_ids) for r in req_ids)
-        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-        sampling_mask = []
-        off = 0
-        for i, rid in enumerate(req_ids):
+        # Python lists first, one numpy conversion each after: per-row numpy writes cost more than
+        # the work itself at a few hundred decode requests per step.
+        tokens: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        flat_blocks: list[int] = []
+        num_blocks: list[int] = []
+        sampling_mask: list[bool] = []
+        for rid in req_ids:
             st = self.requests[rid]
             n = so.num_scheduled_tokens[rid]
             start = st.num_computed_tokens
-            input_ids[off : off + n] = st.token_slice(start, start + n)
-            positions[off : off + n] = np.arange(start, start + n)
-            block_table[i, : len(st.block_ids)] = st.block_ids
-            seq_lens[i] = start + n
-            off += n
-            query_start_loc[i + 1] = off
+            if n == 1 and start == st.num_tokens - 1:
+                tokens.append(st.output_token_ids[-1] if st.output_token_ids else st.prompt_token_ids[-1])
+            else:
+                tokens.extend(st.token_slice(start, start + n))
+            starts.append(start)
+            lens.append(n)
+            flat_blocks.extend(st.block_ids)
+            num_blocks.append(len(st.block_ids))
             sampling_mask.append(start + n >= st.num_tokens)
-        # slot = block_table[req, pos // bs] * bs + pos % bs, done for all tokens at once.
-        req_of_token = np.repeat(np.arange(num_reqs), np.diff(query_start_loc))
+        lens_np = np.array(lens, dtype=np.int32)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(lens_np, out=query_start_loc[1:])
+        starts_np = np.array(starts, dtype=np.int64)
+        total = int(query_start_loc[-1])
+        req_of_token = np.repeat(np.arange(num_reqs), lens_np)
+        positions = starts_np[req_of_token] + (np.arange(total) - query_start_loc[:-1][req_of_token])
+        nb = np.array(num_blocks, dtype=np.int64)
+        block_table = np.zeros((num_reqs, int(nb.max())), dtype=np.int32)
+        row_of_block = np.repeat(np.arange(num_reqs), nb)
+        col_of_block = np.arange(len(flat_blocks)) - np.repeat(np.cumsum(nb) - nb, nb)
+        block_table[row_of_block, col_of_block] = flat_blocks
+        # slot = block_table[req, pos // bs] * bs + pos % bs, for all tokens at once.
         slot_mapping = block_table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         return BatchInputs(
             req_ids=req_ids,
-            input_ids=input_ids,
+            input_ids=np.array(tokens, dtype=np.int64),
             positions=positions,
             slot_mapping=slot_mapping,
             query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
+            seq_lens=(starts_np + lens_np).astype(np.int32),
             block_table=block_table,
             sampling_mask=sampling_mask,
         )
