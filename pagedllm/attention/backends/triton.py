@@ -1,0 +1,72 @@
+"""The Triton attention backend: fused cache write plus one paged-attention kernel over a mixed batch."""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.backend import AttentionBackend, AttentionImpl
+from pagedllm.attention.kernels.paged_attention import paged_attention
+from pagedllm.attention.kernels.reshape_and_cache import reshape_and_cache
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+class TritonImpl(AttentionImpl):
+    """Same contract as the torch_ref backend; rows past ``num_actual_tokens`` come back as zeros."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap)
+        # None lets the kernel's heuristic pick; tests and benchmarks pin 1 or a partition count.
+        self.num_splits: int | None = None
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T_padded, Hq, D]
+        key: torch.Tensor,  # [T_padded, Hkv, D]
+        value: torch.Tensor,  # [T_padded, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T_padded, Hq, D]
+        md = attn_metadata
+        num_tokens = md.num_actual_tokens
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        reshape_and_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache, md.slot_mapping[:num_tokens])
+
+        out = torch.empty_like(query)
+        if query.shape[0] > num_tokens:
+            # Padding rows (e.g. CUDA-graph filler) match the reference's zeros instead of garbage.
+            out[num_tokens:].zero_()
+        query = query[:num_tokens]
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            md.block_table,
+            md.seq_lens,
+            md.query_start_loc,
+            num_reqs=md.num_reqs,
+            max_query_len=md.max_query_len,
+            max_seq_len=md.max_seq_len,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            soft_cap=self.logits_soft_cap,
+            out=out[:num_tokens],
+            num_splits=self.num_splits,
+        )
+        return out
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TritonImpl

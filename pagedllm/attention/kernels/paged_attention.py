@@ -1,0 +1,393 @@
+"""Triton paged attention for flat mixed prefill/decode batches, with a split-KV (flash-decoding) path and its reduction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# A constexpr global, because jitted code may only read constexpr globals.
+LOG2E = tl.constexpr(1.4426950408889634)
+
+# Requests scanned per step when a program looks up which request it serves.
+_SEARCH_BLOCK = 128
+# Split-KV tuning: aim for this many programs per SM so memory latency stays hidden, never cut a
+# context into pieces shorter than _MIN_SPLIT_LEN keys (the reduction would cost more than it saves),
+# and cap the partition count so the partial-result scratch stays small.
+_SPLIT_PROGRAMS_PER_SM = 2
+_MIN_SPLIT_LEN = 512
+_MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape of the attention kernel; ``block_m`` counts (query token, query head) rows."""
+
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _find_request(
+    query_start_loc_ptr,  # [B + 1] int32
+    num_reqs,
+    pid,
+    BLOCK_Q: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+):
+    # Request i owns the program slots starting at qsl[i] // BLOCK_Q + i. The "+ i" makes the starts
+    # strictly increasing and leaves each request at least ceil(q_len / BLOCK_Q) slots, so the grid
+    # size T // BLOCK_Q + B is known on the host and the owner is the count of starts <= pid.
+    # A vector count (one wave of loads) beats a binary search (log2(B) dependent loads).
+    hits = tl.zeros([SEARCH_BLOCK], dtype=tl.int32)
+    for base in range(0, num_reqs, SEARCH_BLOCK):
+        idx = base + tl.arange(0, SEARCH_BLOCK)  # [SEARCH_BLOCK]
+        valid = (idx >= 1) & (idx < num_reqs)
+        qs = tl.load(query_start_loc_ptr + idx, mask=valid, other=0)
+        hits += (valid & (qs // BLOCK_Q + idx <= pid)).to(tl.int32)
+    return tl.sum(hits, axis=0)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [T, Hq, D] final output (unused when IS_SPLIT)
+    part_acc_ptr,  # [T, Hq, num_splits, D] fp32 unnormalised partial outputs (IS_SPLIT only)
+    part_ml_ptr,  # [T, Hq, num_splits, 2] fp32 (running max in log2 units, softmax denominator)
+    q_ptr,  # [T, Hq, D], last dim contiguous
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D], last dim contiguous
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D], last dim contiguous
+    block_table_ptr,  # [B, max_blocks_per_req] int32
+    seq_lens_ptr,  # [B] int32
+    query_start_loc_ptr,  # [B + 1] int32
+    num_reqs,
+    num_q_heads,
+    num_splits,
+    split_len,  # keys per partition, a multiple of TILE_N (IS_SPLIT only)
+    scale,
+    soft_cap,
+    window,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_kb, stride_kp, stride_kh,
+    stride_vb, stride_vp, stride_vh,
+    stride_bt,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_P2: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows = BLOCK_Q tokens x GROUP_P2 heads
+    TILE_N: tl.constexpr,  # keys per inner iteration
+    BLOCK_SIZE: tl.constexpr,  # KV cache block size
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+):
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q, SEARCH_BLOCK)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_tok0 = (pid - (q_start // BLOCK_Q + req)) * BLOCK_Q
+    # Surplus slots of the host-sized grid.
+    if q_tok0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+
+    # Row r is query token q_tok0 + r // GROUP_P2 under head kv_head * GROUP + r % GROUP_P2: the whole
+    # group shares one KV head, so each K/V tile is loaded once and feeds every head of the group.
+    rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_tok = q_tok0 + rows // GROUP_P2  # [BLOCK_M] token index within the request
+    row_head = kv_head * GROUP + rows % GROUP_P2  # [BLOCK_M] query head
+    row_valid = (row_tok < q_len) & (rows % GROUP_P2 < GROUP)  # [BLOCK_M]
+    q_pos = ctx_len + row_tok  # [BLOCK_M] position in the sequence
+    dims = tl.arange(0, HEAD_SIZE_P2)  # [HEAD_SIZE_P2]
+    dim_valid = dims < HEAD_SIZE
+    tok = (q_start + row_tok).to(tl.int64)  # [BLOCK_M] flat token index
+
+    q = tl.load(  # [BLOCK_M, HEAD_SIZE_P2]
+        q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+
+    # Keys this program needs: up to its last token's position (causal), from its first token's
+    # window start. Padded rows clamp to the request so no key beyond seq_len is touched.
+    kv_hi = tl.minimum(seq_len, ctx_len + q_tok0 + BLOCK_Q)
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(ctx_len + q_tok0 - window + 1, 0)
+    if IS_SPLIT:
+        kv_lo = tl.maximum(kv_lo, split * split_len)
+        kv_hi = tl.minimum(kv_hi, (split + 1) * split_len)
+    # Tiles start on TILE_N multiples, and split_len is one, so partitions never share a tile.
+    tile_lo = (kv_lo // TILE_N) * TILE_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running denominator
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_P2], dtype=tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, TILE_N)  # [TILE_N]
+    qk_scale = scale * LOG2E
+
+    for n0 in range(tile_lo, kv_hi, TILE_N):
+        k_pos = n0 + offs_n  # [TILE_N]
+        k_in = k_pos < kv_hi
+        # Per-key block lookup lets TILE_N differ from the cache block size.
+        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_in, other=0).to(tl.int64)  # [TILE_N]
+        off = k_pos % BLOCK_SIZE  # [TILE_N]
+        kv_mask = k_in[:, None] & dim_valid[None, :]  # [TILE_N, HEAD_SIZE_P2]
+        k = tl.load(  # [TILE_N, HEAD_SIZE_P2]
+            k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_kp + kv_head * stride_kh + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
+        if USE_SOFT_CAP:
+            # tanh through exp2 of a non-positive argument: overflow-free and cheap.
+            x = s * (scale / soft_cap)
+            e = tl.exp2((-2.0 * LOG2E) * tl.abs(x))
+            t = (1.0 - e) / (1.0 + e)
+            s = tl.where(x >= 0, t, -t) * (soft_cap * LOG2E)
+        else:
+            s = s * qk_scale
+        allowed = k_pos[None, :] <= q_pos[:, None]  # [BLOCK_M, TILE_N]
+        if USE_WINDOW:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
+        # A row with no visible key yet keeps max -inf; shift by 0 instead so exp2 yields 0, not NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, TILE_N]
+        alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(  # [TILE_N, HEAD_SIZE_P2]
+            v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vp + kv_head * stride_vh + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if IS_SPLIT:
+        # Every (token, head, split) is written, empty partitions included (max -inf, sum 0), so the
+        # reduction needs no knowledge of which partitions a request actually reached.
+        part_row = (tok * num_q_heads + row_head) * num_splits + split  # [BLOCK_M]
+        tl.store(
+            part_acc_ptr + part_row[:, None] * HEAD_SIZE + dims[None, :],
+            acc,
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+        tl.store(part_ml_ptr + part_row * 2, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_valid)
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + row_head[:, None] * stride_oh + dims[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,  # [T, Hq, D]
+    part_acc_ptr,  # [T, Hq, num_splits, D] fp32
+    part_ml_ptr,  # [T, Hq, num_splits, 2] fp32
+    num_q_heads,
+    num_splits,
+    stride_ot, stride_oh,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_P2: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P2)  # [SPLITS_P2]
+    split_valid = splits < num_splits
+    dims = tl.arange(0, HEAD_SIZE_P2)  # [HEAD_SIZE_P2]
+    dim_valid = dims < HEAD_SIZE
+    part_row = (tok * num_q_heads + head) * num_splits + splits  # [SPLITS_P2]
+
+    m = tl.load(part_ml_ptr + part_row * 2, mask=split_valid, other=float("-inf"))  # [SPLITS_P2]
+    l = tl.load(part_ml_ptr + part_row * 2 + 1, mask=split_valid, other=0.0)  # [SPLITS_P2]
+    m_max = tl.max(m, axis=0)
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_ref)  # [SPLITS_P2]; empty partitions weigh 0
+    acc = tl.load(  # [SPLITS_P2, HEAD_SIZE_P2]
+        part_acc_ptr + part_row[:, None] * HEAD_SIZE + dims[None, :],
+        mask=split_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    num = tl.sum(acc * w[:, None], axis=0)  # [HEAD_SIZE_P2]
+    den = tl.sum(l * w, axis=0)
+    den = tl.where(den == 0.0, 1.0, den)
+    tl.store(
+        out_ptr + tok * stride_ot + head * stride_oh + dims,
+        (num / den).to(out_ptr.dtype.element_ty),
+        mask=dim_valid,
+    )
+
+
+def default_config(head_size: int, group: int, max_query_len: int) -> KernelConfig:
+    """Tile shape from host-side batch facts only, so picking it never waits on the device."""
+    head_size_p2 = triton.next_power_of_2(head_size)
+    group_p2 = triton.next_power_of_2(group)
+    # Enough rows for the longest query run of one request, but tensor cores need M >= 16 and
+    # registers cap it; decode batches land on the minimum and stay memory-bound anyway.
+    max_rows = 128 if head_size_p2 <= 128 else 64
+    block_m = min(max(triton.next_power_of_2(max_query_len) * group_p2, 16), max_rows)
+    block_m = max(block_m, group_p2)
+    tile_n = 64 if head_size_p2 <= 128 else 32
+    if max_query_len == 1:
+        num_warps = 4
+    else:
+        num_warps = 8 if block_m >= 128 else 4
+    num_stages = 3 if head_size_p2 <= 128 else 2
+    return KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def choose_num_splits(
+    num_reqs: int,
+    max_query_len: int,
+    max_seq_len: int,
+    num_kv_heads: int,
+    num_sms: int,
+    tile_n: int,
+) -> int:
+    """Partitions per context for the split-KV path; 1 means the single-pass kernel.
+
+    Only pure-decode batches split: a prefill chunk already brings many programs. Decode gives one
+    program per (request, KV head); when that is under _SPLIT_PROGRAMS_PER_SM waves of SMs the GPU
+    idles, so long contexts are cut until it is filled, in pieces no shorter than _MIN_SPLIT_LEN.
+    """
+    if max_query_len != 1:
+        return 1
+    programs = num_reqs * num_kv_heads
+    target = _SPLIT_PROGRAMS_PER_SM * num_sms
+    if programs >= target:
+        return 1
+    by_occupancy = triton.cdiv(target, programs)
+    by_length = max(1, max_seq_len // max(_MIN_SPLIT_LEN, tile_n))
+    return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # The CPU interpreter has no SMs; pretend a mid-size GPU so the heuristic stays exercisable.
+    return 64
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_table: torch.Tensor,  # [B, max_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    *,
+    num_reqs: int,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    out: torch.Tensor | None = None,  # [T, Hq, D]
+    num_splits: int | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Attention of every query token over its request's paged context (cached prefix + causal self).
+
+    ``num_splits`` forces the split-KV path (> 1) or the single pass (1); ``None`` lets the heuristic
+    decide. Everything the launch needs comes from host ints, so no device-to-host sync happens.
+    """
+    num_tokens, num_q_heads, head_size = query.shape
+    num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    assert num_q_heads % num_kv_heads == 0
+    assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride()
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    head_size_p2 = triton.next_power_of_2(head_size)
+    group_p2 = triton.next_power_of_2(group)
+    cfg = config or default_config(head_size, group, max_query_len)
+    assert cfg.block_m % group_p2 == 0 and cfg.block_m >= group_p2
+    block_q = cfg.block_m // group_p2
+
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_reqs, max_query_len, max_seq_len, num_kv_heads, _num_sms(query.device), cfg.tile_n
+        )
+    split_len = 0
+    if num_splits > 1:
+        split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), cfg.tile_n) * cfg.tile_n
+        # Rounding split_len up can leave trailing partitions empty for every request; drop them.
+        num_splits = max(1, triton.cdiv(max_seq_len, split_len))
+    is_split = num_splits > 1
+
+    if is_split:
+        part_acc = torch.empty(
+            (num_tokens, num_q_heads, num_splits, head_size), dtype=torch.float32, device=query.device
+        )
+        part_ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
+    else:
+        part_acc = part_ml = out  # never touched by the single-pass specialisation
+
+    # fp32 inputs would otherwise go through TF32 tensor cores and miss fp32 parity.
+    dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        out, part_acc, part_ml,
+        query, k_cache, v_cache,
+        block_table, seq_lens, query_start_loc,
+        num_reqs, num_q_heads, num_splits, split_len,
+        scale,
+        soft_cap if soft_cap is not None else 1.0,
+        sliding_window if sliding_window is not None else 0,
+        query.stride(0), query.stride(1),
+        out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_P2=head_size_p2,
+        GROUP=group,
+        GROUP_P2=group_p2,
+        BLOCK_M=cfg.block_m,
+        TILE_N=cfg.tile_n,
+        BLOCK_SIZE=block_size,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFT_CAP=soft_cap is not None,
+        IS_SPLIT=is_split,
+        DOT_PRECISION=dot_precision,
+        SEARCH_BLOCK=_SEARCH_BLOCK,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if is_split:
+        _reduce_splits_kernel[(num_tokens, num_q_heads)](
+            out, part_acc, part_ml,
+            num_q_heads, num_splits,
+            out.stride(0), out.stride(1),
+            HEAD_SIZE=head_size,
+            HEAD_SIZE_P2=head_size_p2,
+            SPLITS_P2=triton.next_power_of_2(num_splits),
+            num_warps=4 if head_size_p2 >= 128 else 2,
+        )
+    return out

@@ -1,0 +1,181 @@
+"""Triton attention kernels against the torch_ref oracle; on CPU they run in Triton's interpreter."""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+import pytest
+import torch
+
+_ON_GPU = torch.cuda.is_available()
+if not _ON_GPU:
+    # Must precede the kernels' import: @triton.jit picks interpreter or compiler when it decorates.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton", reason="triton is not importable; the Triton backend cannot be tested")
+
+from pagedllm.attention.backends import torch_ref  # noqa: E402
+from pagedllm.attention.kernels import paged_attention as pa_mod  # noqa: E402
+from pagedllm.attention.kernels import reshape_and_cache as rc_mod  # noqa: E402
+from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
+
+
+def _backend_module():
+    """The backend module, re-imported if something loaded the kernels before TRITON_INTERPRET was set."""
+    import pagedllm.attention.backends.triton as backend_mod
+
+    if not _ON_GPU:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(pa_mod._paged_attention_kernel, InterpretedFunction):
+            importlib.reload(rc_mod)
+            importlib.reload(pa_mod)
+            backend_mod = importlib.reload(backend_mod)
+    return backend_mod
+
+
+# The interpreter itself trips a NumPy deprecation on every scalar index; it says nothing about our code.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+DEVICE = torch.device("cuda" if _ON_GPU else "cpu")
+_BACKEND = _backend_module()
+
+
+def _build(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad=0):
+    """A paged mixed batch with shuffled physical blocks; ``reqs`` is (cached context, new tokens) per request.
+
+    Also returns a copy of the cache in which every slot that holds no token of any request is NaN,
+    so a kernel that reads past a sequence's end or outside its block table shows up as NaN.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in reqs]
+    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 2
+    perm = torch.randperm(num_blocks, generator=gen)
+    spare = int(perm[-1])
+    block_table = torch.full((len(reqs), max(blocks_per_req) + 2), spare, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_req):
+        block_table[i, :n] = perm[used : used + n]
+        used += n
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    kv_cache = rnd(2, num_blocks, block_size, num_kv_heads, head_size)
+    live = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    slots, qsl = [], [0]
+    for i, (ctx, q_len) in enumerate(reqs):
+        pos = torch.arange(seq_lens[i])
+        slot = block_table[i, pos // block_size].long() * block_size + pos % block_size
+        live[slot] = True
+        slots.append(slot[ctx:])
+        qsl.append(qsl[-1] + q_len)
+    num_tokens = qsl[-1]
+    query = rnd(num_tokens + pad, num_heads, head_size)
+    key = rnd(num_tokens + pad, num_kv_heads, head_size)
+    value = rnd(num_tokens + pad, num_kv_heads, head_size)
+    slot_mapping = torch.cat(slots + [torch.full((pad,), -1, dtype=torch.long)])
+    poisoned = kv_cache.clone()
+    poisoned.view(2, -1, num_kv_heads, head_size)[:, ~live] = float("nan")
+
+    md = AttentionMetadata(
+        num_actual_tokens=num_tokens,
+        num_reqs=len(reqs),
+        max_query_len=max(q for _, q in reqs),
+        max_seq_len=max(seq_lens),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_table=block_table.to(DEVICE),
+        slot_mapping=slot_mapping.to(DEVICE),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    return to(query), to(key), to(value), to(kv_cache), to(poisoned), md
+
+
+def _tol(dtype):
+    return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+
+
+def _check(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, window=None, soft_cap=None,
+           num_splits=1, pad=0, seed=0):
+    query, key, value, kv_cache, poisoned, md = _build(
+        reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad
+    )
+    scale = head_size**-0.5
+    ref = torch_ref.TorchRefImpl(num_heads, head_size, scale, num_kv_heads, window, soft_cap)
+    expected = ref.forward(query, key, value, kv_cache, md)
+    impl = _BACKEND.TritonImpl(num_heads, head_size, scale, num_kv_heads, window, soft_cap)
+    impl.num_splits = num_splits
+    out = impl.forward(query, key, value, poisoned, md)
+
+    torch.testing.assert_close(out.float(), expected.float(), **_tol(dtype))
+    # The Triton cache write must land exactly where the reference's did.
+    written = md.slot_mapping[md.slot_mapping >= 0]
+    for kv in range(2):
+        flat_ref = kv_cache[kv].view(-1, num_kv_heads, head_size)
+        flat_out = poisoned[kv].view(-1, num_kv_heads, head_size)
+        assert torch.equal(flat_out[written], flat_ref[written])
+
+
+# Each case covers a different corner; together they span every axis without the full product.
+@pytest.mark.parametrize(
+    "reqs,num_heads,num_kv_heads,head_size,block_size,dtype,window,soft_cap,num_splits,pad",
+    [
+        pytest.param([(0, 19), (0, 5)], 4, 1, 64, 16, torch.float32, None, None, 1, 0, id="prefill-noprefix-gqa4"),
+        pytest.param([(37, 12), (16, 20)], 2, 2, 128, 32, torch.float16, None, None, 1, 0, id="prefill-prefix-mha"),
+        pytest.param([(40, 1), (0, 1), (95, 1), (17, 1)], 8, 1, 64, 16, torch.float16, None, None, 1, 0,
+                     id="decode-gqa8"),
+        pytest.param([(0, 7), (50, 1), (20, 13), (9, 1), (64, 1)], 8, 2, 256, 16, torch.float32, None, None, 1, 3,
+                     id="mixed-d256-pad"),
+        pytest.param([(30, 9), (45, 1), (0, 14)], 4, 2, 64, 32, torch.float16, 10, None, 1, 0, id="window"),
+        pytest.param([(25, 6), (33, 1)], 8, 2, 96, 16, torch.float32, None, 15.0, 1, 0, id="softcap-d96"),
+        pytest.param([(150, 1), (70, 1), (3, 1)], 8, 2, 128, 16, torch.float16, None, None, 4, 0, id="split-decode"),
+        pytest.param([(90, 1), (60, 11), (0, 3)], 8, 1, 64, 32, torch.float32, 20, 10.0, 3, 2,
+                     id="split-mixed-window-softcap"),
+        pytest.param([(3, 1), (0, 1)], 2, 2, 80, 16, torch.float32, None, None, 5, 0, id="split-short-empty-parts"),
+    ],
+)
+def test_triton_matches_torch_ref(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, window, soft_cap,
+                                  num_splits, pad):
+    _check(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, window=window, soft_cap=soft_cap,
+           num_splits=num_splits, pad=pad, seed=len(reqs) + head_size)
+
+
+def test_many_requests_cross_search_block():
+    # More requests than one step of the kernel's request lookup scans.
+    n = pa_mod._SEARCH_BLOCK + 5
+    reqs = [((3 * i) % 20, 1 + (i % 9 == 0) * 2) for i in range(n)]
+    _check(reqs, 2, 1, 64, 16, torch.float32)
+
+
+def test_heuristic_split_path_matches():
+    # A lone long decode: the heuristic alone must choose to split, and stay exact.
+    reqs = [(1100, 1)]
+    assert pa_mod.choose_num_splits(1, 1, 1101, 1, num_sms=64, tile_n=64) > 1
+    _check(reqs, 4, 1, 64, 16, torch.float16, num_splits=None)
+
+
+def test_choose_num_splits():
+    kw = dict(num_sms=132, tile_n=64)
+    assert pa_mod.choose_num_splits(4, 1, 32768, 8, **kw) > 1  # few long decodes: split
+    assert pa_mod.choose_num_splits(256, 1, 4096, 8, **kw) == 1  # GPU already full
+    assert pa_mod.choose_num_splits(2, 1, 300, 8, **kw) == 1  # too short to be worth a reduction
+    assert pa_mod.choose_num_splits(2, 512, 32768, 8, **kw) == 1  # prefill in the batch
+    assert pa_mod.choose_num_splits(1, 1, 10**6, 1, **kw) <= pa_mod._MAX_SPLITS
+
+
+def test_reshape_and_cache_padding_and_cast():
+    gen = torch.Generator().manual_seed(3)
+    num_kv_heads, head_size, block_size, num_blocks = 3, 80, 16, 6
+    key = torch.randn(7, num_kv_heads, head_size, generator=gen).to(DEVICE)
+    value = torch.randn(7, num_kv_heads, head_size, generator=gen).to(DEVICE)
+    slots = torch.tensor([5, 17, -1, 95, 40, -1, 0], dtype=torch.long, device=DEVICE)
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float16, device=DEVICE)
+    expected = cache.clone()
+    torch_ref.write_kv_cache(key, value, expected, slots)
+    rc_mod.reshape_and_cache(key, value, cache[0], cache[1], slots)
+    assert torch.equal(cache, expected)
