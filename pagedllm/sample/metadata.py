@@ -1,0 +1,202 @@
+"""SamplingMetadata: one step's sampling rules as batch tensors, built from the requests' SamplingParams."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from pagedllm.sample.rng import row_key
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """Batch of B requests over a vocabulary of V tokens. Optional tensors are None when no row needs
+    them, which is also how the sampler knows to skip that stage. Per-row tensors are [B] in batch
+    order even where only the randomly sampled rows use them (greedy rows then hold neutral values)."""
+
+    num_reqs: int  # B
+    vocab_size: int  # V
+
+    # Which rows are sampled how.
+    all_greedy: bool
+    all_random: bool
+    random_indices: torch.Tensor | None  # [R] int64, the non-greedy rows; None unless the batch is mixed
+    temperature: torch.Tensor | None  # [B] float32, 1.0 on greedy rows; None when all_greedy
+    top_k: torch.Tensor | None  # [B] int64 in [1, V], V where disabled; None when no random row uses it
+    max_top_k: int  # largest active top_k (0 when top_k is None)
+    top_p: torch.Tensor | None  # [B] float32 in (0, 1], 1.0 where disabled; None when unused
+    min_p: torch.Tensor | None  # [B] float32 in [0, 1], 0.0 where disabled; None when unused
+    rng_key0: torch.Tensor | None  # [B] int64 in [0, 2**32), from (seed, len(output)); None when all_greedy
+    rng_key1: torch.Tensor | None  # [B] int64 in [0, 2**32)
+
+    # Logit processing, applied before both greedy and random sampling.
+    disallowed_mask: torch.Tensor | None  # [B, V] bool, True where allowed_token_ids excludes a token
+    bias_rows: torch.Tensor | None  # [M] int64 \
+    bias_cols: torch.Tensor | None  # [M] int64  } logit_bias as a sparse [B, V] addition
+    bias_values: torch.Tensor | None  # [M] float32 /
+    stop_rows: torch.Tensor | None  # [S] int64 \ stop tokens masked to -inf while len(output) < min_tokens
+    stop_cols: torch.Tensor | None  # [S] int64 /
+
+    # Penalties (vLLM definitions); no_penalties means every penalty tensor below is None.
+    no_penalties: bool
+    repetition_penalties: torch.Tensor | None  # [B] float32, 1.0 where disabled
+    frequency_penalties: torch.Tensor | None  # [B] float32, 0.0 where disabled
+    presence_penalties: torch.Tensor | None  # [B] float32, 0.0 where disabled
+    prompt_mask: torch.Tensor | None  # [B, V] bool, token occurs in the prompt; only with repetition penalty
+    output_counts: torch.Tensor | None  # [B, V] int32, occurrences of each token in the output so far
+
+    # Largest `logprobs` asked by any row (0 = only the sampled token); None when nobody asked.
+    max_num_logprobs: int | None
+
+
+def _flat_index(
+    rows_cols: list[tuple[int, list[int]]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(row, [col, ...]), ...] -> (rows [M] int64, cols [M] int64) on device."""
+    rows = list(chain.from_iterable([r] * len(c) for r, c in rows_cols))
+    cols = list(chain.from_iterable(c for _, c in rows_cols))
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(cols, dtype=torch.int64, device=device),
+    )
+
+
+def _scatter_mask(
+    rows_cols: list[tuple[int, list[int]]], num_reqs: int, vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[B, V] bool with True at every listed (row, col); built on the device from small index lists."""
+    mask = torch.zeros(num_reqs, vocab_size, dtype=torch.bool, device=device)
+    rows, cols = _flat_index(rows_cols, device)
+    mask[rows, cols] = True
+    return mask
+
+
+def _count_tokens(
+    token_lists: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[B, V] int32 histogram of each row's tokens, accumulated on the device."""
+    rows, cols = _flat_index(list(enumerate(token_lists)), device)
+    counts = torch.zeros(len(token_lists) * vocab_size, dtype=torch.int32, device=device)
+    counts.index_add_(0, rows * vocab_size + cols, torch.ones_like(cols, dtype=torch.int32))
+    return counts.view(len(token_lists), vocab_size)
+
+
+def build_sampling_metadata(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    seeds: list[int],
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingMetadata:
+    """Builds the batch tensors. seeds: one int per request (the engine derives one for unseeded
+    requests); the random stream of row i depends only on seeds[i] and len(output_token_ids[i])."""
+    num_reqs = len(params)
+    if not (len(prompt_token_ids) == len(output_token_ids) == len(seeds) == num_reqs):
+        raise ValueError("params, prompt_token_ids, output_token_ids and seeds must have one entry per request")
+    V = vocab_size
+
+    def f32(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    def i64(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    # --- how each row is sampled ---
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    all_greedy = not random_rows
+    all_random = len(random_rows) == num_reqs
+    temperature = top_k = top_p = min_p = key0 = key1 = random_indices = None
+    max_top_k = 0
+    if not all_greedy:
+        if not all_random:
+            random_indices = i64(random_rows)
+        temperature = f32([1.0 if p.greedy else p.temperature for p in params])
+        ks = [p.top_k if (not p.greedy and 0 < p.top_k < V) else V for p in params]
+        if any(k < V for k in ks):
+            top_k = i64(ks)
+            max_top_k = max(k for k in ks if k < V)
+        ps = [1.0 if p.greedy else p.top_p for p in params]
+        if any(p < 1.0 for p in ps):
+            top_p = f32(ps)
+        mps = [0.0 if p.greedy else p.min_p for p in params]
+        if any(m > 0.0 for m in mps):
+            min_p = f32(mps)
+        keys = [row_key(s, len(out)) for s, out in zip(seeds, output_token_ids)]
+        key0 = i64([k[0] for k in keys])
+        key1 = i64([k[1] for k in keys])
+
+    # --- logit processing ---
+    allowed = [
+        (i, [t for t in p.allowed_token_ids if 0 <= t < V])
+        for i, p in enumerate(params)
+        if p.allowed_token_ids is not None
+    ]
+    disallowed_mask = None
+    if allowed:
+        allowed_mask = _scatter_mask(allowed, num_reqs, V, device)
+        row_has_list = torch.zeros(num_reqs, 1, dtype=torch.bool, device=device)
+        row_has_list[[i for i, _ in allowed]] = True
+        disallowed_mask = row_has_list & ~allowed_mask
+
+    bias_rows = bias_cols = bias_values = None
+    biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+    if biased:
+        entries = [(i, t, b) for i, lb in biased for t, b in lb.items() if 0 <= t < V]
+        if entries:
+            bias_rows = i64([e[0] for e in entries])
+            bias_cols = i64([e[1] for e in entries])
+            bias_values = f32([e[2] for e in entries])
+
+    stop_rows = stop_cols = None
+    blocked = [
+        (i, sorted(t for t in p.all_stop_token_ids if 0 <= t < V))
+        for i, p in enumerate(params)
+        if len(output_token_ids[i]) < p.min_tokens and p.all_stop_token_ids
+    ]
+    if any(cols for _, cols in blocked):
+        stop_rows, stop_cols = _flat_index(blocked, device)
+
+    # --- penalties ---
+    no_penalties = not any(p.has_penalties for p in params)
+    rep = freq = pres = prompt_mask = output_counts = None
+    if not no_penalties:
+        rep = f32([p.repetition_penalty for p in params])
+        freq = f32([p.frequency_penalty for p in params])
+        pres = f32([p.presence_penalty for p in params])
+        output_counts = _count_tokens(output_token_ids, V, device)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            prompt_mask = _scatter_mask(
+                [(i, ids) for i, ids in enumerate(prompt_token_ids)], num_reqs, V, device
+            )
+
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingMetadata(
+        num_reqs=num_reqs,
+        vocab_size=V,
+        all_greedy=all_greedy,
+        all_random=all_random,
+        random_indices=random_indices,
+        temperature=temperature,
+        top_k=top_k,
+        max_top_k=max_top_k,
+        top_p=top_p,
+        min_p=min_p,
+        rng_key0=key0,
+        rng_key1=key1,
+        disallowed_mask=disallowed_mask,
+        bias_rows=bias_rows,
+        bias_cols=bias_cols,
+        bias_values=bias_values,
+        stop_rows=stop_rows,
+        stop_cols=stop_cols,
+        no_penalties=no_penalties,
+        repetition_penalties=rep,
+        frequency_penalties=freq,
+        presence_penalties=pres,
+        prompt_mask=prompt_mask,
+        output_counts=output_counts,
+        max_num_logprobs=max(asked) if asked else None,
+    )

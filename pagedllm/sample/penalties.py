@@ -1,0 +1,63 @@
+"""Logit processing that precedes sampling: allowed-token masks, logit bias, min_tokens stop masking,
+and repetition / frequency / presence penalties. All functions work in place on a [B, V] float32 tensor."""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.sample.metadata import SamplingMetadata
+
+
+def needs_processing(md: SamplingMetadata) -> bool:
+    """Whether any stage below would change the logits for this batch."""
+    return (
+        md.disallowed_mask is not None
+        or md.bias_rows is not None
+        or md.stop_rows is not None
+        or not md.no_penalties
+    )
+
+
+def apply_penalties_(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor | None,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """logits [B, V] (modified), prompt_mask [B, V] bool or None, output_counts [B, V] int32,
+    penalties [B] float32. Returns logits."""
+    in_output = output_counts > 0
+    if prompt_mask is not None:
+        seen = in_output | prompt_mask
+        # Repetition scales towards "less likely" whatever the sign: divide positive, multiply negative.
+        rep = repetition.unsqueeze(1).expand_as(logits)
+        scale = torch.where(logits > 0, rep.reciprocal(), rep)
+        logits.mul_(torch.where(seen, scale, torch.ones_like(scale)))
+    logits.sub_(frequency.unsqueeze(1) * output_counts.to(logits.dtype))
+    logits.sub_(presence.unsqueeze(1) * in_output.to(logits.dtype))
+    return logits
+
+
+def process_logits_(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Applies, in order: allowed_token_ids, logit_bias, min_tokens, penalties. logits [B, V] float32
+    is modified in place and returned."""
+    neg_inf = float("-inf")
+    if md.disallowed_mask is not None:
+        logits.masked_fill_(md.disallowed_mask, neg_inf)
+    if md.bias_rows is not None:
+        logits.index_put_((md.bias_rows, md.bias_cols), md.bias_values, accumulate=True)
+    if md.stop_rows is not None:
+        logits.index_put_(
+            (md.stop_rows, md.stop_cols), torch.tensor(neg_inf, dtype=logits.dtype, device=logits.device)
+        )
+    if not md.no_penalties:
+        apply_penalties_(
+            logits,
+            md.prompt_mask,
+            md.output_counts,
+            md.repetition_penalties,
+            md.frequency_penalties,
+            md.presence_penalties,
+        )
+    return logits
