@@ -1,0 +1,40 @@
+"""Gated activations of the MLPs: act(gate) * up over a fused [gate | up] input."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2F] -> [T, F]
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """GELU-gated unit; ``approximate="tanh"`` is HF's ``gelu_pytorch_tanh`` (Gemma)."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2F] -> [T, F]
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+def get_act_and_mul(hidden_act: str) -> nn.Module:
+    """The gated activation for an HF ``hidden_act`` / ``hidden_activation`` name."""
+    if hidden_act in ("silu", "swish"):
+        return SiluAndMul()
+    if hidden_act in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast"):
+        return GeluAndMul("tanh")
+    if hidden_act == "gelu":
+        return GeluAndMul("none")
+    raise ValueError(f"unsupported gated activation {hidden_act!r}; supported: silu, gelu, gelu_pytorch_tanh")

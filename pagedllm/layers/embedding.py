@@ -1,0 +1,99 @@
+"""Token embedding and LM head, with the vocabulary split across tensor-parallel ranks and optional tied weights."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VocabEmbedding(nn.Module):
+    """Embedding table whose rows (tokens) are split evenly over ranks; the last shard is zero-padded."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        params_dtype: torch.dtype | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.shard_size = -(-num_embeddings // tp_size)
+        self.vocab_start = tp_rank * self.shard_size
+        self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if loaded_weight.shape[0] != self.num_embeddings or loaded_weight.shape[1:] != param.shape[1:]:
+            raise ValueError(
+                f"shape mismatch loading embedding: expected ({self.num_embeddings}, {self.embedding_dim}), "
+                f"checkpoint {tuple(loaded_weight.shape)}"
+            )
+        rows = self.vocab_end - self.vocab_start
+        param.data[:rows].copy_(loaded_weight[self.vocab_start : self.vocab_end])
+        param.data[rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, E]
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(in_shard, input_ids - self.vocab_start, 0)
+        out = F.embedding(local_ids, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
+        torch.distributed.all_reduce(out)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}"
+
+
+class ParallelLMHead(VocabEmbedding):
+    """The output projection onto the vocabulary; may share its weight with the input embedding."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, params_dtype, tp_rank, tp_size)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.shard_size, dtype=self.weight.dtype), requires_grad=False)
+            self.bias.weight_loader = self._bias_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        rows = self.vocab_end - self.vocab_start
+        param.data[:rows].copy_(loaded_weight[self.vocab_start : self.vocab_end])
+        param.data[rows:].zero_()
+
+    def tie_weights(self, embedding: VocabEmbedding) -> None:
+        """Share the input embedding's table; the checkpoint then has no separate lm_head weight."""
+        self.weight = embedding.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is applied through compute_logits, not called as an embedding")
+
+    def compute_logits(
+        self,
+        hidden_states: torch.Tensor,  # [N, E]
+        soft_cap: float | None = None,
+    ) -> torch.Tensor:  # [N, vocab] float32
+        logits = F.linear(hidden_states, self.weight, self.bias)
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            torch.distributed.all_gather(parts, logits)
+            logits = torch.cat(parts, dim=-1)
+        logits = logits[..., : self.num_embeddings].float()
+        if soft_cap is not None:
+            logits = torch.tanh(logits / soft_cap) * soft_cap
+        return logits

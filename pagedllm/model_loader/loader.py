@@ -1,0 +1,112 @@
+"""Builds the model for a config and fills its weights, through a registry of loaders keyed by ``load_format``.
+
+Each loader is imported only when its format is asked for, so a format such as GGUF can be added
+as its own module (``pagedllm/model_loader/gguf_loader.py`` with ``GGUFModelLoader``) without
+touching this file's logic.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.config import LoadConfig, ModelConfig
+from pagedllm.model_loader.weight_utils import iterate_weights
+from pagedllm.models.registry import resolve_model_class
+
+# load_format -> (module, loader class)
+_LOADERS: dict[str, tuple[str, str]] = {
+    "auto": ("pagedllm.model_loader.loader", "DefaultModelLoader"),
+    "safetensors": ("pagedllm.model_loader.loader", "DefaultModelLoader"),
+    "pt": ("pagedllm.model_loader.loader", "DefaultModelLoader"),
+    "dummy": ("pagedllm.model_loader.dummy", "DummyModelLoader"),
+    "gguf": ("pagedllm.model_loader.gguf_loader", "GGUFModelLoader"),
+}
+
+
+class BaseModelLoader(ABC):
+    def __init__(self, load_config: LoadConfig) -> None:
+        self.load_config = load_config
+
+    @abstractmethod
+    def load_model(
+        self, model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]
+    ) -> nn.Module:
+        """The model in eval mode, in ``model_config.dtype``, on ``device``, with its weights."""
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    model_config: ModelConfig, device: torch.device | str, attn_backend: type[AttentionBackend]
+) -> nn.Module:
+    """The model for ``model_config.hf_config`` with uninitialized parameters allocated on ``device``."""
+    model_cls = resolve_model_class(model_config.hf_config)
+    with _default_dtype(model_config.dtype), torch.device(device):
+        return model_cls(model_config, attn_backend)
+
+
+def finalize_model(model: nn.Module, device: torch.device | str) -> nn.Module:
+    model.requires_grad_(False)
+    return model.to(device).eval()
+
+
+def check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
+    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint {source} lacks {len(missing)} parameters of {type(model).__name__}: {shown}")
+
+
+class DefaultModelLoader(BaseModelLoader):
+    """Safetensors (single or sharded) or PyTorch ``*.bin`` checkpoints in ``model_config.model``."""
+
+    def load_model(
+        self, model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]
+    ) -> nn.Module:
+        model = build_model(model_config, device, attn_backend)
+        weights = iterate_weights(model_config.model, self.load_config.load_format)
+        loaded = model.load_weights(weights)
+        check_all_loaded(model, loaded, model_config.model)
+        return finalize_model(model, device)
+
+
+def available_load_formats() -> list[str]:
+    return sorted(_LOADERS)
+
+
+def get_model_loader(load_config: LoadConfig) -> BaseModelLoader:
+    fmt = load_config.load_format
+    if fmt not in _LOADERS:
+        raise ValueError(f"load_format {fmt!r} is unknown; choose one of {', '.join(available_load_formats())}")
+    module, cls = _LOADERS[fmt]
+    try:
+        loader_cls = getattr(importlib.import_module(module), cls)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        raise NotImplementedError(f"load_format {fmt!r} is not available in this build ({module} is missing)") from None
+    return loader_cls(load_config)
+
+
+def get_model(
+    model_config: ModelConfig,
+    load_config: LoadConfig,
+    device: torch.device,
+    attn_backend: type[AttentionBackend],
+) -> nn.Module:
+    """The ready-to-run model: eval mode, ``model_config.dtype``, on ``device``."""
+    return get_model_loader(load_config).load_model(model_config, torch.device(device), attn_backend)

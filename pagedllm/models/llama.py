@@ -1,0 +1,239 @@
+"""The Llama decoder (Llama 2/3/3.1, Vicuna, Mistral) and the building blocks its relatives reuse.
+
+Qwen2, Qwen3 and Phi-3 are the same network with different switches (projection biases, per-head
+q/k norms, fused checkpoints), so they subclass ``LlamaForCausalLM`` and override
+``decoder_options``. Gemma-style models can reuse ``LlamaAttention`` (custom scale, q/k norm class,
+per-layer rotary and sliding window, soft cap) and ``LlamaMLP`` (any gated activation).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.config import ModelConfig
+from pagedllm.layers.activation import get_act_and_mul
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
+from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, get_rope
+from pagedllm.model_loader.weight_utils import load_named_weights
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """The per-architecture switches of the shared decoder."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rotary (Qwen3)
+
+
+def layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
+    """The window of one layer: ``layer_types`` picks sliding layers when present, else all or none slide."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if window is not None and layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.act_fn = get_act_and_mul(hidden_act)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        rotary_emb: RotaryEmbedding,
+        attn_backend: type[AttentionBackend],
+        scale: float | None = None,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_cls: type[RMSNorm] | None = None,
+        rms_norm_eps: float = 1e-6,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.sliding_window = sliding_window
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_size, num_heads, num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(num_heads * head_size, hidden_size, bias=o_bias)
+        self.q_norm = qk_norm_cls(head_size, rms_norm_eps) if qk_norm_cls else None
+        self.k_norm = qk_norm_cls(head_size, rms_norm_eps) if qk_norm_cls else None
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            self.qkv_proj.num_heads,
+            head_size,
+            scale if scale is not None else head_size**-0.5,
+            self.qkv_proj.num_kv_heads,
+            attn_backend,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        hidden_states: torch.Tensor,  # [T, H]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
+        if self.q_norm is not None:
+            q = self.q_norm(q.unflatten(-1, (-1, self.head_size)))
+            k = self.k_norm(k.unflatten(-1, (-1, self.head_size)))
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.flatten(1), k.flatten(1), v, kv_cache, attn_metadata)
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        layer_idx: int,
+        head_size: int,
+        rotary_emb: RotaryEmbedding,
+        attn_backend: type[AttentionBackend],
+        options: DecoderOptions,
+    ) -> None:
+        super().__init__()
+        cfg = hf_config
+        eps = cfg.rms_norm_eps
+        self.self_attn = LlamaAttention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_size,
+            rotary_emb,
+            attn_backend,
+            qkv_bias=options.qkv_bias,
+            o_bias=options.o_bias,
+            qk_norm_cls=RMSNorm if options.qk_norm else None,
+            rms_norm_eps=eps,
+            sliding_window=layer_sliding_window(cfg, layer_idx),
+        )
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=options.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        hidden_states: torch.Tensor,  # [T, H]: the previous layer's MLP output (or the embeddings)
+        residual: torch.Tensor | None,  # [T, H]: the residual stream before that output is added
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output [T, H], residual [T, H])
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, model_config: ModelConfig, attn_backend: type[AttentionBackend], options: DecoderOptions
+    ) -> None:
+        super().__init__()
+        cfg = model_config.hf_config
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        rotary_emb = get_rope(cfg, model_config.head_size, model_config.max_model_len)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, model_config.head_size, rotary_emb, attn_backend, options)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projections that live inside one fused parameter: (parameter, checkpoint name, shard).
+    stacked_params_mapping: tuple[tuple[str, str, int | str], ...] = (
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+    # Buffers some old checkpoints saved; they are recomputed from the config.
+    ignored_weight_substrings: tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+    @classmethod
+    def decoder_options(cls, hf_config: Any) -> DecoderOptions:
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return DecoderOptions(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(hf_config, "mlp_bias", False)))
+
+    def __init__(self, model_config: ModelConfig, attn_backend: type[AttentionBackend]) -> None:
+        super().__init__()
+        cfg = model_config.hf_config
+        self.model_config = model_config
+        self.model = LlamaModel(model_config, attn_backend, self.decoder_options(cfg))
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, vocab] float32
+        return self.lm_head.compute_logits(hidden_states, soft_cap=self.final_logit_softcapping)
+
+    def sliding_windows(self) -> list[int | None]:
+        """One entry per layer, for the KV cache manager: the layer's window, or None for full attention."""
+        return [layer.self_attn.sliding_window for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # A tied head has no weight of its own; some checkpoints still carry a copy of it.
+        skip_prefixes = ("lm_head.",) if self.tie_word_embeddings else ()
+        return load_named_weights(
+            self, weights, self.stacked_params_mapping, skip_prefixes, self.ignored_weight_substrings
+        )
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with a sliding window on every layer when the config sets ``sliding_window``."""

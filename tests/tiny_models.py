@@ -1,0 +1,107 @@
+"""Tiny random HF checkpoints (a few hundred KB, float32, seeded) for testing the model code without the hub."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_BASE = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+# kind -> (HF model_type, config overrides)
+_KINDS: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama3": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                # Small, so the tiny head_dim has low, medium and high frequency bands.
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "llama-linear": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+    # A window shorter than the test prompts so the sliding mask is exercised.
+    "mistral": ("mistral", {"sliding_window": 10}),
+    "qwen2": ("qwen2", {}),
+    "qwen2-yarn": (
+        "qwen2",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1000000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 512,
+            }
+        },
+    ),
+    "qwen3": ("qwen3", {"head_dim": 32}),
+    "phi3": ("phi3", {}),
+    "phi3-longrope": (
+        "phi3",
+        {
+            "original_max_position_embeddings": 512,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+            },
+        },
+    ),
+}
+
+TINY_KINDS = tuple(_KINDS)
+
+
+def tiny_config(kind: str):
+    from transformers import AutoConfig
+
+    if kind not in _KINDS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(_KINDS)}")
+    model_type, overrides = _KINDS[kind]
+    kwargs = {**_BASE, **overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    config.dtype = torch.float32
+    return config
+
+
+def make_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0) -> str:
+    """Writes a tiny random ``kind`` model (config.json + model.safetensors) to ``path`` and returns it.
+
+    Norm weights and biases are randomized too (HF initializes them to 1 and 0), so a parity test
+    notices a norm or bias that is loaded into the wrong place.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = os.fspath(path)
+    config = tiny_config(kind)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith("bias"):
+                param.copy_(0.02 * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
