@@ -132,7 +132,7 @@ def _check(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, windo
         pytest.param([(0, 7), (50, 1), (20, 13), (9, 1), (64, 1)], 8, 2, 256, 16, torch.float32, None, None, 1, 3,
                      id="mixed-d256-pad"),
         pytest.param([(30, 9), (45, 1), (0, 14)], 4, 2, 64, 32, torch.float16, 10, None, 1, 0, id="window"),
-        pytest.param([(25, 6), (33, 1)], 8, 2, 96, 16, torch.float32, None, 15.0, 1, 0, id="softcap-d96"),
+        pytest.param([(25, 6), (33, 1)], 6, 2, 96, 16, torch.float32, None, 15.0, 1, 0, id="softcap-d96-gqa3"),
         pytest.param([(150, 1), (70, 1), (3, 1)], 8, 2, 128, 16, torch.float16, None, None, 4, 0, id="split-decode"),
         pytest.param([(90, 1), (60, 11), (0, 3)], 8, 1, 64, 32, torch.float32, 20, 10.0, 3, 2,
                      id="split-mixed-window-softcap"),

@@ -1,0 +1,165 @@
+"""Times the Triton paged-attention kernels on CUDA: decode KV-read bandwidth against a device copy, split-KV, prefill."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+
+import torch
+
+
+def copy_bandwidth(nbytes: int = 1 << 31) -> float:
+    """Device-to-device copy rate in TB/s, counting bytes read plus bytes written."""
+    import triton.testing
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+def make_batch(seq_lens, query_len, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0):
+    """Cache, query and metadata tensors for requests whose last ``query_len`` tokens are new; blocks shuffled."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks)
+    perm = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32)
+    block_table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device="cuda")
+    start = 0
+    for i, n in enumerate(blocks):
+        block_table[i, :n] = perm[start : start + n]
+        start += n
+    kv_cache = torch.empty(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device="cuda")
+    kv_cache.normal_(generator=gen)
+    num_tokens = len(seq_lens) * query_len
+    query = torch.randn(num_tokens, num_heads, head_size, generator=gen, device="cuda").to(dtype)
+    qsl = torch.arange(0, num_tokens + 1, query_len, dtype=torch.int32, device="cuda")
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    return query, kv_cache, block_table, seq, qsl
+
+
+def time_attention(query, kv_cache, block_table, seq_lens, qsl, max_query_len, max_seq_len, **kw) -> float:
+    import triton.testing
+
+    from pagedllm.attention.kernels.paged_attention import paged_attention
+
+    out = torch.empty_like(query)
+    head_size = query.shape[-1]
+
+    def fn():
+        paged_attention(
+            query, kv_cache[0], kv_cache[1], block_table, seq_lens, qsl,
+            num_reqs=block_table.shape[0], max_query_len=max_query_len, max_seq_len=max_seq_len,
+            scale=head_size**-0.5, out=out, **kw,
+        )
+
+    return triton.testing.do_bench(fn, warmup=10, rep=60)
+
+
+def kv_read_bytes(seq_lens, num_kv_heads, head_size, dtype) -> int:
+    return 2 * sum(seq_lens) * num_kv_heads * head_size * torch.finfo(dtype).bits // 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sweep", action="store_true", help="also sweep decode tile configs")
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("attention_kernels: no CUDA device; nothing to time")
+        return
+
+    from pagedllm.attention.kernels.paged_attention import KernelConfig, choose_num_splits, default_config
+
+    props = torch.cuda.get_device_properties(0)
+    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16  # Llama-3-8B attention
+    results: dict = {"device": props.name, "sms": props.multi_processor_count}
+    copy_bw = copy_bandwidth()
+    results["copy_tbps"] = copy_bw
+    print(f"{props.name}: {props.multi_processor_count} SMs; torch D2D copy {copy_bw:.2f} TB/s (read+write)")
+
+    print("\n== decode, 32q/8kv heads, D=128, bf16, block 16 (KV read bandwidth; fraction of copy)")
+    results["decode"] = []
+    for batch, ctx in [(64, 1024), (64, 4096), (256, 1024), (256, 4096)]:
+        seq_lens = [ctx] * batch
+        tensors = make_batch(seq_lens, 1, hq, hkv, d, bs, dtype)
+        nbytes = kv_read_bytes(seq_lens, hkv, d, dtype)
+        splits = choose_num_splits(batch, 1, ctx, hkv, props.multi_processor_count, default_config(d, hq // hkv, 1).tile_n)
+        ms = time_attention(*tensors, 1, ctx)
+        bw = nbytes / (ms * 1e-3) / 1e12
+        row = {"batch": batch, "ctx": ctx, "splits": splits, "us": ms * 1e3, "tbps": bw, "frac_of_copy": bw / copy_bw}
+        line = f"batch {batch:4d} ctx {ctx:5d} splits {splits:2d}: {ms * 1e3:8.1f} us  {bw:5.2f} TB/s  {bw / copy_bw:5.1%}"
+        if args.sweep:
+            best = (ms, None)
+            for tile_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+                cfg = KernelConfig(block_m=16, tile_n=tile_n, num_warps=warps, num_stages=stages)
+                try:
+                    t = time_attention(*tensors, 1, ctx, config=cfg, num_splits=1)
+                except Exception as exc:  # out of shared memory for the deepest pipelines
+                    print(f"   {cfg}: {type(exc).__name__}")
+                    continue
+                best = min(best, (t, cfg), key=lambda x: x[0])
+            bw_best = nbytes / (best[0] * 1e-3) / 1e12
+            row["best_cfg"] = str(best[1])
+            row["best_tbps"] = bw_best
+            line += f" | best {bw_best:5.2f} TB/s ({bw_best / copy_bw:5.1%}) with {best[1]}"
+        print(line, flush=True)
+        results["decode"].append(row)
+        del tensors
+        torch.cuda.empty_cache()
+
+    print("\n== split-KV: few long decodes (same heads), single pass vs heuristic vs forced partitions")
+    results["split"] = []
+    for batch, ctx in [(1, 8192), (1, 32768), (2, 16384), (4, 8192), (4, 32768)]:
+        seq_lens = [ctx] * batch
+        tensors = make_batch(seq_lens, 1, hq, hkv, d, bs, dtype)
+        nbytes = kv_read_bytes(seq_lens, hkv, d, dtype)
+        chosen = choose_num_splits(batch, 1, ctx, hkv, props.multi_processor_count, 64)
+        timings = {}
+        for splits in sorted({1, chosen, 4, 8, 16, 32, 64}):
+            timings[splits] = time_attention(*tensors, 1, ctx, num_splits=splits)
+        one, heur = timings[1], timings[chosen]
+        best_s = min(timings, key=timings.get)
+        tb = lambda ms: nbytes / (ms * 1e-3) / 1e12  # noqa: E731
+        print(
+            f"batch {batch} ctx {ctx:5d}: single {one * 1e3:7.1f} us ({tb(one):4.2f} TB/s) | heuristic {chosen:2d} "
+            f"splits {heur * 1e3:7.1f} us ({tb(heur):4.2f} TB/s, {tb(heur) / copy_bw:5.1%}) | best {best_s:2d} "
+            f"splits {timings[best_s] * 1e3:7.1f} us",
+            flush=True,
+        )
+        results["split"].append(
+            {"batch": batch, "ctx": ctx, "chosen": chosen, "us": {k: v * 1e3 for k, v in timings.items()}}
+        )
+        del tensors
+        torch.cuda.empty_cache()
+
+    print("\n== prefill: one 4096-token prompt, 32q/8kv, D=128, bf16 (causal FLOPs) vs torch SDPA")
+    import triton.testing
+
+    n = 4096
+    tensors = make_batch([n], n, hq, hkv, d, bs, dtype)
+    ms = time_attention(*tensors, n, n)
+    flops = 4 * hq * d * n * n / 2
+    q = torch.randn(1, hq, n, d, device="cuda", dtype=dtype)
+    k = torch.randn(1, hkv, n, d, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    sdpa = triton.testing.do_bench(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        warmup=10, rep=60,
+    )
+    print(f"triton paged {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s | torch SDPA (dense) {sdpa * 1e3:8.1f} us "
+          f"{flops / sdpa / 1e9:6.1f} TFLOP/s")
+    results["prefill"] = {"tokens": n, "us": ms * 1e3, "sdpa_us": sdpa * 1e3}
+
+    try:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    main()
