@@ -19,6 +19,7 @@ PROMPT_LENS = [5, 17, 33]
 STEPS = [[1, 1, 1], [3, 1, 5]]
 ATOL = 1e-4
 CPU = torch.device("cpu")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _model_config(path: str | None, hf_config=None, max_model_len: int = 512) -> ModelConfig:
@@ -36,7 +37,8 @@ def _model_config(path: str | None, hf_config=None, max_model_len: int = 512) ->
 class PagedBatcher:
     """Builds AttentionMetadata for requests whose blocks are scattered over a shared cache."""
 
-    def __init__(self, total_lens: list[int], num_blocks: int, seed: int = 0) -> None:
+    def __init__(self, total_lens: list[int], num_blocks: int, seed: int = 0, device: str = "cpu") -> None:
+        self.device = torch.device(device)
         g = torch.Generator().manual_seed(seed)
         free = torch.randperm(num_blocks, generator=g).tolist()
         self.tables = []
@@ -62,14 +64,14 @@ class PagedBatcher:
             num_reqs=len(query_lens),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_table=table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            block_table=table.to(self.device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
         )
-        return torch.tensor(positions, dtype=torch.int64), md
+        return torch.tensor(positions, dtype=torch.int64, device=self.device), md
 
 
 @pytest.fixture(scope="module")
@@ -84,19 +86,21 @@ def tiny_dir(tmp_path_factory):
     return get
 
 
-def _kv_caches(model_config: ModelConfig, num_blocks: int) -> list[torch.Tensor]:
+def _kv_caches(model_config: ModelConfig, num_blocks: int, device: str = "cpu") -> list[torch.Tensor]:
     shape = (2, num_blocks, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_size)
-    return [torch.zeros(shape) for _ in range(model_config.num_layers)]
+    return [torch.zeros(shape, dtype=model_config.dtype, device=device) for _ in range(model_config.num_layers)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", TINY_KINDS)
-def test_paged_forward_matches_hf(kind, tiny_dir):
+def test_paged_forward_matches_hf(kind, device, tiny_dir):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     path = tiny_dir(kind)
     model_config = _model_config(path)
-    model = get_model(model_config, LoadConfig(load_format="auto"), CPU, get_attn_backend("torch_ref", "cpu"))
+    backend = get_attn_backend("torch_ref", device)
+    model = get_model(model_config, LoadConfig(load_format="auto"), torch.device(device), backend)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
     total = [n + sum(s[i] for s in STEPS) for i, n in enumerate(PROMPT_LENS)]
@@ -106,15 +110,15 @@ def test_paged_forward_matches_hf(kind, tiny_dir):
         expected = [hf(s[None]).logits[0] for s in seqs]  # [n, vocab] per request
 
     num_blocks = sum(-(-n // BLOCK_SIZE) for n in total) + 3
-    kv_caches = _kv_caches(model_config, num_blocks)
-    batcher = PagedBatcher(total, num_blocks)
+    kv_caches = _kv_caches(model_config, num_blocks, device)
+    batcher = PagedBatcher(total, num_blocks, device=device)
     for step, query_lens in enumerate([PROMPT_LENS, *STEPS]):
         starts = list(batcher.lens)
         positions, md = batcher.step(query_lens)
         input_ids = torch.cat([seqs[i][s : s + q] for i, (s, q) in enumerate(zip(starts, query_lens))])
         with torch.no_grad():
-            hidden = model(input_ids, positions, kv_caches, md)
-            logits = model.compute_logits(hidden)
+            hidden = model(input_ids.to(device), positions, kv_caches, md)
+            logits = model.compute_logits(hidden).cpu()
         assert hidden.shape == (md.num_actual_tokens, model_config.hf_config.hidden_size)
         assert logits.dtype == torch.float32
         for i, (s, q) in enumerate(zip(starts, query_lens)):
@@ -135,21 +139,26 @@ def test_tied_head_shares_embedding(tiny_dir):
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def test_dummy_load_from_config_alone():
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dummy_load_from_config_alone(dtype, device):
     hf_config = tiny_config("qwen3")
     hf_config.architectures = ["Qwen3ForCausalLM"]
-    model_config = _model_config(None, hf_config=hf_config)
-    backend = get_attn_backend("torch_ref", "cpu")
-    a = get_model(model_config, LoadConfig(load_format="dummy"), CPU, backend)
-    b = get_model(model_config, LoadConfig(load_format="dummy"), CPU, backend)
-    assert not a.training
+    model_config = ModelConfig(model="", tokenizer=None, hf_config=hf_config, dtype=dtype, max_model_len=512)
+    backend = get_attn_backend("torch_ref", device)
+    a = get_model(model_config, LoadConfig(load_format="dummy"), torch.device(device), backend)
+    b = get_model(model_config, LoadConfig(load_format="dummy"), torch.device(device), backend)
+    assert not a.training and torch.get_default_dtype() == torch.float32
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        assert pa.dtype == torch.float32 and pa.abs().max() <= 1e-3, name
+        assert pa.dtype == dtype and pa.device.type == device and pa.abs().max() <= 1e-3, name
         assert torch.equal(pa, pb), name
-    batcher = PagedBatcher([7], num_blocks=2)
+    assert all(buf.dtype == torch.float32 for buf in a.buffers())  # rotary frequencies stay exact
+    batcher = PagedBatcher([7], num_blocks=2, device=device)
     positions, md = batcher.step([7])
     with torch.no_grad():
-        logits = a.compute_logits(a(torch.arange(7), positions, _kv_caches(model_config, 2), md))
+        hidden = a(torch.arange(7, device=device), positions, _kv_caches(model_config, 2, device), md)
+        logits = a.compute_logits(hidden)
+    assert hidden.dtype == dtype and logits.dtype == torch.float32
     assert logits.shape == (7, model_config.vocab_size) and torch.isfinite(logits).all()
 
 
