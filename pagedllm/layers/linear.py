@@ -1,4 +1,4 @@
-"""Linear layers in vLLM's tensor-parallel shapes, each with a weight_loader that takes its shard of a checkpoint tensor.
+"""Linear layers in vLLM's tensor-parallel shapes; each weight_loader takes its shard of a checkpoint tensor.
 
 Tensor parallelism is not wired in yet (tp_size is 1), but the sharding arithmetic lives here so
 it can arrive without touching the models: column-parallel layers split their output dimension,
@@ -52,7 +52,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch loading weight: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
+        raise ValueError(
+            f"shape mismatch loading weight: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}"
+        )
     param.copy_(loaded)
 
 
@@ -141,7 +143,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(self.output_sizes), bias, **kwargs)
         if any(s % self.tp_size for s in self.output_sizes):
-            raise ValueError(f"output sizes {self.output_sizes} are not divisible by tensor parallel size {self.tp_size}")
+            raise ValueError(f"output sizes {self.output_sizes} do not divide by tensor parallel size {self.tp_size}")
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         if shard_id is None:
@@ -180,11 +182,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = total_num_heads // tp_size
         if tp_size >= self.total_num_kv_heads:
             if tp_size % self.total_num_kv_heads:
-                raise ValueError(f"tensor parallel size {tp_size} is not a multiple of {self.total_num_kv_heads} KV heads")
+                raise ValueError(f"tensor parallel size {tp_size} is no multiple of {self.total_num_kv_heads} KV heads")
             self.num_kv_heads, self.num_kv_head_replicas = 1, tp_size // self.total_num_kv_heads
         else:
             if self.total_num_kv_heads % tp_size:
-                raise ValueError(f"{self.total_num_kv_heads} KV heads are not divisible by tensor parallel size {tp_size}")
+                raise ValueError(f"{self.total_num_kv_heads} KV heads do not divide by tensor parallel size {tp_size}")
             self.num_kv_heads, self.num_kv_head_replicas = self.total_num_kv_heads // tp_size, 1
         # The full (unsharded) size the base class divides by tp_size to get this rank's rows.
         output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_size

@@ -106,7 +106,8 @@ def compute_inv_freq(
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
         return inv_freq, 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise NotImplementedError(f"rope type {rope_type!r} is not supported; known: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+        known = ", ".join(["default", *ROPE_INIT_FUNCTIONS])
+        raise NotImplementedError(f"rope type {rope_type!r} is not supported; known: {known}")
 
     seq_len = None
     if rope_type == "dynamic" and max_position > hf_config.max_position_embeddings:

@@ -1,4 +1,4 @@
-"""Reading checkpoint tensors (safetensors, single or sharded, or PyTorch ``*.bin``) and routing them into model parameters."""
+"""Reads checkpoint tensors (safetensors, single or sharded, or PyTorch ``*.bin``) and routes them into parameters."""
 from __future__ import annotations
 
 import glob
@@ -122,7 +122,9 @@ def load_named_weights(
                     break
             param = params.get(target)
             if param is None:
-                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter {target!r} in {type(model).__name__}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no matching parameter {target!r} in {type(model).__name__}"
+                )
             loader = getattr(param, "weight_loader", default_weight_loader)
             if shard_id is None:
                 loader(param, tensor)

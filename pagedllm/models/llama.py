@@ -193,7 +193,11 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     )
     # Buffers some old checkpoints saved; they are recomputed from the config.
-    ignored_weight_substrings: tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+    ignored_weight_substrings: tuple[str, ...] = (
+        "rotary_emb.inv_freq",
+        "rotary_emb.cos_cached",
+        "rotary_emb.sin_cached",
+    )
 
     @classmethod
     def decoder_options(cls, hf_config: Any) -> DecoderOptions:

@@ -1,4 +1,4 @@
-"""Maps HF architecture names (``config.architectures``) to model classes, importing each model module only when asked for."""
+"""Maps HF architecture names (``config.architectures``) to model classes, each module imported only when asked for."""
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,4 @@
-"""Model parity with HF transformers in float32: paged prefill, decode and chunked steps through the torch_ref backend."""
+"""Model parity with HF transformers in float32: paged prefill, decode and chunked steps on the torch_ref backend."""
 from __future__ import annotations
 
 import json
@@ -123,7 +123,9 @@ def test_paged_forward_matches_hf(kind, device, tiny_dir):
         assert logits.dtype == torch.float32
         for i, (s, q) in enumerate(zip(starts, query_lens)):
             got = logits[md.query_start_loc_cpu[i] : md.query_start_loc_cpu[i + 1]]
-            torch.testing.assert_close(got, expected[i][s : s + q], atol=ATOL, rtol=ATOL, msg=lambda m: f"{kind} step {step} request {i}: {m}")
+            torch.testing.assert_close(
+                got, expected[i][s : s + q], atol=ATOL, rtol=ATOL, msg=lambda m: f"{kind} step {step} req {i}: {m}"
+            )
 
 
 def test_sliding_windows_per_layer(tiny_dir):
@@ -201,7 +203,8 @@ def test_unknown_architecture_lists_supported():
 
 def test_unknown_load_format():
     with pytest.raises(ValueError, match="dummy"):
-        get_model(_model_config(None, tiny_config("llama")), LoadConfig(load_format="nope"), CPU, get_attn_backend("torch_ref", "cpu"))
+        config = _model_config(None, tiny_config("llama"))
+        get_model(config, LoadConfig(load_format="nope"), CPU, get_attn_backend("torch_ref", "cpu"))
 
 
 def test_hub_unreachable_message(monkeypatch, tmp_path):

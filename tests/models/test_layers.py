@@ -1,4 +1,4 @@
-"""Layer-level checks: tensor-parallel weight sharding of the linear layers and op-for-op parity of norms and activations with HF."""
+"""Layer checks: tensor-parallel sharding of the weight loaders; op-for-op parity of norms, activations, rotary."""
 from __future__ import annotations
 
 import pytest
@@ -70,7 +70,11 @@ def test_norms_match_hf(dtype):
 
     torch.manual_seed(0)
     x, res, w = torch.randn(5, 32, dtype=dtype), torch.randn(5, 32, dtype=dtype), torch.randn(32)
-    for ours, theirs in [(RMSNorm(32, 1e-6, dtype), LlamaRMSNorm(32, 1e-6)), (GemmaRMSNorm(32, 1e-6, dtype), Gemma3RMSNorm(32, 1e-6))]:
+    pairs = [
+        (RMSNorm(32, 1e-6, dtype), LlamaRMSNorm(32, 1e-6)),
+        (GemmaRMSNorm(32, 1e-6, dtype), Gemma3RMSNorm(32, 1e-6)),
+    ]
+    for ours, theirs in pairs:
         ours.weight.data.copy_(w)
         theirs = theirs.to(dtype)
         theirs.weight.data.copy_(w)
