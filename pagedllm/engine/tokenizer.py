@@ -22,3 +22,12 @@ def get_tokenizer(model_config: ModelConfig) -> Any | None:
 
         path = resolve_model_path(path, None)
     return AutoTokenizer.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict], **kwargs: Any) -> list[int]:
+    """Token ids of a conversation rendered by the tokenizer's chat template (kwargs pass through)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
+    # transformers 5 returns a BatchEncoding here, older releases a plain list.
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)

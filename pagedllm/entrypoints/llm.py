@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
+from pagedllm.engine.tokenizer import chat_prompt_ids
 from pagedllm.engine_args import EngineArgs
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -114,16 +115,14 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:
-            ids = tok.apply_chat_template(
+            ids = chat_prompt_ids(
+                tok,
                 conv,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
-                tokenize=True,
                 **(chat_template_kwargs or {}),
             )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -1,4 +1,4 @@
-"""The `pagedllm` command: subcommands for benchmarking (and, as they arrive, generating and serving)."""
+"""The `pagedllm` command: generate, chat, serve and bench subcommands."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,14 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     from pagedllm.benchmarks import throughput
+    from pagedllm.entrypoints.cli import chat, generate
+
+    gen = sub.add_parser("generate", help="continue prompts, streaming the text (default model: Gemma 3 270M)")
+    generate.add_cli_args(gen)
+    gen.set_defaults(func=generate.run)
+    ch = sub.add_parser("chat", help="interactive chat through the model's chat template")
+    chat.add_cli_args(ch)
+    ch.set_defaults(func=chat.run)
 
     tp = bench.add_parser("throughput", help="offline throughput on random prompts")
     throughput.add_cli_args(tp)
