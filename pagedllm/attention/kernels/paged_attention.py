@@ -12,13 +12,15 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 # Requests scanned per step when a program looks up which request it serves.
 _SEARCH_BLOCK = 128
-# Split-KV tuning: aim for this many programs per SM so memory latency stays hidden, never cut a
-# context into pieces shorter than _MIN_SPLIT_LEN keys (the reduction would cost more than it saves),
-# and cap the partition count so the partial-result scratch stays small.
-_SPLIT_PROGRAMS_PER_SM = 2
-_MIN_SPLIT_LEN = 512
+# Split-KV tuning, from H200 timings of 32q/8kv D=128 decode: a lone program streams one tile per
+# ~2 us, so bandwidth needs several resident programs per SM. Split only when (requests x KV heads)
+# leaves SMs under-filled (< _SPLIT_BELOW_PROGRAMS_PER_SM per SM), then cut contexts until about
+# _SPLIT_PROGRAMS_PER_SM programs per SM exist, in pieces of at least _MIN_SPLIT_LEN keys, and at
+# most _MAX_SPLITS pieces so the partial-result scratch stays small.
+_SPLIT_BELOW_PROGRAMS_PER_SM = 2
+_SPLIT_PROGRAMS_PER_SM = 8
+_MIN_SPLIT_LEN = 256
 _MAX_SPLITS = 64
-
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -49,6 +51,92 @@ def _find_request(
         qs = tl.load(query_start_loc_ptr + idx, mask=valid, other=0)
         hits += (valid & (qs // BLOCK_Q + idx <= pid)).to(tl.int32)
     return tl.sum(hits, axis=0)
+
+
+@triton.jit
+def _load_kv_tile(
+    ptrs,  # [TILE_N, HEAD_SIZE_P2] pointers into the K or V cache
+    k_in,  # [TILE_N] bool, key inside the range (read only when MASKED)
+    dims,  # [HEAD_SIZE_P2]
+    MASKED: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_P2: tl.constexpr,
+):
+    # Interior tiles of a power-of-two head size load with no predicate at all.
+    if MASKED:
+        tile = tl.load(ptrs, mask=k_in[:, None] & (dims < HEAD_SIZE)[None, :], other=0.0)
+    elif HEAD_SIZE == HEAD_SIZE_P2:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=(dims < HEAD_SIZE)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _attend_tile(
+    acc,  # [BLOCK_M, HEAD_SIZE_P2] fp32 unnormalised output
+    m_i,  # [BLOCK_M] fp32 running max, log2 units
+    l_i,  # [BLOCK_M] fp32 running denominator
+    q,  # [BLOCK_M, HEAD_SIZE_P2]
+    n0,  # first key position of the tile
+    kv_hi,  # keys at or past this position are never read
+    q_pos,  # [BLOCK_M] sequence position of each row
+    bt_row,  # -> [max_blocks_per_req] int32, this request's block table row
+    k_head_ptr,  # -> K cache at this KV head: [num_blocks, BLOCK_SIZE, *, D]
+    v_head_ptr,  # -> V cache at this KV head
+    scale,
+    soft_cap,
+    window,
+    stride_kb, stride_kp, stride_vb, stride_vp,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_P2: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,  # False only for tiles every row sees in full
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    k_pos = n0 + tl.arange(0, TILE_N)  # [TILE_N]
+    dims = tl.arange(0, HEAD_SIZE_P2)  # [HEAD_SIZE_P2]
+    if MASKED:
+        k_in = k_pos < kv_hi
+        # Per-key block lookup lets TILE_N differ from the cache block size.
+        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_in, other=0).to(tl.int64)  # [TILE_N]
+    else:
+        k_in = k_pos >= 0  # unused
+        blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)  # [TILE_N]
+    # [TILE_N, HEAD_SIZE_P2] offsets of this tile's rows, each a contiguous run of D elements.
+    kv_off = blk[:, None] * stride_kb + (k_pos % BLOCK_SIZE)[:, None] * stride_kp + dims[None, :]
+    k = _load_kv_tile(k_head_ptr + kv_off, k_in, dims, MASKED, HEAD_SIZE, HEAD_SIZE_P2)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
+    if USE_SOFT_CAP:
+        # tanh through exp2 of a non-positive argument: overflow-free and cheap.
+        x = s * (scale / soft_cap)
+        e = tl.exp2((-2.0 * LOG2E) * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        s = tl.where(x >= 0, t, -t) * (soft_cap * LOG2E)
+    else:
+        s = s * (scale * LOG2E)
+    if MASKED:
+        allowed = k_pos[None, :] <= q_pos[:, None]  # [BLOCK_M, TILE_N]
+        if USE_WINDOW:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
+        # A row with no visible key yet keeps max -inf; shift by 0 instead so exp2 yields 0, not NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = m_new
+    p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, TILE_N]
+    alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v_off = blk[:, None] * stride_vb + (k_pos % BLOCK_SIZE)[:, None] * stride_vp + dims[None, :]
+    v = _load_kv_tile(v_head_ptr + v_off, k_in, dims, MASKED, HEAD_SIZE, HEAD_SIZE_P2)  # [TILE_N, HEAD_SIZE_P2]
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -135,49 +223,30 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running denominator
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_P2], dtype=tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    offs_n = tl.arange(0, TILE_N)  # [TILE_N]
-    qk_scale = scale * LOG2E
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
 
-    for n0 in range(tile_lo, kv_hi, TILE_N):
-        k_pos = n0 + offs_n  # [TILE_N]
-        k_in = k_pos < kv_hi
-        # Per-key block lookup lets TILE_N differ from the cache block size.
-        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_in, other=0).to(tl.int64)  # [TILE_N]
-        off = k_pos % BLOCK_SIZE  # [TILE_N]
-        kv_mask = k_in[:, None] & dim_valid[None, :]  # [TILE_N, HEAD_SIZE_P2]
-        k = tl.load(  # [TILE_N, HEAD_SIZE_P2]
-            k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_kp + kv_head * stride_kh + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
+    # Tiles wholly at or before the first row's position, and wholly inside the range, are visible to
+    # every row: they skip all masking. Only the causal diagonal (and a window's edge) pays for it.
+    if USE_WINDOW:
+        full_hi = tile_lo
+    else:
+        full_hi = tl.minimum((ctx_len + q_tok0 + 1) // TILE_N, kv_hi // TILE_N) * TILE_N
+        full_hi = tl.maximum(full_hi, tile_lo)
+    for n0 in range(tile_lo, full_hi, TILE_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr,
+            scale, soft_cap, window,
+            stride_kb, stride_kp, stride_vb, stride_vp,
+            HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, False, False, USE_SOFT_CAP, DOT_PRECISION,
         )
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
-        if USE_SOFT_CAP:
-            # tanh through exp2 of a non-positive argument: overflow-free and cheap.
-            x = s * (scale / soft_cap)
-            e = tl.exp2((-2.0 * LOG2E) * tl.abs(x))
-            t = (1.0 - e) / (1.0 + e)
-            s = tl.where(x >= 0, t, -t) * (soft_cap * LOG2E)
-        else:
-            s = s * qk_scale
-        allowed = k_pos[None, :] <= q_pos[:, None]  # [BLOCK_M, TILE_N]
-        if USE_WINDOW:
-            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
-        # A row with no visible key yet keeps max -inf; shift by 0 instead so exp2 yields 0, not NaN.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, TILE_N]
-        alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(  # [TILE_N, HEAD_SIZE_P2]
-            v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vp + kv_head * stride_vh + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
+    for n0 in range(full_hi, kv_hi, TILE_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr,
+            scale, soft_cap, window,
+            stride_kb, stride_kp, stride_vb, stride_vp,
+            HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
         )
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
-        m_i = m_new
 
     if IS_SPLIT:
         # Every (token, head, split) is written, empty partitions included (max -inf, sum 0), so the
@@ -251,10 +320,11 @@ def default_config(head_size: int, group: int, max_query_len: int) -> KernelConf
     block_m = max(block_m, group_p2)
     tile_n = 64 if head_size_p2 <= 128 else 32
     if max_query_len == 1:
-        num_warps = 4
+        # Measured on H200: a 2-deep pipeline beat 3 and 4 by 10-25% on every decode shape tried.
+        num_warps, num_stages = 4, 2
     else:
         num_warps = 8 if block_m >= 128 else 4
-    num_stages = 3 if head_size_p2 <= 128 else 2
+        num_stages = 3 if head_size_p2 <= 128 else 2
     return KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages)
 
 
@@ -269,16 +339,15 @@ def choose_num_splits(
     """Partitions per context for the split-KV path; 1 means the single-pass kernel.
 
     Only pure-decode batches split: a prefill chunk already brings many programs. Decode gives one
-    program per (request, KV head); when that is under _SPLIT_PROGRAMS_PER_SM waves of SMs the GPU
-    idles, so long contexts are cut until it is filled, in pieces no shorter than _MIN_SPLIT_LEN.
+    program per (request, KV head); too few of those leave SMs idle and each resident one
+    latency-bound, so long contexts are cut until the GPU holds several programs per SM.
     """
     if max_query_len != 1:
         return 1
     programs = num_reqs * num_kv_heads
-    target = _SPLIT_PROGRAMS_PER_SM * num_sms
-    if programs >= target:
+    if programs >= _SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
         return 1
-    by_occupancy = triton.cdiv(target, programs)
+    by_occupancy = triton.cdiv(_SPLIT_PROGRAMS_PER_SM * num_sms, programs)
     by_length = max(1, max_seq_len // max(_MIN_SPLIT_LEN, tile_n))
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
