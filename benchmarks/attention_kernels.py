@@ -123,13 +123,16 @@ def main() -> None:
         seq_lens = [ctx] * batch
         tensors = make_batch(seq_lens, 1, hq, hkv, d, bs, dtype)
         nbytes = kv_read_bytes(seq_lens, hkv, d, dtype)
-        splits = choose_num_splits(batch, 1, ctx, hkv, props.multi_processor_count, default_config(d, hq // hkv, 1).tile_n)
+        sms = props.multi_processor_count
+        splits = choose_num_splits(batch, 1, ctx, hkv, sms)
+        cfg = default_config(d, hq // hkv, 1, max_seq_len=ctx, num_reqs=batch, num_kv_heads=hkv, num_sms=sms,
+                             split=splits > 1)
         ms = time_attention(*tensors, 1, ctx)
         eager = time_attention_eager(*tensors, 1, ctx)
         bw = nbytes / (ms * 1e-3) / 1e12
         row = {"batch": batch, "ctx": ctx, "splits": splits, "us": ms * 1e3, "eager_us": eager * 1e3, "tbps": bw,
                "frac_of_copy": bw / copy_bw}
-        line = (f"batch {batch:4d} ctx {ctx:5d} splits {splits:2d}: {ms * 1e3:8.1f} us  {bw:5.2f} TB/s  "
+        line = (f"batch {batch:4d} ctx {ctx:5d} splits {splits:2d} tile {cfg.tile_n:3d}: {ms * 1e3:8.1f} us  {bw:5.2f} TB/s  "
                 f"{bw / copy_bw:5.1%}  (eager {eager * 1e3:7.1f} us)")
         if args.sweep:
             best = (ms, None)
@@ -156,7 +159,7 @@ def main() -> None:
         seq_lens = [ctx] * batch
         tensors = make_batch(seq_lens, 1, hq, hkv, d, bs, dtype)
         nbytes = kv_read_bytes(seq_lens, hkv, d, dtype)
-        chosen = choose_num_splits(batch, 1, ctx, hkv, props.multi_processor_count, 64)
+        chosen = choose_num_splits(batch, 1, ctx, hkv, props.multi_processor_count)
         timings = {}
         for splits in sorted({1, chosen, 4, 8, 16, 32, 64}):
             timings[splits] = time_attention(*tensors, 1, ctx, num_splits=splits)

@@ -155,12 +155,12 @@ def test_many_requests_cross_search_block():
 def test_heuristic_split_path_matches():
     # A lone long decode: the heuristic alone must choose to split, and stay exact.
     reqs = [(1100, 1)]
-    assert pa_mod.choose_num_splits(1, 1, 1101, 1, num_sms=64, tile_n=64) > 1
+    assert pa_mod.choose_num_splits(1, 1, 1101, 1, num_sms=64) > 1
     _check(reqs, 4, 1, 64, 16, torch.float16, num_splits=None)
 
 
 def test_choose_num_splits():
-    kw = dict(num_sms=132, tile_n=64)
+    kw = dict(num_sms=132)
     assert pa_mod.choose_num_splits(4, 1, 32768, 8, **kw) > 1  # few long decodes: split
     assert pa_mod.choose_num_splits(256, 1, 4096, 8, **kw) == 1  # GPU already full
     assert pa_mod.choose_num_splits(2, 1, 300, 8, **kw) == 1  # too short to be worth a reduction
@@ -179,3 +179,42 @@ def test_reshape_and_cache_padding_and_cast():
     torch_ref.write_kv_cache(key, value, expected, slots)
     rc_mod.reshape_and_cache(key, value, cache[0], cache[1], slots)
     assert torch.equal(cache, expected)
+
+
+def test_default_config_choices():
+    # Decode tiles follow bytes in flight: long or numerous contexts take 128-key tiles, few short ones 32.
+    dc = pa_mod.default_config
+    assert dc(128, 4, 1, max_seq_len=4096, num_reqs=64, num_kv_heads=8, num_sms=132).tile_n == 128
+    assert dc(128, 4, 1, max_seq_len=1024, num_reqs=256, num_kv_heads=8, num_sms=132).tile_n == 128
+    assert dc(128, 4, 1, max_seq_len=1024, num_reqs=64, num_kv_heads=8, num_sms=132).tile_n == 32
+    assert dc(128, 4, 1, max_seq_len=32768, num_reqs=1, num_kv_heads=8, num_sms=132, split=True).tile_n == 64
+    assert dc(128, 32, 1).block_m == 32  # a group wider than 16 heads still fits one program
+    prefill = dc(256, 3, 700)
+    assert prefill.block_m % 4 == 0 and prefill.block_m <= 64
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        pa_mod.KernelConfig(block_m=16, tile_n=128, num_warps=4, num_stages=2),
+        pa_mod.KernelConfig(block_m=16, tile_n=32, num_warps=4, num_stages=2),
+        pa_mod.KernelConfig(block_m=64, tile_n=16, num_warps=4, num_stages=2),
+    ],
+    ids=lambda c: f"m{c.block_m}-n{c.tile_n}",
+)
+def test_explicit_tile_configs(cfg):
+    # Tile shapes the defaults pick on GPUs for long contexts, exercised on a mixed ragged batch.
+    reqs = [(300, 1), (0, 9), (130, 5), (7, 1)]
+    num_heads, num_kv_heads, head_size, block_size = 8, 2, 64, 16
+    query, key, value, kv_cache, poisoned, md = _build(
+        reqs, num_heads, num_kv_heads, head_size, block_size, torch.float32, seed=11
+    )
+    ref = torch_ref.TorchRefImpl(num_heads, head_size, 0.125, num_kv_heads)
+    expected = ref.forward(query, key, value, kv_cache, md)
+    rc_mod.reshape_and_cache(key, value, poisoned[0], poisoned[1], md.slot_mapping)
+    out = pa_mod.paged_attention(
+        query, poisoned[0], poisoned[1], md.block_table, md.seq_lens, md.query_start_loc,
+        num_reqs=md.num_reqs, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
+        scale=0.125, config=cfg, num_splits=1,
+    )
+    torch.testing.assert_close(out, expected, **_tol(torch.float32))

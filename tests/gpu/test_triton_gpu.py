@@ -104,8 +104,8 @@ def test_heuristic_splits_few_decodes_on_this_gpu():
     from pagedllm.attention.kernels.paged_attention import choose_num_splits
 
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    assert choose_num_splits(2, 1, 16384, 8, sms, 64) > 1
-    assert choose_num_splits(256, 1, 4096, 8, sms, 64) == 1
+    assert choose_num_splits(2, 1, 16384, 8, sms) > 1
+    assert choose_num_splits(256, 1, 4096, 8, sms) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

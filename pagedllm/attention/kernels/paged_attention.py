@@ -22,6 +22,7 @@ _SPLIT_PROGRAMS_PER_SM = 8
 _MIN_SPLIT_LEN = 256
 _MAX_SPLITS = 64
 
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Launch shape of the attention kernel; ``block_m`` counts (query token, query head) rows."""
@@ -309,23 +310,43 @@ def _reduce_splits_kernel(
     )
 
 
-def default_config(head_size: int, group: int, max_query_len: int) -> KernelConfig:
-    """Tile shape from host-side batch facts only, so picking it never waits on the device."""
+def default_config(
+    head_size: int,
+    group: int,
+    max_query_len: int,
+    *,
+    max_seq_len: int = 0,
+    num_reqs: int = 1,
+    num_kv_heads: int = 1,
+    num_sms: int = 132,
+    split: bool = False,
+) -> KernelConfig:
+    """Tile shape from host-side batch facts only, so picking it never waits on the device.
+
+    Decode choices come from an H200 sweep (32q/8kv, D=128, bf16): decode is bandwidth-bound and its
+    rate follows the bytes in flight per SM, i.e. tile size x resident programs. Long contexts or
+    many (request, KV head) programs favour 128-key tiles (2 programs/SM, 96-100% of copy rate); few
+    short programs favour 32-key tiles (4 programs/SM, one wave); split-KV runs were tuned at 64.
+    Prefill: 64 rows x 64 keys, 4 warps, 2 stages beat 128-row tiles on a 4k-token prompt.
+    """
     head_size_p2 = triton.next_power_of_2(head_size)
     group_p2 = triton.next_power_of_2(group)
-    # Enough rows for the longest query run of one request, but tensor cores need M >= 16 and
-    # registers cap it; decode batches land on the minimum and stay memory-bound anyway.
-    max_rows = 128 if head_size_p2 <= 128 else 64
-    block_m = min(max(triton.next_power_of_2(max_query_len) * group_p2, 16), max_rows)
-    block_m = max(block_m, group_p2)
-    tile_n = 64 if head_size_p2 <= 128 else 32
     if max_query_len == 1:
-        # Measured on H200: a 2-deep pipeline beat 3 and 4 by 10-25% on every decode shape tried.
-        num_warps, num_stages = 4, 2
-    else:
-        num_warps = 8 if block_m >= 128 else 4
-        num_stages = 3 if head_size_p2 <= 128 else 2
-    return KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages)
+        # One token per request: the group's heads fill the rows, padded to the tensor-core minimum.
+        block_m = max(16, group_p2)
+        if head_size_p2 > 128:
+            tile_n = 32
+        elif split:
+            tile_n = 64
+        elif max_seq_len >= 2048 or num_reqs * num_kv_heads >= 8 * num_sms:
+            tile_n = 128
+        else:
+            tile_n = 32
+        return KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=4, num_stages=2)
+    # Enough rows for the longest query run of one request; tensor cores need M >= 16.
+    block_m = max(min(max(triton.next_power_of_2(max_query_len) * group_p2, 16), 64), group_p2)
+    tile_n = 64 if head_size_p2 <= 128 else 32
+    return KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=4, num_stages=2)
 
 
 def choose_num_splits(
@@ -334,7 +355,6 @@ def choose_num_splits(
     max_seq_len: int,
     num_kv_heads: int,
     num_sms: int,
-    tile_n: int,
 ) -> int:
     """Partitions per context for the split-KV path; 1 means the single-pass kernel.
 
@@ -348,7 +368,7 @@ def choose_num_splits(
     if programs >= _SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
         return 1
     by_occupancy = triton.cdiv(_SPLIT_PROGRAMS_PER_SM * num_sms, programs)
-    by_length = max(1, max_seq_len // max(_MIN_SPLIT_LEN, tile_n))
+    by_length = max(1, max_seq_len // _MIN_SPLIT_LEN)
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 
@@ -395,14 +415,16 @@ def paged_attention(
     group = num_q_heads // num_kv_heads
     head_size_p2 = triton.next_power_of_2(head_size)
     group_p2 = triton.next_power_of_2(group)
-    cfg = config or default_config(head_size, group, max_query_len)
+    num_sms = _num_sms(query.device)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_reqs, max_query_len, max_seq_len, num_kv_heads, num_sms)
+    cfg = config or default_config(
+        head_size, group, max_query_len, max_seq_len=max_seq_len, num_reqs=num_reqs,
+        num_kv_heads=num_kv_heads, num_sms=num_sms, split=num_splits > 1,
+    )
     assert cfg.block_m % group_p2 == 0 and cfg.block_m >= group_p2
     block_q = cfg.block_m // group_p2
 
-    if num_splits is None:
-        num_splits = choose_num_splits(
-            num_reqs, max_query_len, max_seq_len, num_kv_heads, _num_sms(query.device), cfg.tile_n
-        )
     split_len = 0
     if num_splits > 1:
         split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), cfg.tile_n) * cfg.tile_n
