@@ -1,13 +1,18 @@
 """SamplingMetadata: one step's sampling rules as batch tensors, built from the requests' SamplingParams."""
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
 
 from pagedllm.sample.rng import row_key
 from pagedllm.sampling_params import SamplingParams
+
+
+# Up to this top_k, truncation and sampling run on a [R, max_top_k] candidate set instead of [R, V].
+TOPK_CANDIDATE_LIMIT = 1024
 
 
 @dataclass
@@ -26,6 +31,8 @@ class SamplingMetadata:
     temperature: torch.Tensor | None  # [B] float32, 1.0 on greedy rows; None when all_greedy
     top_k: torch.Tensor | None  # [B] int64 in [1, V], V where disabled; None when no random row uses it
     max_top_k: int  # largest active top_k (0 when top_k is None)
+    # Every random row has a top_k <= TOPK_CANDIDATE_LIMIT: sample among the max_top_k best tokens only.
+    topk_candidates: bool
     top_p: torch.Tensor | None  # [B] float32 in (0, 1], 1.0 where disabled; None when unused
     min_p: torch.Tensor | None  # [B] float32 in [0, 1], 0.0 where disabled; None when unused
     rng_key0: torch.Tensor | None  # [B] int64 in [0, 2**32), from (seed, len(output)); None when all_greedy
@@ -51,16 +58,43 @@ class SamplingMetadata:
     max_num_logprobs: int | None
 
 
+def _int64_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
+    """1-D int64 tensor from Python ints; array('q') converts in C, several times faster than
+    torch.tensor on a long list."""
+    return _buffer_to_tensor(array("q", values), device)
+
+
+def _concat_int64(lists: Iterable[list[int]], device: torch.device) -> torch.Tensor:
+    """All lists back to back as one int64 tensor. array.fromlist is the fastest bulk conversion of
+    Python ints here (prompt and output ids add up to many thousands per step)."""
+    buf = array("q")
+    for values in lists:
+        buf.fromlist(values if isinstance(values, list) else list(values))
+    return _buffer_to_tensor(buf, device)
+
+
+def _buffer_to_tensor(buf: array, device: torch.device) -> torch.Tensor:
+    if not buf:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return torch.frombuffer(buf, dtype=torch.int64).to(device)
+
+
 def _flat_index(
     rows_cols: list[tuple[int, list[int]]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[(row, [col, ...]), ...] -> (rows [M] int64, cols [M] int64) on device."""
-    rows = list(chain.from_iterable([r] * len(c) for r, c in rows_cols))
-    cols = list(chain.from_iterable(c for _, c in rows_cols))
-    return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(cols, dtype=torch.int64, device=device),
-    )
+    rows = _int64_tensor([r for r, _ in rows_cols], device)
+    lengths = _int64_tensor([len(c) for _, c in rows_cols], device)
+    cols = _concat_int64((c for _, c in rows_cols), device)
+    return rows.repeat_interleave(lengths, output_size=cols.numel()), cols
+
+
+def _pack_rows(columns: dict[str, list], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """{name: [B] values} -> {name: [B] tensor}, all views of one [F, B] tensor moved in one copy."""
+    if not columns:
+        return {}
+    packed = torch.tensor(list(columns.values()), dtype=dtype).to(device)
+    return dict(zip(columns, packed.unbind(0)))
 
 
 def _scatter_mask(
@@ -102,31 +136,37 @@ def build_sampling_metadata(
         return torch.tensor(values, dtype=torch.float32, device=device)
 
     def i64(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return _int64_tensor(values, device)
+
+    # Per-row vectors are gathered here and sent to the device in one copy per dtype.
+    row_floats: dict[str, list[float]] = {}
+    row_ints: dict[str, list[int]] = {}
 
     # --- how each row is sampled ---
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     all_greedy = not random_rows
     all_random = len(random_rows) == num_reqs
-    temperature = top_k = top_p = min_p = key0 = key1 = random_indices = None
+    random_indices = None
     max_top_k = 0
+    topk_candidates = False
     if not all_greedy:
         if not all_random:
             random_indices = i64(random_rows)
-        temperature = f32([1.0 if p.greedy else p.temperature for p in params])
+        row_floats["temperature"] = [1.0 if p.greedy else p.temperature for p in params]
         ks = [p.top_k if (not p.greedy and 0 < p.top_k < V) else V for p in params]
         if any(k < V for k in ks):
-            top_k = i64(ks)
+            row_ints["top_k"] = ks
             max_top_k = max(k for k in ks if k < V)
+            topk_candidates = max_top_k <= TOPK_CANDIDATE_LIMIT and all(ks[i] < V for i in random_rows)
         ps = [1.0 if p.greedy else p.top_p for p in params]
         if any(p < 1.0 for p in ps):
-            top_p = f32(ps)
+            row_floats["top_p"] = ps
         mps = [0.0 if p.greedy else p.min_p for p in params]
         if any(m > 0.0 for m in mps):
-            min_p = f32(mps)
+            row_floats["min_p"] = mps
         keys = [row_key(s, len(out)) for s, out in zip(seeds, output_token_ids)]
-        key0 = i64([k[0] for k in keys])
-        key1 = i64([k[1] for k in keys])
+        row_ints["key0"] = [k[0] for k in keys]
+        row_ints["key1"] = [k[1] for k in keys]
 
     # --- logit processing ---
     allowed = [
@@ -161,17 +201,19 @@ def build_sampling_metadata(
 
     # --- penalties ---
     no_penalties = not any(p.has_penalties for p in params)
-    rep = freq = pres = prompt_mask = output_counts = None
+    prompt_mask = output_counts = None
     if not no_penalties:
-        rep = f32([p.repetition_penalty for p in params])
-        freq = f32([p.frequency_penalty for p in params])
-        pres = f32([p.presence_penalty for p in params])
+        row_floats["repetition"] = [p.repetition_penalty for p in params]
+        row_floats["frequency"] = [p.frequency_penalty for p in params]
+        row_floats["presence"] = [p.presence_penalty for p in params]
         output_counts = _count_tokens(output_token_ids, V, device)
         if any(p.repetition_penalty != 1.0 for p in params):
             prompt_mask = _scatter_mask(
                 [(i, ids) for i, ids in enumerate(prompt_token_ids)], num_reqs, V, device
             )
 
+    floats = _pack_rows(row_floats, torch.float32, device)
+    ints = _pack_rows(row_ints, torch.int64, device)
     asked = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingMetadata(
         num_reqs=num_reqs,
@@ -179,13 +221,14 @@ def build_sampling_metadata(
         all_greedy=all_greedy,
         all_random=all_random,
         random_indices=random_indices,
-        temperature=temperature,
-        top_k=top_k,
+        temperature=floats.get("temperature"),
+        top_k=ints.get("top_k"),
         max_top_k=max_top_k,
-        top_p=top_p,
-        min_p=min_p,
-        rng_key0=key0,
-        rng_key1=key1,
+        topk_candidates=topk_candidates,
+        top_p=floats.get("top_p"),
+        min_p=floats.get("min_p"),
+        rng_key0=ints.get("key0"),
+        rng_key1=ints.get("key1"),
         disallowed_mask=disallowed_mask,
         bias_rows=bias_rows,
         bias_cols=bias_cols,
@@ -193,9 +236,9 @@ def build_sampling_metadata(
         stop_rows=stop_rows,
         stop_cols=stop_cols,
         no_penalties=no_penalties,
-        repetition_penalties=rep,
-        frequency_penalties=freq,
-        presence_penalties=pres,
+        repetition_penalties=floats.get("repetition"),
+        frequency_penalties=floats.get("frequency"),
+        presence_penalties=floats.get("presence"),
         prompt_mask=prompt_mask,
         output_counts=output_counts,
         max_num_logprobs=max(asked) if asked else None,

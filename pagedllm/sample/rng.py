@@ -56,14 +56,14 @@ def _mix32_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def random_bits(key0: torch.Tensor, key1: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Keyed hash of every token id. key0, key1: [R] int64 in [0, 2**32) -> [R, V] int64 in [0, 2**32).
+def random_bits(key0: torch.Tensor, key1: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Keyed hash of token ids. key0, key1: [R] int64 in [0, 2**32); token_ids: [V] (the same ids for
+    every row) or [R, K] int64 -> [R, V] or [R, K] int64 in [0, 2**32).
 
     Two keyed rounds (add key0, mix, xor key1, mix) so that rows whose keys differ by a constant are
     not merely shifted copies of each other.
     """
-    cols = torch.arange(vocab_size, dtype=torch.int64, device=key0.device)
-    x = cols.unsqueeze(0) + key0.unsqueeze(1)
+    x = token_ids + key0.unsqueeze(1)
     x &= _M32
     _mix32_(x)
     x ^= key1.unsqueeze(1)
@@ -78,13 +78,30 @@ def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
     return u
 
 
-def uniform(key0: torch.Tensor, key1: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform numbers strictly inside (0, 1): [R] keys -> [R, V] float32."""
-    return bits_to_uniform(random_bits(key0, key1, vocab_size))
-
-
-def gumbel(key0: torch.Tensor, key1: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel noise [R, V] float32: argmax(logits + noise) samples softmax(logits)."""
-    u = uniform(key0, key1, vocab_size)
+def gumbel(key0: torch.Tensor, key1: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise for the given token ids (shapes as in random_bits), float32.
+    argmax(logits + noise) is a draw from softmax(logits)."""
+    u = bits_to_uniform(random_bits(key0, key1, token_ids))
     u.log_().neg_().log_().neg_()
     return u
+
+
+def vocab_ids(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[V] int64 token ids 0..V-1, the token_ids argument for noise over the whole vocabulary."""
+    return torch.arange(vocab_size, dtype=torch.int64, device=device)
+
+
+def add_gumbel_(logits: torch.Tensor, key0: torch.Tensor, key1: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] float32 += Gumbel noise of every token id; returns logits.
+
+    On CUDA a fused Triton kernel computes the same bits without materialising the int64
+    intermediates (about 20 passes over [R, V] in eager mode); elsewhere the eager version runs.
+    """
+    if logits.is_cuda and logits.is_contiguous():
+        try:
+            from pagedllm.sample.gumbel_triton import add_gumbel_triton_
+        except ImportError:  # no Triton on this machine
+            pass
+        else:
+            return add_gumbel_triton_(logits, key0, key1)
+    return logits.add_(gumbel(key0, key1, vocab_ids(logits.shape[-1], logits.device)))

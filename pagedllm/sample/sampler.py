@@ -8,8 +8,13 @@ import torch
 from pagedllm.sample.logprobs import LogprobsTensors, gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.penalties import needs_processing, process_logits_
-from pagedllm.sample.rng import gumbel
-from pagedllm.sample.truncation import apply_min_p_, apply_top_k_only_, apply_top_k_top_p
+from pagedllm.sample.rng import add_gumbel_, gumbel
+from pagedllm.sample.truncation import (
+    apply_min_p_,
+    apply_top_k_only_,
+    apply_top_k_top_p,
+    truncate_candidates_,
+)
 
 
 @dataclass
@@ -69,15 +74,22 @@ class Sampler(torch.nn.Module):
             key0, key1 = md.rng_key0.index_select(0, idx), md.rng_key1.index_select(0, idx)
 
         rows.div_(temperature.unsqueeze(1))
-        if top_p is not None:
-            rows = apply_top_k_top_p(rows, top_k, top_p)
-        elif top_k is not None:
-            apply_top_k_only_(rows, top_k, md.max_top_k)
-        if min_p is not None:
-            apply_min_p_(rows, min_p)
-        # Gumbel-max: argmax(logits / T + G) is a draw from softmax(logits / T); -inf rows stay excluded.
-        rows.add_(gumbel(key0, key1, md.vocab_size))
-        drawn = rows.argmax(dim=-1)
+        # Gumbel-max: argmax(logits / T + G) is a draw from softmax(logits / T); -inf stays excluded.
+        # The noise of a token depends only on its id and the row's keys, so drawing among the top-k
+        # candidates picks the same token as drawing over the whole (truncated) vocabulary.
+        if md.topk_candidates:
+            values, ids = rows.topk(md.max_top_k, dim=-1)  # [R, K], descending
+            truncate_candidates_(values, top_k, top_p, min_p)
+            values += gumbel(key0, key1, ids)
+            drawn = ids.gather(1, values.argmax(dim=-1, keepdim=True)).squeeze(1)
+        else:
+            if top_p is not None:
+                rows = apply_top_k_top_p(rows, top_k, top_p)
+            elif top_k is not None:
+                apply_top_k_only_(rows, top_k, md.max_top_k)
+            if min_p is not None:
+                apply_min_p_(rows, min_p)
+            drawn = add_gumbel_(rows, key0, key1).argmax(dim=-1)
 
         if greedy is None:
             return drawn

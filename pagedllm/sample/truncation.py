@@ -49,3 +49,25 @@ def apply_min_p_(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """
     threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
     return logits.masked_fill_(logits < threshold, _NEG_INF)
+
+
+def truncate_candidates_(
+    values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Top-k, top-p and min-p on a row's best candidates. values [R, K] float32, sorted descending
+    (from topk; modified), top_k [R] int64 <= K, top_p / min_p [R] float32 or None. Returns values.
+
+    The same rules as the [R, V] path: tokens below the k-th value go, then those whose better
+    tokens already hold at least p of the probability, then those below min_p * p_max.
+    """
+    kth = values.gather(1, (top_k - 1).unsqueeze(1))
+    values.masked_fill_(values < kth, _NEG_INF)
+    if top_p is not None:
+        probs = values.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop = mass_before >= top_p.unsqueeze(1)
+        drop[:, 0] = False
+        values.masked_fill_(drop, _NEG_INF)
+    if min_p is not None:
+        values.masked_fill_(values < values[:, :1] + min_p.log().unsqueeze(1), _NEG_INF)
+    return values

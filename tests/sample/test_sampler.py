@@ -119,13 +119,15 @@ def test_distribution_over_steps_of_one_seed():
     assert chi_square(counts, torch.softmax(logits[0].double(), -1)) < CHI2_999[V - 1]
 
 
-def test_top_k_only_excludes_and_renormalises():
+@pytest.mark.parametrize("other_top_k", [-1, 30])
+def test_top_k_only_excludes_and_renormalises(other_top_k):
     g = torch.Generator().manual_seed(3)
     V, N, k = 40, 12000, 5
     logits = torch.randn(1, V, generator=g)
     top = set(logits[0].topk(k).indices.tolist())
-    # Mix in rows without top-k so the batched threshold handles "disabled" rows too.
-    params = [SamplingParams(temperature=1.0, top_k=k) if i % 2 == 0 else SamplingParams() for i in range(N)]
+    # Odd rows: no top-k (the batched threshold must handle disabled rows) or a larger one (the
+    # candidate path with per-row k below the batch's largest).
+    params = [SamplingParams(temperature=1.0, top_k=k if i % 2 == 0 else other_top_k) for i in range(N)]
     toks, _ = run(params, logits.expand(N, V).contiguous(), seeds=list(range(N)))
     chosen = torch.tensor(toks[0::2])
     assert set(chosen.tolist()) <= top
@@ -137,12 +139,13 @@ def test_top_k_only_excludes_and_renormalises():
     assert chi_square(counts, torch.softmax(probs, -1)) < CHI2_999[k - 1]
 
 
-def test_top_p_keeps_the_nucleus():
+@pytest.mark.parametrize("top_k", [-1, 12])
+def test_top_p_keeps_the_nucleus(top_k):
     V, N = 16, 12000
     probs = torch.tensor([0.30, 0.25, 0.15, 0.10, 0.05] + [0.15 / 11] * 11)
     logits = probs.log().unsqueeze(0)
     # Nucleus for p=0.75: {0.30, 0.25, 0.15, 0.10} (0.80 >= 0.75); the rest is excluded.
-    params = [SamplingParams(temperature=1.0, top_p=0.75)] * N
+    params = [SamplingParams(temperature=1.0, top_p=0.75, top_k=top_k)] * N
     toks, _ = run(params, logits.expand(N, V).contiguous(), seeds=list(range(N)))
     assert set(toks) == {0, 1, 2, 3}
     counts = torch.bincount(torch.tensor(toks), minlength=V).double()
@@ -151,7 +154,10 @@ def test_top_p_keeps_the_nucleus():
     assert chi_square(counts, expect) < CHI2_999[3 + 1]
 
 
-def test_top_k_and_top_p_together_and_mixed_rows():
+@pytest.mark.parametrize("all_top_k", [False, True])
+def test_top_k_and_top_p_together_and_mixed_rows(all_top_k):
+    # all_top_k: every row has a top_k, so the sampler works on the top-k candidates only;
+    # otherwise it truncates and samples over the whole vocabulary.
     g = torch.Generator().manual_seed(4)
     V, N = 200, 3000
     logits = torch.randn(N, V, generator=g) * 3
@@ -163,6 +169,8 @@ def test_top_k_and_top_p_together_and_mixed_rows():
         dict(top_k=50, top_p=0.9, min_p=0.1),
         dict(),
     ]
+    if all_top_k:
+        kinds = [dict(k, top_k=k.get("top_k", 60)) for k in kinds]
     params = [SamplingParams(temperature=0.9, **kinds[i % len(kinds)]) for i in range(N)]
     toks, _ = run(params, logits)
     for i, (tok, p) in enumerate(zip(toks, params)):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.sample.rng import bits_to_uniform, gumbel, random_bits, row_key, uniform
+from pagedllm.sample.rng import bits_to_uniform, gumbel, random_bits, row_key, vocab_ids
 
 
 def keys(pairs):
@@ -29,12 +29,12 @@ def test_uniform_extremes_stay_strictly_inside_unit_interval():
 
 
 def test_bits_are_in_range_balanced_and_uncorrelated():
-    k0, k1 = keys([(s, 0) for s in range(500)] + [(0, t) for t in range(1, 500)])
-    bits = random_bits(k0, k1, 2000)
+    k0, k1 = keys([(s, 0) for s in range(200)] + [(0, t) for t in range(1, 200)])
+    bits = random_bits(k0, k1, vocab_ids(1000, k0.device))
     assert bits.dtype == torch.int64 and int(bits.min()) >= 0 and int(bits.max()) < 2**32
     ones = torch.stack([(bits >> i) & 1 for i in range(32)]).double().mean(dim=(1, 2))
     assert bool(((ones - 0.5).abs() < 0.005).all())
-    u = uniform(k0, k1, 2000).double()
+    u = bits_to_uniform(bits).double()
     assert abs(u.mean().item() - 0.5) < 0.003 and abs(u.var().item() - 1 / 12) < 0.002
     for a, b in [(u[:, :-1], u[:, 1:]), (u[:-1], u[1:])]:
         assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()) < 0.01
@@ -45,13 +45,20 @@ def test_keys_differing_by_a_constant_are_not_shifted_copies():
     # keyed by key1, breaks that (row keys come from a 64-bit hash, so key1 differs too).
     k0 = torch.tensor([1000, 1000 + 3])
     k1 = torch.tensor([77, 78])
-    bits = random_bits(k0, k1, 64)
+    bits = random_bits(k0, k1, vocab_ids(64, k0.device))
     assert int((bits[0, 3:] == bits[1, :-3]).sum()) == 0
 
 
 def test_gumbel_moments():
     k0, k1 = keys([(s, 1) for s in range(200)])
-    g = gumbel(k0, k1, 5000).double()
+    g = gumbel(k0, k1, vocab_ids(5000, k0.device)).double()
     assert bool(torch.isfinite(g).all())
     assert abs(g.mean().item() - 0.5772) < 0.01  # Euler-Mascheroni constant
     assert abs(g.var().item() - torch.pi**2 / 6) < 0.03
+
+
+def test_noise_for_chosen_ids_equals_noise_over_the_vocabulary():
+    k0, k1 = keys([(s, s % 3) for s in range(8)])
+    full = gumbel(k0, k1, vocab_ids(300, k0.device))
+    ids = torch.randint(0, 300, (8, 17), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(gumbel(k0, k1, ids), full.gather(1, ids))
