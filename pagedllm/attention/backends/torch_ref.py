@@ -85,6 +85,9 @@ class TorchRefImpl(AttentionImpl):
             allowed = key_pos[None, :] < lens[:, None]  # [b, S]
             if self.sliding_window is not None:
                 allowed &= key_pos[None, :] > (lens[:, None] - 1 - self.sliding_window)
+            # Past each request's end lie other requests' or never-written slots (maybe NaN):
+            # 0 * NaN would leak through the probabilities, so zero them outright.
+            v = v.masked_fill(~allowed.to(v.device)[:, :, None, None], 0.0)
             tok = torch.tensor([qsl[i] for i in reqs], device=query.device)
             q = query[tok].unsqueeze(1)  # [b, 1, Hq, D]
             o = attend(q, k, v, allowed.unsqueeze(1).to(query.device), self.scale, self.logits_soft_cap)
