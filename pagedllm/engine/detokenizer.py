@@ -104,8 +104,15 @@ class IncrementalDetokenizer:
     def _init_window(self, prompt_token_ids: list[int]) -> None:
         # Skipped special tokens never enter the window: a window starting on one would make a
         # SentencePiece decoder strip the following word's space, which a full decode keeps.
-        tail = prompt_token_ids[-(_PROMPT_CONTEXT + _MAX_CONTEXT_SHIFT) :]
-        self._ids: list[int] = [t for t in tail if t not in self._special]
+        wanted = _PROMPT_CONTEXT + _MAX_CONTEXT_SHIFT
+        context: list[int] = []
+        for t in reversed(prompt_token_ids):
+            if t not in self._special:
+                context.append(t)
+                if len(context) == wanted:
+                    break
+        context.reverse()
+        self._ids: list[int] = context
         self._read = len(self._ids)
         prefix = max(0, self._read - _PROMPT_CONTEXT)
         # Reach back while the context would begin mid-character (decodes to U+FFFD first).

@@ -275,3 +275,12 @@ def test_window_stays_small_on_long_outputs(tok):
         longest = max(longest, len(detok._ids))
     assert longest < 100
     assert detok.output_text == oracle(tok, [], output, True)
+
+
+def test_prompt_ending_in_many_special_tokens_keeps_context(tok):
+    specials = sorted(special_token_ids(tok))
+    prompt = tok.encode("Hello", add_special_tokens=False) + [specials[0], specials[-1]] * 8
+    output = tok.encode("Hello world", add_special_tokens=False)[1:]
+    detok = IncrementalDetokenizer(tok, prompt, SamplingParams())
+    detok.update(output)
+    assert detok.output_text == oracle(tok, prompt, output, True) == " world"
