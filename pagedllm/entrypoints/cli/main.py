@@ -23,6 +23,15 @@ def _build_parser() -> argparse.ArgumentParser:
     tp = bench.add_parser("throughput", help="offline throughput on random prompts")
     throughput.add_cli_args(tp)
     tp.set_defaults(func=throughput.run)
+    from pagedllm.benchmarks import serve as bench_serve
+    from pagedllm.entrypoints.openai import cli_args as serve_args
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve_args.add_cli_args(sv)
+    sv.set_defaults(func=serve_args.run)
+    bs = bench.add_parser("serve", help="load-test a running server with streaming requests")
+    bench_serve.add_cli_args(bs)
+    bs.set_defaults(func=bench_serve.run)
     return parser
 
 

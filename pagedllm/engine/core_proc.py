@@ -1,0 +1,171 @@
+"""The engine-core process: builds an EngineCore and runs its busy loop behind two ZMQ sockets.
+
+Loop: drain every queued input message (add / abort / stop-string / utility), run one step when
+there is work, send the step's EngineCoreOutputs with fresh SchedulerStats. With nothing to do it
+blocks on the input socket (waking now and then to check that its parent is still alive). Any
+exception ends the process after an EngineDead message, so the front-end can fail requests at once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+logger = logging.getLogger("pagedllm")
+
+# Utility calls the front-end may make; anything else is answered with an error, never executed.
+UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping")
+# Idle wake-up period (ms) to notice an orphaned core whose front-end was killed.
+_IDLE_POLL_MS = 500
+
+
+def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: str, parent_pid: int) -> None:
+    """Process entry point (multiprocessing spawn target). Arguments are plain data only."""
+    # Ctrl-C reaches the whole process group; the front-end owns shutdown and tells us (or we
+    # notice it has gone), so the core must not die half-way through a step on SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s core: %(message)s", datefmt="%H:%M:%S")
+    import zmq
+
+    from pagedllm.engine import core_messages as m
+
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.SNDHWM, 0)  # never block the step loop on a slow reader
+    out.setsockopt(zmq.LINGER, 5000)
+    out.connect(output_addr)
+    encoder = m.output_encoder()
+    try:
+        core = _build_core(engine_args)
+    except BaseException as e:  # noqa: BLE001 - report any start-up failure, then exit
+        out.send(encoder.encode(m.EngineDead(f"engine core failed to start: {type(e).__name__}: {e}")))
+        logger.error("engine core failed to start:\n%s", traceback.format_exc())
+        _close(ctx, inp, out)
+        sys.exit(1)
+    out.send(encoder.encode(m.Ready(num_blocks=core.num_blocks, pid=os.getpid())))
+    try:
+        _BusyLoop(core, inp, out, parent_pid).run()
+    except SystemExit:
+        pass
+    except BaseException as e:  # noqa: BLE001
+        logger.error("engine core died:\n%s", traceback.format_exc())
+        try:
+            out.send(encoder.encode(m.EngineDead(f"engine core died: {type(e).__name__}: {e}")))
+        except Exception:  # noqa: BLE001 - the front-end will still see the process exit
+            pass
+        _close(ctx, inp, out)
+        os._exit(1)
+    finally:
+        core.shutdown()
+    _close(ctx, inp, out)
+
+
+def _build_core(engine_args: dict[str, Any]):
+    from pagedllm.engine.engine_core import EngineCore
+    from pagedllm.engine_args import EngineArgs
+    from pagedllm.executor.base import UniProcExecutor
+
+    config = EngineArgs(**engine_args).create_engine_config()
+    return EngineCore(config, UniProcExecutor(config))
+
+
+def _close(ctx, *socks) -> None:
+    for s in socks:
+        s.close()
+    ctx.term()
+
+
+class _BusyLoop:
+    def __init__(self, core, inp, out, parent_pid: int) -> None:
+        import zmq
+
+        from pagedllm.engine import core_messages as m
+
+        self.zmq = zmq
+        self.m = m
+        self.core = core
+        self.inp = inp
+        self.out = out
+        self.parent_pid = parent_pid
+        self.decoder = m.input_decoder()
+        self.encoder = m.output_encoder()
+        # Requests not yet scheduled, watched so their queue time can be reported once.
+        self.unscheduled: dict[str, Any] = {}
+        self.running = True
+
+    def run(self) -> None:
+        zmq = self.zmq
+        while self.running:
+            busy = self.core.has_unfinished_requests()
+            if not busy and not self.inp.poll(_IDLE_POLL_MS, zmq.POLLIN):
+                if os.getppid() != self.parent_pid:
+                    logger.warning("front-end process %d is gone; engine core exits", self.parent_pid)
+                    return
+                continue
+            handled = self._drain_inputs()
+            outputs = self.core.step() if self.core.has_unfinished_requests() else []
+            if outputs or handled or busy:
+                self._send_outputs(outputs)
+
+    def _drain_inputs(self) -> bool:
+        handled = False
+        while True:
+            try:
+                raw = self.inp.recv(self.zmq.NOBLOCK, copy=False)
+            except self.zmq.Again:
+                return handled
+            self._handle(self.decoder.decode(raw.buffer))
+            handled = True
+
+    def _handle(self, msg) -> None:
+        m = self.m
+        if isinstance(msg, m.AddRequest):
+            from pagedllm.core.request import Request
+
+            params = m.params_from_dict(msg.params)
+            req = Request(msg.request_id, msg.prompt_token_ids, params, msg.seed, eos_token_ids=frozenset(msg.eos_token_ids))
+            self.core.add_request(req)
+            self.unscheduled[req.request_id] = req
+        elif isinstance(msg, m.Abort):
+            self.core.abort_requests(msg.request_ids)
+            for rid in msg.request_ids:
+                self.unscheduled.pop(rid, None)
+        elif isinstance(msg, m.FinishByStopString):
+            self.core.finish_by_stop_string(msg.request_id, msg.stop)
+        elif isinstance(msg, m.UtilityCall):
+            self.out.send(self.encoder.encode(self._utility(msg)))
+        elif isinstance(msg, m.Shutdown):
+            self.running = False
+
+    def _utility(self, msg):
+        m = self.m
+        if msg.method not in UTILITY_METHODS:
+            return m.UtilityResult(msg.call_id, error=f"unknown utility method {msg.method!r}")
+        try:
+            if msg.method == "stats":
+                result = self.core.stats()
+            elif msg.method == "reset_prefix_cache":
+                result = self.core.reset_prefix_cache()
+            else:
+                result = "pong"
+        except Exception as e:  # noqa: BLE001 - a failed utility call is the caller's error
+            return m.UtilityResult(msg.call_id, error=f"{type(e).__name__}: {e}")
+        return m.UtilityResult(msg.call_id, result=result)
+
+    def _send_outputs(self, outputs) -> None:
+        queue_times = {}
+        if self.unscheduled:
+            for rid, req in list(self.unscheduled.items()):
+                if req.first_scheduled_time is not None:
+                    queue_times[rid] = max(0.0, req.first_scheduled_time - req.arrival_time)
+                    del self.unscheduled[rid]
+                elif req.is_finished:
+                    del self.unscheduled[rid]
+        msg = self.m.CoreOutputs(outputs=outputs, stats=self.core.stats(), queue_times=queue_times)
+        self.out.send(self.encoder.encode(msg))

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (pagedllm serve); server packages are imported by its modules only."""

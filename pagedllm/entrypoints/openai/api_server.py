@@ -1,0 +1,234 @@
+"""The OpenAI-compatible HTTP server: FastAPI app factory (build_app) and the uvicorn runner (run_server)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+from contextlib import asynccontextmanager
+from typing import Any
+
+# FastAPI resolves handler annotations (Request) from module globals, so these imports live here;
+# nothing imports this module unless a server is started.
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body, from_validation_error
+from pagedllm.entrypoints.openai.http_utils import GuardMiddleware, SSEResponse, run_until_disconnect
+from pagedllm.entrypoints.openai.serving_engine import ServerSettings, StreamingResult
+
+logger = logging.getLogger("pagedllm")
+
+
+async def _parse(request: Any, model_cls: Any) -> Any:
+    """The JSON body as `model_cls`; every failure is a 400 in OpenAI's error shape."""
+    from pydantic import ValidationError
+
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise bad_request(f"The request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"The request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def build_app(
+    engine: AsyncLLM,
+    settings: ServerSettings,
+    api_keys: list[str] | None = None,
+    max_body_bytes: int = 16 << 20,
+    max_header_bytes: int = 16 << 10,
+    chat_template: str | None = None,
+) -> Any:
+    from pagedllm import __version__
+    from pagedllm.entrypoints.openai import protocol as p
+    from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+    from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from pagedllm.metrics.prometheus import PrometheusStatLogger
+
+    metrics = PrometheusStatLogger(settings.served_model_names[0])
+    engine.add_stat_logger(metrics)
+    completion = OpenAIServingCompletion(engine, settings)
+    chat = OpenAIServingChat(engine, settings, chat_template)
+
+    @asynccontextmanager
+    async def lifespan(app: Any):
+        engine.start()  # watch the core from the first moment, so /health turns 503 by itself
+        yield
+
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.settings = settings
+
+    def error_response(err: OpenAIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(from_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(500, f"Internal server error: {type(exc).__name__}: {exc}"), status_code=500)
+
+    async def respond(request: Request, result: Any) -> Any:
+        if isinstance(result, StreamingResult):
+            return SSEResponse(result.content, on_close=result.close)
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    async def serve(request: Request, work: Any) -> Any:
+        completed, result = await run_until_disconnect(request.receive, work)
+        if not completed:
+            return Response(status_code=499)  # nobody is listening; the requests were aborted
+        return await respond(request, result)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request):
+        req = await _parse(request, p.CompletionRequest)
+        if req.stream:
+            return await respond(request, await completion.create_completion(req))
+        return await serve(request, completion.create_completion(req))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request):
+        req = await _parse(request, p.ChatCompletionRequest)
+        if req.stream:
+            return await respond(request, await chat.create_chat_completion(req))
+        return await serve(request, chat.create_chat_completion(req))
+
+    @app.get("/v1/models")
+    async def list_models():
+        cards = [
+            p.ModelCard(id=name, root=engine.model_config.model, max_model_len=engine.model_config.max_model_len)
+            for name in settings.served_model_names
+        ]
+        return JSONResponse(p.ModelList(data=cards).model_dump())
+
+    @app.get("/health")
+    async def health():
+        if engine.is_dead:
+            return JSONResponse(error_body(503, f"The engine is dead: {engine.dead_error}"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def get_metrics():
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    @app.get("/version")
+    async def version():
+        return JSONResponse(p.VersionResponse(version=__version__).model_dump())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await _parse(request, p.TokenizeRequest)
+        completion.check_model(req.model)
+        if completion.tokenizer is None:
+            raise bad_request("this server runs without a tokenizer (--skip-tokenizer-init)")
+        if req.messages is not None:
+            ids = chat.render(req.messages, req.chat_template, req.add_generation_prompt).token_ids
+        elif req.prompt is not None:
+            ids = completion.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise bad_request("send either prompt or messages", param="prompt")
+        out = p.TokenizeResponse(count=len(ids), max_model_len=completion.max_model_len, tokens=list(ids))
+        return JSONResponse(out.model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await _parse(request, p.DetokenizeRequest)
+        completion.check_model(req.model)
+        if completion.tokenizer is None:
+            raise bad_request("this server runs without a tokenizer (--skip-tokenizer-init)")
+        bad = [t for t in req.tokens if not 0 <= t < completion.vocab_size]
+        if bad:
+            raise bad_request(f"tokens holds token id {bad[0]}, outside the vocabulary [0, {completion.vocab_size})", param="tokens")
+        return JSONResponse(p.DetokenizeResponse(prompt=completion.tokenizer.decode(req.tokens)).model_dump())
+
+    app.add_middleware(
+        GuardMiddleware,
+        api_keys=api_keys,
+        max_body_bytes=max_body_bytes,
+        max_header_bytes=max_header_bytes,
+    )
+    return app
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    return value
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """`pagedllm serve`: start the engine core, then serve HTTP until SIGINT/SIGTERM."""
+    import prometheus_client
+    import uvicorn
+
+    from pagedllm.engine_args import EngineArgs
+
+    # The *_created series only add noise to a dashboard; this is process-wide, so it is set here,
+    # by the process that owns the server, not by build_app.
+    prometheus_client.disable_created_metrics()
+
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    if not args.model:
+        raise ValueError("no model given: pagedllm serve MODEL (or --model MODEL)")
+    engine_args = EngineArgs.from_cli_args(args)
+    names = args.served_model_name or [engine_args.model]
+    api_keys = list(args.api_key or [])
+    if os.environ.get("PAGEDLLM_API_KEY"):
+        api_keys.append(os.environ["PAGEDLLM_API_KEY"])
+    if args.max_n < 1:
+        raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
+    engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        settings = ServerSettings(
+            served_model_names=names, max_n=args.max_n, max_waiting_requests=args.max_waiting_requests
+        )
+        app = build_app(
+            engine,
+            settings,
+            api_keys=api_keys,
+            max_body_bytes=args.max_request_body_bytes,
+            max_header_bytes=args.max_header_bytes,
+            chat_template=_read_chat_template(args.chat_template),
+        )
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_access_log,
+            # Let headers up to 4x our own limit through h11, so oversized ones get a proper 431.
+            h11_max_incomplete_event_size=max(4 * args.max_header_bytes, 64 << 10),
+            timeout_graceful_shutdown=5,
+        )
+        server = uvicorn.Server(config)
+        logger.info("serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
+        asyncio.run(server.serve())
+    finally:
+        engine.shutdown()

@@ -1,0 +1,237 @@
+"""The OpenAI-compatible wire format: every pydantic model of the server (requests, responses, chunks, errors).
+
+Request models only check types and shapes; value ranges are checked once, by SamplingParams, so
+the messages are the engine's own and name the field. Unknown request fields are ignored, as the
+official client may send fields this server does not know.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[Union[int, str]] = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo
+
+
+# ---- shared ---------------------------------------------------------------------------------------
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class Usage(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class _SamplingFields(_Request):
+    """Fields both endpoints share: OpenAI's, then vLLM's extras."""
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # vLLM extras
+    top_k: Optional[int] = None
+    min_p: float = 0.0
+    repetition_penalty: Optional[float] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: Optional[list[int]] = None
+    request_id: Optional[str] = None
+
+
+# ---- /v1/completions ------------------------------------------------------------------------------
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class CompletionLogprobs(_Response):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+# A stream chunk has the same shape as the response (OpenAI's "text_completion" object).
+CompletionStreamResponse = CompletionResponse
+
+
+# ---- /v1/chat/completions -------------------------------------------------------------------------
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... reach the chat template as given
+
+    role: str
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    # vLLM extras for the chat template
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class ChatTopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Response):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class ChatResponseMessage(_Response):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class DeltaMessage(_Response):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[Usage] = None
+
+
+# ---- /v1/models, /tokenize, /detokenize, /version ---------------------------------------------------
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedllm"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(_Request):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template: Optional[str] = None
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str

@@ -1,0 +1,207 @@
+"""/v1/chat/completions: messages rendered by the tokenizer's chat template, answered whole or streamed."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from pagedllm.engine.async_llm import EngineDeadError
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
+from pagedllm.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    DeltaMessage,
+    PromptTokensDetails,
+    Usage,
+)
+from pagedllm.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    Prompt,
+    ServerSettings,
+    StreamingResult,
+    merge_streams,
+    random_id,
+    sse_chunk,
+    sse_error,
+    top_entries,
+)
+from pagedllm.outputs import Logprob
+
+
+@dataclass
+class _ChoiceState:
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[ChatTokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def _message_dict(m: ChatMessage) -> dict[str, Any]:
+    d = m.model_dump(exclude_none=True)
+    if isinstance(m.content, list):
+        # OpenAI content parts: only text parts can reach a text-only model.
+        parts = []
+        for part in m.content:
+            if part.get("type", "text") != "text":
+                raise bad_request(f"content part type {part.get('type')!r} is not supported", param="messages")
+            parts.append(str(part.get("text", "")))
+        d["content"] = "".join(parts)
+    elif m.content is None:
+        d["content"] = ""
+    return d
+
+
+class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: Any, settings: ServerSettings, chat_template: str | None = None) -> None:
+        super().__init__(engine, settings)
+        self.chat_template = chat_template
+
+    def render(
+        self,
+        messages: list[ChatMessage],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> Prompt:
+        """The conversation as prompt text and token ids (the template supplies special tokens)."""
+        if self.tokenizer is None:
+            raise bad_request("chat needs a tokenizer; this server runs with --skip-tokenizer-init", param="messages")
+        if not messages:
+            raise bad_request("messages must not be empty", param="messages")
+        conversation = [_message_dict(m) for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template or self.chat_template,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(template_kwargs or {}),
+            )
+        except Exception as e:  # noqa: BLE001 - template errors are the request's fault (or a missing template)
+            raise bad_request(f"the chat template could not be applied: {e}", param="messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return Prompt(text, list(ids))
+
+    async def create_chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse | StreamingResult:
+        self.check_model(req.model)
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, k, rename={"logprobs": "top_logprobs", "max_tokens": max_param})
+        prompt = self.render(
+            req.messages, req.chat_template, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+        )
+        self.check_context(len(prompt.token_ids), max_tokens, "messages", max_param)
+        request_id = req.request_id or random_id("chatcmpl")
+        streams = self.open_streams(request_id, [prompt], params, prompt_param="messages")
+        if req.stream:
+            return StreamingResult(self._stream(req, request_id, prompt, streams, k), streams)
+        return await self._full(req, request_id, prompt, streams, k)
+
+    def _logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> list[ChatTokenLogprob]:
+        out = []
+        for tok, pos in zip(token_ids, lps):
+            chosen = pos.get(tok)
+            text = self.token_text(tok)
+            top = []
+            for t, lp in top_entries(pos, k):
+                tt = self.token_text(t)
+                top.append(ChatTopLogprob(token=tt, logprob=lp.logprob, bytes=list(tt.encode("utf-8"))))
+            out.append(
+                ChatTokenLogprob(
+                    token=text,
+                    logprob=chosen.logprob if chosen is not None else float("-inf"),
+                    bytes=list(text.encode("utf-8")),
+                    top_logprobs=top,
+                )
+            )
+        return out
+
+    def _usage(self, prompt: Prompt, num_completion: int, cached: int) -> Usage:
+        n = len(prompt.token_ids)
+        return Usage(
+            prompt_tokens=n,
+            completion_tokens=num_completion,
+            total_tokens=n + num_completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+    async def _full(self, req, request_id: str, prompt: Prompt, streams, k: int | None) -> ChatCompletionResponse:
+        states = [_ChoiceState() for _ in range(req.n)]
+        cached = 0
+        try:
+            async for _, out in merge_streams(streams):
+                cached = out.num_cached_tokens
+                for c in out.outputs:
+                    st = states[c.index]
+                    st.text.append(c.text)
+                    st.num_tokens += len(c.token_ids)
+                    if k is not None and c.logprobs:
+                        st.logprobs.extend(self._logprobs(c.token_ids, c.logprobs, k))
+                    if c.finish_reason is not None:
+                        st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+        except EngineDeadError as e:
+            raise OpenAIError(500, f"The engine died while serving the request: {e}", code="engine_dead") from None
+        choices = [
+            ChatCompletionChoice(
+                index=i,
+                message=ChatResponseMessage(content="".join(st.text)),
+                logprobs=ChatChoiceLogprobs(content=st.logprobs) if k is not None else None,
+                finish_reason=st.finish_reason,
+                stop_reason=st.stop_reason,
+            )
+            for i, st in enumerate(states)
+        ]
+        usage = self._usage(prompt, sum(st.num_tokens for st in states), cached)
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+
+    async def _stream(self, req, request_id: str, prompt: Prompt, streams, k: int | None) -> AsyncIterator[str]:
+        def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+            return sse_chunk(ChatCompletionStreamResponse(id=request_id, model=self.model_name, choices=choices, usage=usage))
+
+        states = [_ChoiceState() for _ in range(req.n)]
+        cached = 0
+        try:
+            for i in range(req.n):
+                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            async for _, out in merge_streams(streams):
+                cached = out.num_cached_tokens
+                for c in out.outputs:
+                    st = states[c.index]
+                    if st.finish_reason is not None:
+                        continue  # later DELTA outputs repeat an earlier finish_reason
+                    if not c.text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    st.num_tokens += len(c.token_ids)
+                    st.finish_reason = c.finish_reason
+                    lp = None
+                    if k is not None and c.logprobs is not None:
+                        lp = ChatChoiceLogprobs(content=self._logprobs(c.token_ids, c.logprobs, k))
+                    yield chunk(
+                        [
+                            ChatStreamChoice(
+                                index=c.index,
+                                delta=DeltaMessage(content=c.text),
+                                logprobs=lp,
+                                finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason if c.finish_reason is not None else None,
+                            )
+                        ]
+                    )
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield chunk([], self._usage(prompt, sum(st.num_tokens for st in states), cached))
+        except EngineDeadError as e:
+            yield sse_error(500, f"The engine died while serving the request: {e}", code="engine_dead")
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,1 @@
+"""Serving metrics: the StatLogger hooks and their Prometheus implementation (imported lazily)."""

@@ -1,0 +1,58 @@
+"""Session fixtures: the real `pagedllm serve` processes (see serve_helpers) and OpenAI clients for them."""
+from __future__ import annotations
+
+import pytest
+from serve_helpers import API_KEY, Server, make_model
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("servers")
+    mistral = make_model("mistral", root / "mistral")
+    qwen = make_model("qwen3", root / "qwen3", tie=True)
+    launched = {
+        "completions": Server(
+            "completions", mistral,
+            ["--served-model-name", "tiny-mistral", "alias", "--max-n", "8",
+             "--max-request-body-bytes", "65536", "--max-header-bytes", "8192"],
+            root, api_key=API_KEY,
+        ),
+        "chat": Server("chat", qwen, ["--served-model-name", "tiny-qwen"], root),
+        "small": Server(
+            "small", mistral,
+            ["--served-model-name", "tiny-small", "--max-num-seqs", "2", "--max-waiting-requests", "2"],
+            root,
+        ),
+    }
+    yield launched
+    for s in launched.values():
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def completions_server(servers) -> Server:
+    return servers["completions"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def chat_server(servers) -> Server:
+    return servers["chat"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def small_server(servers) -> Server:
+    return servers["small"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def client(completions_server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{completions_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def chat_client(chat_server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{chat_server.url}/v1", api_key="unused", max_retries=0, timeout=120)

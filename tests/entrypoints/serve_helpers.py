@@ -1,0 +1,128 @@
+"""Helpers of the server tests: tiny models with real tokenizers, a `pagedllm serve` subprocess on
+127.0.0.1 (free port, waits for /health), and an SSE parser.
+
+conftest.py launches three servers together the first time any is needed, so start-ups overlap:
+- "completions": a tiny Llama with the Mistral tokenizer's 32000-token vocabulary, an API key,
+  --max-n 8 and small body/header limits;
+- "chat": a tiny (tied) Llama with the Qwen3 tokenizer and its chat template;
+- "small": like "completions" but max 2 running and 2 waiting requests; its engine gets killed.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "sk-pagedllm-test-key"
+STARTUP_TIMEOUT_S = 240.0
+
+
+def make_model(tok_name: str, path: Path, tie: bool = False) -> str:
+    """A tiny random Llama whose vocabulary matches the real tokenizer `tok_name` (files copied in)."""
+    from assets import tokenizer_dir
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tdir = tokenizer_dir(tok_name)
+    tok = AutoTokenizer.from_pretrained(tdir)
+    config = tiny_config("llama")
+    config.vocab_size = len(tok)
+    config.tie_word_embeddings = tie
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = tok.bos_token_id, tok.eos_token_id, None
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path, safe_serialization=True)
+    for f in tdir.iterdir():
+        shutil.copy(f, path)
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, model: str, extra_args: list[str], log_dir: Path, api_key: str | None = None) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = log_dir / f"{name}.log"
+        args = [
+            sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", model,
+            "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--dtype", "float32",
+            "--max-model-len", "256", "--kv-cache-memory-bytes", str(16 << 20), "--disable-access-log",
+            *extra_args,
+        ]
+        if api_key:
+            args += ["--api-key", api_key]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+        self._ready = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def wait_ready(self) -> Server:
+        if self._ready:
+            return self
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self._ready = True
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        pytest.fail(f"server {self.name} not ready after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def core_pid(self) -> int:
+        """The engine-core child process (a multiprocessing spawn child, not the resource tracker)."""
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            for pid in (task / "children").read_text().split():
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                    return int(pid)
+        raise AssertionError(f"no engine-core child of {self.proc.pid}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def sse_events(lines) -> list:
+    """Parsed `data:` payloads of an SSE stream (strings for non-JSON ones like [DONE])."""
+    import json
+
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
