@@ -38,6 +38,8 @@ class KVCacheManager:
         """Longest cached prefix of full blocks: (blocks, number of tokens they hold).
 
         At least one token is always left to compute, since the step must produce logits for it.
+        A pure lookup: a request that then fails to get blocks is looked up again next step, so the
+        scheduler records stats only on admission (``record_prefix_cache_stats``).
         """
         if not self.enable_caching or request.skips_prefix_cache:
             return [], 0
@@ -49,9 +51,14 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_cache_stats(self, request: Request, num_hit_tokens: int) -> None:
+        """Counts one admitted request's lookup: its known tokens as queries, its hit tokens as hits."""
+        if not self.enable_caching or request.skips_prefix_cache:
+            return
+        self.stats.queries += request.num_tokens
+        self.stats.hits += num_hit_tokens
 
     def allocate_slots(
         self,

@@ -132,6 +132,7 @@ class Scheduler:
             new_blocks = kv.allocate_slots(req, num_new, hits)
             if new_blocks is None:
                 break
+            kv.record_prefix_cache_stats(req, num_hit_tokens)
             self.waiting.popleft()
             req.num_computed_tokens = num_hit_tokens
             if req.num_cached_tokens < 0:

@@ -1,0 +1,592 @@
+"""Scheduler: exact chunked-prefill schedules, decode-first ordering, preemption by recompute, FCFS, stop checks, aborts."""
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import (
+    EngineCoreOutput,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from pagedllm.sampling_params import SamplingParams
+
+EOS = 2
+FILLER = 7  # what the fake model samples unless a script says otherwise
+
+
+def make_sched(
+    num_blocks: int = 64,
+    block_size: int = 16,
+    budget: int = 8192,
+    max_num_seqs: int = 256,
+    max_model_len: int = 2048,
+    chunked: bool = True,
+    caching: bool = True,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=chunked,
+        ),
+        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+        num_blocks,
+    )
+
+
+def make_req(rid: str, prompt: int | list[int], base: int = 1000, **params) -> Request:
+    """A request; an int prompt means that many distinct tokens starting at ``base``."""
+    tokens = list(range(base, base + prompt)) if isinstance(prompt, int) else prompt
+    params.setdefault("max_tokens", 100)
+    return Request(rid, tokens, SamplingParams(**params), seed=0, eos_token_ids=frozenset({EOS}))
+
+
+class FakeRunner:
+    """Keeps the runner's view of each request and samples only when a step reaches its last known token."""
+
+    def __init__(self, script: dict[str, list[int]] | None = None) -> None:
+        self.script = script or {}
+        self.known: dict[str, int] = {}  # tokens the runner knows (prompt + outputs it was told of/sampled)
+        self.computed: dict[str, int] = {}
+        self.block_ids: dict[str, list[int]] = {}
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            for d in (self.known, self.computed, self.block_ids):
+                d.pop(rid, None)
+        for nr in so.scheduled_new_reqs:
+            self.known[nr.req_id] = len(nr.prompt_token_ids) + len(nr.output_token_ids)
+            self.computed[nr.req_id] = nr.num_computed_tokens
+            self.block_ids[nr.req_id] = list(nr.block_ids)
+        cr = so.scheduled_cached_reqs
+        for rid, new_blocks, nc in zip(cr.req_ids, cr.new_block_ids, cr.num_computed_tokens):
+            assert self.computed[rid] == nc
+            self.block_ids[rid].extend(new_blocks)
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            self.computed[rid] += so.num_scheduled_tokens[rid]
+            assert self.computed[rid] <= self.known[rid]
+            if self.computed[rid] == self.known[rid]:
+                script = self.script.get(rid)
+                tok = script.pop(0) if script else FILLER
+                self.known[rid] += 1
+                sampled.append([tok])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+
+def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+    so = sched.schedule()
+    assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+    assert so.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
+    assert len(sched.running) <= sched.config.max_num_seqs
+    return so, sched.update_from_output(so, runner.execute(so))
+
+
+def free_count(sched: Scheduler) -> int:
+    return sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def ref_cnts(sched: Scheduler) -> list[int]:
+    return [b.ref_cnt for b in sched.kv_cache_manager.block_pool.blocks]
+
+
+def block_ids(sched: Scheduler, rid: str) -> list[int]:
+    return sched.kv_cache_manager.get_block_ids(rid)
+
+
+def by_id(outs: list[EngineCoreOutput]) -> dict[str, EngineCoreOutput]:
+    d = {o.req_id: o for o in outs}
+    assert len(d) == len(outs)
+    return d
+
+
+# ---- token budget and chunked prefill -------------------------------------------------------------
+
+
+def test_chunked_prefill_schedule_with_a_small_budget():
+    sched = make_sched(budget=32)
+    runner = FakeRunner()
+    sched.add_request(make_req("A", 50, max_tokens=3))
+    sched.add_request(make_req("B", 30, base=5000, max_tokens=3))
+
+    so, outs = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 32}
+    assert [(n.req_id, n.block_ids, n.num_computed_tokens) for n in so.scheduled_new_reqs] == [("A", [0, 1], 0)]
+    assert outs == []  # a partial prompt samples nothing
+
+    so, outs = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 18, "B": 14}
+    assert list(so.num_scheduled_tokens) == ["A", "B"]  # the running request goes first
+    cr = so.scheduled_cached_reqs
+    assert (cr.req_ids, cr.new_block_ids, cr.num_computed_tokens) == (["A"], [[2, 3]], [32])
+    assert [(n.req_id, n.block_ids, n.num_computed_tokens) for n in so.scheduled_new_reqs] == [("B", [4], 0)]
+    assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in outs] == [("A", [FILLER], None)]
+
+    so, outs = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 1, "B": 16}
+    cr = so.scheduled_cached_reqs
+    assert (cr.req_ids, cr.new_block_ids, cr.num_computed_tokens) == (["A", "B"], [[], [5]], [50, 14])
+    assert [o.req_id for o in outs] == ["A", "B"]
+
+    so, outs = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 1, "B": 1}
+    assert [(o.req_id, o.finish_reason) for o in outs] == [("A", "length"), ("B", None)]
+
+    so, outs = step(sched, runner)
+    assert so.num_scheduled_tokens == {"B": 1}
+    assert so.finished_req_ids == {"A"}
+    assert [(o.req_id, o.finish_reason, len(o.new_token_ids)) for o in outs] == [("B", "length", 1)]
+
+    so = sched.schedule()
+    assert so.is_empty and so.finished_req_ids == {"B"}
+    assert not sched.has_unfinished_requests()
+    assert free_count(sched) == 64
+
+
+def test_decodes_take_one_token_each_and_run_before_waiting_prompts():
+    sched = make_sched(budget=32)
+    runner = FakeRunner()
+    sched.add_request(make_req("A", 10, base=0))
+    sched.add_request(make_req("B", 10, base=100))
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 10, "B": 10}
+    sched.add_request(make_req("C", 40, base=200))
+    sched.add_request(make_req("D", 5, base=300))
+    so, _ = step(sched, runner)
+    assert list(so.num_scheduled_tokens.items()) == [("A", 1), ("B", 1), ("C", 30)]
+    so, _ = step(sched, runner)
+    # C's rest of the prompt after the decodes; D gets what remains.
+    assert list(so.num_scheduled_tokens.items()) == [("A", 1), ("B", 1), ("C", 10), ("D", 5)]
+    so, _ = step(sched, runner)
+    assert list(so.num_scheduled_tokens.items()) == [("A", 1), ("B", 1), ("C", 1), ("D", 1)]
+
+
+def test_max_num_seqs_caps_the_running_set():
+    sched = make_sched(max_num_seqs=2)
+    runner = FakeRunner()
+    sched.add_request(make_req("A", 4, base=0, max_tokens=2))
+    sched.add_request(make_req("B", 4, base=100, max_tokens=5))
+    sched.add_request(make_req("C", 4, base=200, max_tokens=5))
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 4, "B": 4}
+    assert [r.request_id for r in sched.waiting] == ["C"]
+    so, outs = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 1, "B": 1}
+    assert by_id(outs)["A"].finish_reason == "length"
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"B": 1, "C": 4}
+
+
+def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole():
+    sched = make_sched(budget=32, chunked=False)
+    runner = FakeRunner()
+    sched.add_request(make_req("A", 20, base=0))
+    sched.add_request(make_req("B", 20, base=100))
+    sched.add_request(make_req("C", 5, base=200))
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 20}  # B does not fit in the 12 left; C waits behind it
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 1, "B": 20, "C": 5}
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 1, "B": 1, "C": 1}
+
+
+def test_token_budget_is_filled_exactly_and_never_exceeded():
+    sched = make_sched(budget=7, block_size=4, num_blocks=64)
+    runner = FakeRunner()
+    for i in range(5):
+        sched.add_request(make_req(f"r{i}", 5 + i, base=100 * i, max_tokens=4))
+    totals = []
+    while sched.has_unfinished_requests():
+        so, _ = step(sched, runner)
+        totals.append(so.total_num_scheduled_tokens)
+    # 35 prompt tokens + 5 * 3 decode steps (the 4th token is sampled, never computed) = 50.
+    assert sum(totals) == 50
+    assert totals == [7, 7, 7, 7, 7, 7, 4, 2, 1, 1]
+    assert free_count(sched) == 64
+
+
+def test_fcfs_a_big_waiting_request_blocks_later_small_ones():
+    sched = make_sched(num_blocks=6, block_size=4)
+    runner = FakeRunner()
+    sched.add_request(make_req("A", 12, base=0, max_tokens=2))  # 3 blocks, then a 4th for decode
+    sched.add_request(make_req("B", 16, base=100, max_tokens=1))  # 4 blocks: never fits beside A
+    sched.add_request(make_req("C", 3, base=200, max_tokens=1))  # 1 block: would fit, but is behind B
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 12}
+    assert [r.request_id for r in sched.waiting] == ["B", "C"]
+    so, outs = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 1}
+    assert by_id(outs)["A"].finish_reason == "length"
+    # A freed tail first (queue 4, 5, 3, 2, 1, 0): B takes 4 blocks from the head, C the next.
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"B": 16, "C": 3}
+    assert block_ids(sched, "B") == [4, 5, 3, 2]
+    assert block_ids(sched, "C") == [1]
+    assert not sched.waiting
+
+
+def test_a_running_prefill_chunk_goes_before_waiting_prompts():
+    sched = make_sched(budget=16)
+    runner = FakeRunner()
+    sched.add_request(make_req("A", 40, base=0))
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 16}
+    sched.add_request(make_req("B", 8, base=100))
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 16}
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 8, "B": 8}
+
+
+# ---- preemption --------------------------------------------------------------------------------------
+
+
+def test_preemption_takes_the_newest_running_request_and_it_resumes_from_its_cache_hit():
+    sched = make_sched(num_blocks=7, block_size=4)
+    runner = FakeRunner()
+    sched.add_request(make_req("A", 8, base=0, max_tokens=3))
+    sched.add_request(make_req("B", 8, base=100, max_tokens=10))
+    sched.add_request(make_req("C", 8, base=200, max_tokens=10))
+
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 8, "B": 8, "C": 8}
+    assert [block_ids(sched, r) for r in "ABC"] == [[0, 1], [2, 3], [4, 5]]
+    assert free_count(sched) == 1
+
+    # Each needs a block for its 9th token: A takes the last one; B forces C (the newest) out.
+    so, outs = step(sched, runner)
+    assert so.preempted_req_ids == {"C"}
+    assert so.num_scheduled_tokens == {"A": 1, "B": 1}
+    assert so.scheduled_new_reqs == []
+    assert block_ids(sched, "A") == [0, 1, 6]
+    assert block_ids(sched, "B") == [2, 3, 5]  # C's tail block was freed first, so evicted first
+    assert block_ids(sched, "C") == []
+    assert free_count(sched) == 1
+    assert sched.kv_cache_manager.block_pool.free_queue.block_ids() == [4]
+    c = sched.requests["C"]
+    assert c.status == RequestStatus.PREEMPTED
+    assert c.num_computed_tokens == 0
+    assert c.output_token_ids == [FILLER]  # kept
+    assert c.num_preemptions == 1 and sched.num_preemptions == 1
+    assert [r.request_id for r in sched.running] == ["A", "B"]
+    assert [r.request_id for r in sched.waiting] == ["C"]
+    assert "C" not in {o.req_id for o in outs}
+
+    # C would hit block 4 (its first prompt block, still cached) but needs 2 more blocks: it waits.
+    so, outs = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 1, "B": 1}
+    assert by_id(outs)["A"].finish_reason == "length"
+    assert sched.kv_cache_manager.block_pool.free_queue.block_ids() == [4, 6, 1, 0]
+
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"B": 1, "C": 5}
+    (nr,) = so.scheduled_new_reqs
+    assert nr.req_id == "C"
+    assert nr.num_computed_tokens == 4  # restarts from the prefix-cache hit
+    assert nr.output_token_ids == [FILLER]
+    assert nr.prompt_token_ids == list(range(200, 208))
+    assert nr.block_ids == [4, 6, 1]
+    assert c.status == RequestStatus.RUNNING
+    assert c.num_computed_tokens == 9
+    assert c.num_cached_tokens == 0  # recorded at the first schedule only
+    assert c.output_token_ids == [FILLER, FILLER]
+
+    while sched.has_unfinished_requests():
+        step(sched, runner)
+    assert free_count(sched) == 7
+    assert ref_cnts(sched) == [0] * 7
+
+
+def test_a_request_that_is_itself_the_newest_preempts_itself():
+    sched = make_sched(num_blocks=4, block_size=4)
+    runner = FakeRunner()
+    sched.add_request(make_req("A", 7, base=0, max_tokens=3))
+    sched.add_request(make_req("B", 8, base=100, max_tokens=2))
+    step(sched, runner)
+    assert free_count(sched) == 0
+    so, outs = step(sched, runner)
+    # A's 8th slot fits its second block; B needs a third block and is the newest, so B goes.
+    assert so.num_scheduled_tokens == {"A": 1}
+    assert so.preempted_req_ids == {"B"}
+    assert free_count(sched) == 2
+    assert block_ids(sched, "B") == []
+    assert [(o.req_id, o.finish_reason) for o in outs] == [("A", None)]
+    # A needs a block for its 9th token and takes one of B's; B's hit alone does not fit (2 > 1).
+    so, outs = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 1}
+    assert so.preempted_req_ids == set()
+    assert [(o.req_id, o.finish_reason) for o in outs] == [("A", "length")]
+    so, outs = step(sched, runner)
+    # B's first block is a hit; it recomputes 5 tokens (2nd block and its one output token).
+    assert so.num_scheduled_tokens == {"B": 5}
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 4
+    assert [(o.req_id, o.finish_reason) for o in outs] == [("B", "length")]
+    assert sched.requests == {}
+
+
+def test_preempted_request_goes_to_the_front_of_waiting():
+    sched = make_sched(num_blocks=4, block_size=4, max_num_seqs=2)
+    runner = FakeRunner()
+    sched.add_request(make_req("A", 8, base=0, max_tokens=5))
+    sched.add_request(make_req("B", 8, base=100, max_tokens=5))
+    sched.add_request(make_req("W", 2, base=300, max_tokens=1))
+    step(sched, runner)
+    assert [r.request_id for r in sched.waiting] == ["W"]
+    so, _ = step(sched, runner)
+    assert so.preempted_req_ids == {"B"}
+    assert [r.request_id for r in sched.waiting] == ["B", "W"]
+
+
+def test_without_prefix_caching_a_resumed_request_recomputes_everything():
+    sched = make_sched(num_blocks=4, block_size=4, caching=False)
+    runner = FakeRunner()
+    sched.add_request(make_req("A", 7, base=0, max_tokens=2))
+    sched.add_request(make_req("B", 8, base=100, max_tokens=2))
+    step(sched, runner)
+    step(sched, runner)
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"B": 9}  # no cache: prompt and the kept output token again
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert so.scheduled_new_reqs[0].output_token_ids == [FILLER]
+
+
+# ---- n > 1 ---------------------------------------------------------------------------------------
+
+
+def test_siblings_with_the_same_prompt_share_prompt_blocks_in_the_same_step():
+    sched = make_sched(block_size=16)
+    runner = FakeRunner()
+    prompt = list(range(40))
+    sched.add_request(make_req("0_req", prompt))
+    sched.add_request(make_req("1_req", prompt))
+    so, outs = step(sched, runner)
+    assert so.num_scheduled_tokens == {"0_req": 40, "1_req": 8}
+    assert block_ids(sched, "0_req") == [0, 1, 2]
+    assert block_ids(sched, "1_req") == [0, 1, 3]
+    assert ref_cnts(sched)[:5] == [2, 2, 1, 1, 0]
+    second = so.scheduled_new_reqs[1]
+    assert (second.block_ids, second.num_computed_tokens) == ([0, 1, 3], 32)
+    assert sched.requests["1_req"].num_cached_tokens == 32
+    assert [(o.req_id, o.num_cached_tokens) for o in outs] == [("0_req", 0), ("1_req", 32)]
+    sched.finish_requests(["0_req", "1_req"], RequestStatus.FINISHED_ABORTED)
+    assert ref_cnts(sched) == [0] * 64
+
+
+# ---- stop conditions ---------------------------------------------------------------------------------
+
+
+def run_one(req: Request, script: list[int], **sched_kw) -> tuple[list[int], EngineCoreOutput, Scheduler]:
+    """Runs one request to completion; returns all its tokens, its last output and the scheduler."""
+    sched = make_sched(**sched_kw)
+    runner = FakeRunner({req.request_id: list(script)})
+    sched.add_request(req)
+    tokens: list[int] = []
+    last = None
+    for _ in range(100):
+        _, outs = step(sched, runner)
+        for o in outs:
+            tokens.extend(o.new_token_ids)
+            last = o
+        if not sched.has_unfinished_requests():
+            break
+    assert last is not None and last.finished
+    assert sched.schedule().finished_req_ids == {req.request_id}
+    return tokens, last, sched
+
+
+def test_eos_stops():
+    tokens, last, sched = run_one(make_req("r", 5), [10, 11, EOS, 12])
+    assert tokens == [10, 11, EOS]
+    assert (last.finish_reason, last.stop_reason) == ("stop", None)
+    assert free_count(sched) == 64
+
+
+def test_ignore_eos_keeps_going_until_max_tokens():
+    tokens, last, _ = run_one(make_req("r", 5, ignore_eos=True, max_tokens=4), [EOS, EOS, 10, EOS, 11])
+    assert tokens == [EOS, EOS, 10, EOS]
+    assert last.finish_reason == "length"
+
+
+def test_stop_token_ids_stop_with_the_token_as_stop_reason():
+    tokens, last, _ = run_one(make_req("r", 5, stop_token_ids=[42, 43]), [10, 43, 42])
+    assert tokens == [10, 43]
+    assert (last.finish_reason, last.stop_reason) == ("stop", 43)
+
+
+def test_stop_token_ids_apply_even_with_ignore_eos():
+    tokens, last, _ = run_one(make_req("r", 5, stop_token_ids=[42], ignore_eos=True), [EOS, 42])
+    assert tokens == [EOS, 42]
+    assert (last.finish_reason, last.stop_reason) == ("stop", 42)
+
+
+def test_min_tokens_suppresses_eos_and_stop_tokens():
+    tokens, last, _ = run_one(make_req("r", 5, min_tokens=3, stop_token_ids=[42]), [EOS, 42, EOS, 9])
+    assert tokens == [EOS, 42, EOS]  # the third token may stop
+    assert (last.finish_reason, last.stop_reason) == ("stop", None)
+
+
+def test_max_tokens_gives_length():
+    tokens, last, _ = run_one(make_req("r", 5, max_tokens=3), [])
+    assert tokens == [FILLER] * 3
+    assert (last.finish_reason, last.stop_reason) == ("length", None)
+
+
+def test_max_model_len_gives_length():
+    tokens, last, _ = run_one(make_req("r", 8, max_tokens=100), [], max_model_len=11)
+    assert tokens == [FILLER] * 3  # 8 + 3 = 11 tokens
+    assert last.finish_reason == "length"
+
+
+def test_max_model_len_gives_length_with_max_tokens_none():
+    tokens, last, _ = run_one(make_req("r", 8, max_tokens=None), [], max_model_len=10)
+    assert tokens == [FILLER] * 2
+    assert last.finish_reason == "length"
+
+
+def test_several_sampled_tokens_in_one_step_stop_at_the_first_stop():
+    sched = make_sched()
+    sched.add_request(make_req("r", 4, max_tokens=3))
+    so = sched.schedule()
+    outs = sched.update_from_output(so, ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[5, 6, 7, 8]]))
+    assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([5, 6, 7], "length")]
+    sched.add_request(make_req("s", 4, base=50))
+    so = sched.schedule()
+    lp = LogprobsLists(token_ids=[[5], [EOS], [9]], logprobs=[[-1.0], [-2.0], [-3.0]], ranks=[1, 1, 1])
+    outs = sched.update_from_output(
+        so, ModelRunnerOutput(req_ids=["s"], sampled_token_ids=[[5, EOS, 9]], logprobs={"s": lp})
+    )
+    (o,) = outs
+    assert o.new_token_ids == [5, EOS] and o.finish_reason == "stop"
+    assert o.new_logprobs.ranks == [1, 1] and o.new_logprobs.token_ids == [[5], [EOS]]
+
+
+def test_partial_prefill_produces_no_output():
+    sched = make_sched(budget=8)
+    runner = FakeRunner()
+    sched.add_request(make_req("r", 20))
+    so, outs = step(sched, runner)
+    assert outs == [] and so.num_scheduled_tokens == {"r": 8}
+    assert sched.requests["r"].num_computed_tokens == 8
+
+
+# ---- finishing from outside (abort) --------------------------------------------------------------
+
+
+def test_abort_running_frees_blocks_and_reports_once():
+    sched = make_sched(num_blocks=8, block_size=4)
+    runner = FakeRunner()
+    sched.add_request(make_req("A", 10, base=0))
+    sched.add_request(make_req("B", 6, base=100))
+    step(sched, runner)
+    assert free_count(sched) == 3
+    req_a = sched.requests["A"]
+    sched.finish_requests("A", RequestStatus.FINISHED_ABORTED)
+    assert free_count(sched) == 6
+    assert req_a.status == RequestStatus.FINISHED_ABORTED and req_a.finish_reason == "abort"
+    assert [r.request_id for r in sched.running] == ["B"]
+    sched.finish_requests(["A"], RequestStatus.FINISHED_ABORTED)  # twice is a no-op
+    so, _ = step(sched, runner)
+    assert so.finished_req_ids == {"A"}
+    assert so.num_scheduled_tokens == {"B": 1}
+    so, _ = step(sched, runner)
+    assert so.finished_req_ids == set()
+    assert "A" not in sched.requests
+
+
+def test_abort_waiting_and_preempted_requests():
+    sched = make_sched(num_blocks=4, block_size=4)
+    runner = FakeRunner()
+    sched.add_request(make_req("A", 7, base=0, max_tokens=5))
+    sched.add_request(make_req("B", 8, base=100, max_tokens=5))
+    sched.add_request(make_req("W", 3, base=200, max_tokens=5))
+    step(sched, runner)
+    so, _ = step(sched, runner)
+    assert so.preempted_req_ids == {"B"}
+    assert [r.request_id for r in sched.waiting] == ["B", "W"]
+    sched.finish_requests(["B", "W", "nope"], RequestStatus.FINISHED_ABORTED)
+    assert not sched.waiting
+    assert sched.get_num_unfinished_requests() == 1
+    assert free_count(sched) == 2
+    so, _ = step(sched, runner)
+    assert so.finished_req_ids == {"B", "W"}
+    assert so.num_scheduled_tokens == {"A": 1}
+
+
+def test_abort_between_schedule_and_update_drops_the_sampled_token():
+    sched = make_sched()
+    runner = FakeRunner()
+    sched.add_request(make_req("A", 5))
+    sched.add_request(make_req("B", 5, base=50))
+    so = sched.schedule()
+    ro = runner.execute(so)
+    sched.finish_requests("A", RequestStatus.FINISHED_ABORTED)
+    outs = sched.update_from_output(so, ro)
+    assert [o.req_id for o in outs] == ["B"]
+    assert sched.schedule().finished_req_ids == {"A"}
+    assert free_count(sched) == 63
+
+
+def test_finish_by_stop_string_records_the_reason():
+    sched = make_sched()
+    runner = FakeRunner()
+    sched.add_request(make_req("A", 5))
+    step(sched, runner)
+    req = sched.requests["A"]
+    sched.finish_requests("A", RequestStatus.FINISHED_STOPPED, "###")
+    assert (req.finish_reason, req.stop_reason) == ("stop", "###")
+    assert free_count(sched) == 64
+
+
+# ---- bookkeeping ---------------------------------------------------------------------------------
+
+
+def test_duplicate_request_id_is_rejected():
+    sched = make_sched()
+    sched.add_request(make_req("A", 5))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(make_req("A", 5))
+
+
+def test_empty_schedule_and_stats():
+    sched = make_sched(num_blocks=10, block_size=4)
+    so = sched.schedule()
+    assert so.is_empty and so.num_scheduled_tokens == {}
+    runner = FakeRunner()
+    sched.add_request(make_req("A", 9, base=0))
+    sched.add_request(make_req("B", 9, base=0))
+    step(sched, runner)
+    st = sched.make_stats()
+    assert (st.num_running_reqs, st.num_waiting_reqs) == (2, 0)
+    assert st.kv_cache_usage == pytest.approx(0.4)  # A: 3 blocks, B: 2 hits + 1
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (18, 8)
+
+
+def test_prefix_cache_stats_count_a_blocked_request_once_at_admission():
+    """A waiting request that cannot get blocks is looked up again every step; only its admission counts."""
+    sched = make_sched(num_blocks=4, block_size=4)
+    runner = FakeRunner()
+    a_prompt = list(range(100, 112))
+    sched.add_request(make_req("A", a_prompt, max_tokens=3))  # 3 blocks, then a 4th for decode
+    sched.add_request(make_req("B", a_prompt[:4] + list(range(500, 508))))  # 1 hit + 2 blocks
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 12}
+    so, _ = step(sched, runner)
+    so, outs = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 1}
+    assert by_id(outs)["A"].finish_reason == "length"
+    st = sched.make_stats()
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (12, 0)  # B not admitted yet
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"B": 8}
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 4
+    st = sched.make_stats()
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (24, 4)
