@@ -67,6 +67,24 @@ _KINDS: dict[str, tuple[str, dict]] = {
             },
         },
     ),
+    # Sliding (window 8, shorter than the test prompts) and global layers, each type with its own
+    # rotary (the global one scaled, as in Gemma 3 4B+); a scale unlike head_dim**-0.5; soft-capped logits.
+    "gemma3": (
+        "gemma3_text",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+            },
+            "final_logit_softcapping": 2.0,
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 
 TINY_KINDS = tuple(_KINDS)

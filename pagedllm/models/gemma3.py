@@ -1,0 +1,195 @@
+"""Gemma 3 text decoder (``Gemma3ForCausalLM``, and the language model of ``Gemma3ForConditionalGeneration``).
+
+Built from the Llama blocks with Gemma's switches: ``(1 + w)`` RMSNorms everywhere (four per layer:
+around attention and around the MLP), per-head q/k norms, a gelu-tanh gated MLP, embeddings scaled
+by sqrt(hidden_size), attention scale ``query_pre_attn_scalar ** -0.5``, sliding-window layers
+interleaved with global ones (``config.layer_types``), each layer type with its own rotary base
+(``rope_parameters["sliding_attention"]`` / ``["full_attention"]``), tied embeddings and optional
+final logit soft-capping.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.config import ModelConfig
+from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
+from pagedllm.layers.norm import GemmaRMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, get_rope
+from pagedllm.model_loader.weight_utils import load_named_weights
+from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, layer_sliding_window
+
+# Checkpoint prefixes of a Gemma3ForConditionalGeneration (transformers 5 layout, then the older
+# hub layout) -> the text model's names; the vision tower and projector are not served.
+_MULTIMODAL_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_MULTIMODAL_SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _layer_types(hf_config: Any) -> list[str]:
+    """Each layer's type; transformers fills ``layer_types`` from ``sliding_window_pattern`` when absent."""
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:
+        window = getattr(hf_config, "sliding_window", None)
+        types = ["sliding_attention" if window else "full_attention"] * hf_config.num_hidden_layers
+    return list(types)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Pre- and post-norms around both the attention and the MLP, on one running residual stream."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        layer_idx: int,
+        head_size: int,
+        rotary_emb: RotaryEmbedding,
+        attn_backend: type[AttentionBackend],
+    ) -> None:
+        super().__init__()
+        cfg = hf_config
+        eps = cfg.rms_norm_eps
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.self_attn = LlamaAttention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_size,
+            rotary_emb,
+            attn_backend,
+            scale=cfg.query_pre_attn_scalar**-0.5,
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm_cls=GemmaRMSNorm,
+            rms_norm_eps=eps,
+            sliding_window=layer_sliding_window(cfg, layer_idx),
+            # No attention soft cap: Gemma 3 replaced Gemma 2's with the q/k norms, and HF ignores
+            # ``attn_logit_softcapping`` for Gemma 3 even when a config sets it.
+            logits_soft_cap=None,
+        )
+        hidden_act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, hidden_act)
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        hidden_states: torch.Tensor,  # [T, H]: the previous layer's normed MLP output (or the embeddings)
+        residual: torch.Tensor | None,  # [T, H]: the residual stream before that output is added
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed MLP output [T, H], residual [T, H])
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        # The post-norms apply to the branch output alone, before it joins the residual stream.
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
+        hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
+        return hidden_states, residual
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, model_config: ModelConfig, attn_backend: type[AttentionBackend]) -> None:
+        super().__init__()
+        cfg = model_config.hf_config
+        head_size = model_config.head_size
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        # float32 like HF's buffer; it is cast to the activations' dtype at use, as HF does (in bf16
+        # sqrt(640) becomes 25.25), so half-precision embeddings round the same way.
+        self.register_buffer(
+            "embed_scale", torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32), persistent=False
+        )
+        layer_types = _layer_types(cfg)
+        # One rotary module per layer type (local and global bases), shared by the layers of that type.
+        self.rotary_embs = nn.ModuleDict(
+            {lt: get_rope(cfg, head_size, model_config.max_model_len, layer_type=lt) for lt in sorted(set(layer_types))}
+        )
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, i, head_size, self.rotary_embs[lt], attn_backend)
+            for i, lt in enumerate(layer_types)
+        )
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        hidden_states = self.embed_tokens(input_ids)
+        hidden_states = hidden_states * self.embed_scale.to(hidden_states.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+def _text_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The language model's tensors under ``Gemma3ForCausalLM`` names, from a text or multimodal checkpoint."""
+    for name, tensor in weights:
+        if name.startswith(_MULTIMODAL_SKIPPED):
+            continue
+        for old, new in _MULTIMODAL_RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        yield name, tensor
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, model_config: ModelConfig, attn_backend: type[AttentionBackend]) -> None:
+        super().__init__()
+        cfg = model_config.hf_config
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise NotImplementedError("Gemma 3 with bidirectional attention (an embedding model) is not supported")
+        self.model_config = model_config
+        self.model = Gemma3Model(model_config, attn_backend)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, vocab] float32
+        return self.lm_head.compute_logits(hidden_states, soft_cap=self.final_logit_softcapping)
+
+    def sliding_windows(self) -> list[int | None]:
+        """One entry per layer, for the KV cache manager: the layer's window, or None for full attention."""
+        return [layer.self_attn.sliding_window for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # A tied head has no weight of its own; some checkpoints still carry a copy of it.
+        skip_prefixes = ("lm_head.",) if self.tie_word_embeddings else ()
+        return load_named_weights(
+            self,
+            _text_model_weights(weights),
+            LlamaForCausalLM.stacked_params_mapping,
+            skip_prefixes,
+            LlamaForCausalLM.ignored_weight_substrings,
+        )
