@@ -52,11 +52,17 @@ class _ChildTimes:
 class AsyncLLM:
     def __init__(self, engine_args: EngineArgs, startup_timeout_s: float = 900.0) -> None:
         self.engine_args = engine_args
-        self.config = engine_args.create_engine_config()
-        self.model_config = self.config.model_config
-        self.tokenizer = get_tokenizer(self.model_config)
-        self.processor = Processor(self.model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        # Start the core first: its imports and model load overlap with the front-end's own set-up.
+        self.core = CoreClient(engine_args)
+        try:
+            self.config = engine_args.create_engine_config()
+            self.model_config = self.config.model_config
+            self.tokenizer = get_tokenizer(self.model_config)
+            self.processor = Processor(self.model_config, self.tokenizer)
+            self.output_processor = OutputProcessor(self.tokenizer)
+        except BaseException:
+            self.core.shutdown()
+            raise
         self.stat_loggers: list[Any] = []
         self._queues: dict[str, asyncio.Queue] = {}
         self._children: dict[str, _ChildTimes] = {}
@@ -64,7 +70,7 @@ class AsyncLLM:
         self._unstarted: set[str] = set()
         self._output_task: asyncio.Task | None = None
         self.latest_stats = SchedulerStats()
-        self.core = CoreClient(engine_args, startup_timeout_s)
+        self.core.wait_ready(startup_timeout_s)
         self.core.on_dead = self._on_dead
 
     @classmethod

@@ -32,7 +32,7 @@ class EngineDeadError(RuntimeError):
 
 
 class CoreClient:
-    def __init__(self, engine_args: EngineArgs, startup_timeout_s: float = 900.0) -> None:
+    def __init__(self, engine_args: EngineArgs) -> None:
         import multiprocessing
 
         import zmq
@@ -69,8 +69,13 @@ class CoreClient:
             daemon=True,
         )
         self.proc.start()
+        self.num_blocks = 0
+
+    def wait_ready(self, timeout_s: float = 900.0) -> None:
+        """Blocks until the core has built its engine; raises RuntimeError (and shuts the process
+        down) if it failed or exited. Separate from __init__ so the caller can work meanwhile."""
         try:
-            self.num_blocks = self._wait_ready(startup_timeout_s)
+            self.num_blocks = self._wait_ready(timeout_s)
         except BaseException:
             self.shutdown()
             raise

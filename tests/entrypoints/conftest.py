@@ -17,12 +17,10 @@ def servers(tmp_path_factory):
              "--max-request-body-bytes", "65536", "--max-header-bytes", "8192"],
             root, api_key=API_KEY,
         ),
-        "chat": Server("chat", qwen, ["--served-model-name", "tiny-qwen"], root),
-        "small": Server(
-            "small", mistral,
-            ["--served-model-name", "tiny-small", "--max-num-seqs", "2", "--max-waiting-requests", "2"],
-            root,
-        ),
+        # Small limits so overload is easy to reach; test_openai_engine_failure kills its engine
+        # (and it is restarted if a later test needs it).
+        "chat": Server("chat", qwen, ["--served-model-name", "tiny-qwen", "--max-num-seqs", "2",
+                                      "--max-waiting-requests", "2"], root),
     }
     yield launched
     for s in launched.values():
@@ -34,14 +32,9 @@ def completions_server(servers) -> Server:
     return servers["completions"].wait_ready()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def chat_server(servers) -> Server:
     return servers["chat"].wait_ready()
-
-
-@pytest.fixture(scope="session")
-def small_server(servers) -> Server:
-    return servers["small"].wait_ready()
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +44,7 @@ def client(completions_server):
     return openai.OpenAI(base_url=f"{completions_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def chat_client(chat_server):
     import openai
 

@@ -4,8 +4,9 @@
 conftest.py launches three servers together the first time any is needed, so start-ups overlap:
 - "completions": a tiny Llama with the Mistral tokenizer's 32000-token vocabulary, an API key,
   --max-n 8 and small body/header limits;
-- "chat": a tiny (tied) Llama with the Qwen3 tokenizer and its chat template;
-- "small": like "completions" but max 2 running and 2 waiting requests; its engine gets killed.
+- "chat": a tiny (tied) Llama with the Qwen3 tokenizer and its chat template, at most 2 running
+  and 2 waiting requests (for the 429 test); the engine-failure test kills its engine core, and
+  the server is started again if a later test asks for it (Server.wait_ready).
 """
 from __future__ import annotations
 
@@ -59,18 +60,25 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_dir / f"{name}.log"
-        args = [
+        self.args = [
             sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", model,
             "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--dtype", "float32",
             "--max-model-len", "256", "--kv-cache-memory-bytes", str(16 << 20), "--disable-access-log",
             *extra_args,
         ]
         if api_key:
-            args += ["--api-key", api_key]
+            self.args += ["--api-key", api_key]
+        self.needs_restart = False
+        self._log = None
+        self._start()
+
+    def _start(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+        if self._log is not None:
+            self._log.close()
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
         self._ready = False
 
     @property
@@ -81,6 +89,10 @@ class Server:
         return self.log_path.read_text(errors="replace")[-n:]
 
     def wait_ready(self) -> Server:
+        if self.needs_restart:
+            self.needs_restart = False
+            self.stop()
+            self._start()
         if self._ready:
             return self
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -113,7 +125,6 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._log.close()
 
 
 def sse_events(lines) -> list:
