@@ -1,16 +1,31 @@
-"""ModelRunner: turns a SchedulerOutput into one forward pass plus sampling, and answers in plain lists."""
+"""ModelRunner: turns a SchedulerOutput into one forward pass plus sampling, and answers in plain lists.
+
+Per step: InputBatch flattens the scheduled requests into host arrays; StepBuffers packs them into
+pinned memory and sends them to the device in one non-blocking copy; a pure-decode batch replays the
+CUDA graph of its padded size (cuda_graphs.py), any other step runs eagerly; while the GPU works, the
+CPU gathers the sampled requests' state; then logits, sampling on the device, and one ``.tolist()``
+of the sampled ids, the step's only wait for the GPU.
+"""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.attention import AttentionMetadata, get_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from pagedllm.worker.gpu_buffers import DeviceInputs, StepBuffers
 from pagedllm.worker.input_batch import BatchInputs, InputBatch
 
 logger = logging.getLogger("pagedllm")
+
+# Attention backends whose forward launches no host synchronisation and reads every per-step value
+# from device tensors, so it can be captured into a CUDA graph.
+_GRAPH_SAFE_BACKENDS = frozenset({"triton"})
 
 
 def _to_lists(lp, ks: list[int] | None = None) -> list[LogprobsLists]:
@@ -23,17 +38,45 @@ def _to_lists(lp, ks: list[int] | None = None) -> list[LogprobsLists]:
     return out
 
 
+@dataclass
+class StepInfo:
+    """What the last step computed, for benchmarks and logs."""
+
+    num_reqs: int
+    num_tokens: int
+    context_tokens: int  # sum of sequence lengths: the cached K/V entries attention read
+    graph_size: int  # padded batch size of the replayed CUDA graph; 0 when the step ran eagerly
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.model_config = config.model_config
         self.device = device
+        sc = config.scheduler_config
         self.block_size = config.cache_config.block_size
+        self.max_model_len = sc.max_model_len
+        self.max_num_seqs = sc.max_num_seqs
+        self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.attn_backend = get_attn_backend(config.attention_backend, device.type)
-        self.input_batch = InputBatch(self.block_size)
+        self.input_batch = InputBatch(self.block_size, self.max_num_seqs, self.max_blocks_per_req)
+        graph_safe = getattr(self.attn_backend, "name", "") in _GRAPH_SAFE_BACKENDS
+        self.use_cuda_graphs = device.type == "cuda" and graph_safe and not config.enforce_eager
+        # Decode steps launch attention as for a max_model_len context whenever graphs are possible,
+        # eager or not: graphs must (a graph keeps the launch it was captured with), and eager decode
+        # doing the same makes graph and eager runs compute bit-identical results.
+        self.decode_len_bound = self.max_model_len if graph_safe else None
+        self.buffers = StepBuffers(
+            device,
+            max_tokens=max(sc.max_num_batched_tokens, self.max_num_seqs),
+            max_reqs=self.max_num_seqs,
+            max_blocks_per_req=self.max_blocks_per_req,
+        )
+        self.graph_runner: CudaGraphRunner | None = None
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = None
+        self.last_step: StepInfo | None = None
 
     def load_model(self) -> None:
         from pagedllm.model_loader.loader import get_model
@@ -47,20 +90,72 @@ class ModelRunner:
         shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, mc.num_kv_heads, mc.head_size)
         self.kv_caches = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
 
-    def _attn_metadata(self, b: BatchInputs) -> AttentionMetadata:
-        dev = self.device
+    # ---- CUDA graphs -------------------------------------------------------------------------------
+    def _decode_metadata(self, num_reqs: int, dev: DeviceInputs) -> AttentionMetadata:
+        """Metadata of a padded pure-decode batch read entirely from device views; host values are bounds."""
         return AttentionMetadata(
-            num_actual_tokens=len(b.input_ids),
-            num_reqs=len(b.req_ids),
-            max_query_len=int(max(b.query_start_loc[1:] - b.query_start_loc[:-1])),
-            max_seq_len=int(b.seq_lens.max()),
-            query_start_loc=torch.from_numpy(b.query_start_loc).to(dev),
-            seq_lens=torch.from_numpy(b.seq_lens).to(dev),
-            block_table=torch.from_numpy(b.block_table).to(dev),
-            slot_mapping=torch.from_numpy(b.slot_mapping).to(dev),
+            num_actual_tokens=num_reqs,
+            num_reqs=num_reqs,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_start_loc=dev.query_start_loc,
+            seq_lens=dev.seq_lens,
+            block_table=dev.block_table,
+            slot_mapping=dev.slot_mapping,
+            # Only the reference backend reads these, and it is never captured.
+            query_start_loc_cpu=list(range(num_reqs + 1)),
+            seq_lens_cpu=[0] * num_reqs,
+        )
+
+    def _static_decode_forward(self, num_reqs: int) -> torch.Tensor:  # -> [num_reqs, H]
+        dev = self.buffers.decode_views(num_reqs)
+        md = self._decode_metadata(num_reqs, dev)
+        return self.model(dev.input_ids, dev.positions, self.kv_caches, md)
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, capture: bool | None = None) -> float:
+        """Captures the decode graphs (needs the model and the KV cache). Returns seconds spent.
+
+        ``capture=False`` sets up the same padded static-input path without graphs, for tests on CPU.
+        """
+        if not self.use_cuda_graphs:
+            return 0.0
+        if capture is None:
+            capture = self.device.type == "cuda"
+        runner = CudaGraphRunner(capture_sizes(self.max_num_seqs), capture=capture)
+        seconds = runner.capture(self._static_decode_forward, self.buffers.upload_dummy_decode)
+        self.graph_runner = runner
+        return seconds
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def _attn_metadata(self, b: BatchInputs, dev: DeviceInputs) -> AttentionMetadata:
+        max_seq_len = b.max_seq_len
+        if b.is_pure_decode and self.decode_len_bound is not None:
+            max_seq_len = self.decode_len_bound
+        return AttentionMetadata(
+            num_actual_tokens=b.num_tokens,
+            num_reqs=b.num_reqs,
+            max_query_len=b.max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc=dev.query_start_loc,
+            seq_lens=dev.seq_lens,
+            block_table=dev.block_table,
+            slot_mapping=dev.slot_mapping,
             query_start_loc_cpu=b.query_start_loc.tolist(),
             seq_lens_cpu=b.seq_lens.tolist(),
         )
+
+    def _forward(self, b: BatchInputs) -> tuple[torch.Tensor, DeviceInputs, int]:
+        """Launches the step's forward pass; returns (hidden [>= T, H], device inputs, graph size or 0)."""
+        graph_size = 0
+        if self.graph_runner is not None and self.use_cuda_graphs and b.is_pure_decode:
+            graph_size = self.graph_runner.bucket_for(b.num_reqs) or 0
+        if graph_size:
+            dev = self.buffers.upload(b, graph_size, self.max_blocks_per_req)
+            return self.graph_runner.replay(graph_size), dev, graph_size
+        dev = self.buffers.upload(b)
+        hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, self._attn_metadata(b, dev))
+        return hidden, dev, 0
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -68,26 +163,35 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         b = self.input_batch.prepare(so)
-        md = self._attn_metadata(b)
-        input_ids = torch.from_numpy(b.input_ids).to(self.device)
-        positions = torch.from_numpy(b.positions).to(self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, md)  # [T, hidden]
+        hidden, dev, graph_size = self._forward(b)  # [>= T, H]; the GPU is busy from here on
+        self.last_step = StepInfo(b.num_reqs, b.num_tokens, int(b.seq_lens.sum()), graph_size)
 
         prompt_logprobs = self._prompt_logprobs(b, hidden)
-        rows = [i for i, keep in enumerate(b.sampling_mask) if keep]
         sampled: list[list[int]] = [[] for _ in b.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
-        if rows:
-            last_tok = torch.as_tensor(b.query_start_loc[1:][rows] - 1, device=self.device)
-            logits = self.model.compute_logits(hidden[last_tok])  # [S, vocab] float32
+        num_sampled = len(b.logits_indices)
+        if num_sampled:
+            # Host bookkeeping first, while the forward pass still runs on the device.
+            rows = np.flatnonzero(np.asarray(b.sampling_mask)).tolist()
             states = [self.input_batch.requests[b.req_ids[i]] for i in rows]
-            token_ids, lp = self._sample(logits, states)
-            want = [st.sampling_params.logprobs for st in states]
+            plain_greedy = all(st.plain_greedy for st in states)
+            if num_sampled == b.num_tokens:
+                # Every token is some request's last one (pure decode): rows 0..T-1 in order.
+                last_hidden = hidden[:num_sampled]
+            else:
+                last_hidden = hidden.index_select(0, dev.logits_indices)
+            logits = self.model.compute_logits(last_hidden)  # [S, vocab] float32
+            if plain_greedy:
+                # What the sampler does for an all-greedy batch, minus building its metadata.
+                token_ids, lp = logits.argmax(dim=-1).tolist(), None
+            else:
+                token_ids, lp = self._sample(logits, states)
+            want = [st.sampling_params.logprobs for st in states] if lp is not None else None
             lp_lists = _to_lists(lp, [k or 0 for k in want]) if lp is not None else None
             for j, (i, st) in enumerate(zip(rows, states)):
                 st.output_token_ids.append(token_ids[j])
                 sampled[i] = [token_ids[j]]
-                if want[j] is not None and lp_lists is not None:
+                if lp_lists is not None and want[j] is not None:
                     logprobs[st.req_id] = lp_lists[j]
         return ModelRunnerOutput(
             req_ids=b.req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs
@@ -155,5 +259,5 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         pos = torch.arange(num_tokens, device=self.device)
         hidden = self.model(ids, pos, caches, md)
-        self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler_config.max_num_seqs) :])
+        self.model.compute_logits(hidden[-min(num_tokens, self.max_num_seqs) :])
         del caches

@@ -1,14 +1,16 @@
-"""Worker: owns one device, its model runner, and the sizing of the KV cache from memory."""
+"""Worker: owns one device, its model runner, the sizing of the KV cache from memory, and start-up timing."""
 from __future__ import annotations
 
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker.cuda_graphs import capture_sizes
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -16,10 +18,50 @@ logger = logging.getLogger("pagedllm")
 # Without an explicit kv_cache_memory_bytes, the CPU cache takes this fraction of available RAM.
 CPU_KV_CACHE_FRACTION = 0.2
 _GiB = 1 << 30
+# Kept aside for the CUDA graphs' private pool on top of the activation estimate: graph bookkeeping
+# and the capture stream's cuBLAS workspace.
+_GRAPH_POOL_BASE_BYTES = 256 << 20
 
 
 def _available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class MemoryProfile:
+    """Where the GPU's memory goes, in bytes, as measured (and, for the graph pool, estimated) at start."""
+
+    total: int = 0
+    usable: int = 0  # total * gpu_memory_utilization
+    weights: int = 0
+    activations: int = 0  # peak of a max_num_batched_tokens forward plus its logits
+    sampler: int = 0  # logits and sampling scratch at max_num_seqs rows (estimate)
+    graph_pool: int = 0  # estimate before capture; replaced by the measured size after it
+    non_torch: int = 0  # CUDA context, library workspaces, other processes
+    kv_cache: int = 0
+
+    def summary(self) -> str:
+        g = lambda n: n / _GiB  # noqa: E731
+        return (
+            f"total {g(self.total):.2f} GiB, usable {g(self.usable):.2f}, weights {g(self.weights):.2f}, "
+            f"peak activations {g(self.activations):.2f}, sampler {g(self.sampler):.2f}, "
+            f"CUDA graph pool {g(self.graph_pool):.2f}, non-torch {g(self.non_torch):.2f}, "
+            f"KV cache {g(self.kv_cache):.2f} GiB"
+        )
+
+
+@dataclass
+class StartupTimes:
+    """Seconds per start-up phase of this worker."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{k} {v:.2f} s" for k, v in self.phases.items())
+        return f"{parts}; total {sum(self.phases.values()):.2f} s"
 
 
 class Worker:
@@ -30,15 +72,22 @@ class Worker:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, self.device)
+        self.memory = MemoryProfile()
+        self.startup = StartupTimes()
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
         self.model_runner.load_model()
-        logger.info("model weights loaded in %.2f s", time.perf_counter() - t0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.memory.weights = torch.cuda.memory_allocated()
+        self.startup.add("load", time.perf_counter() - t0)
+        logger.info("model weights loaded in %.2f s", self.startup.phases["load"])
 
     def determine_num_blocks(self) -> int:
         cc, mc = self.config.cache_config, self.config.model_config
         block_bytes = cc.block_size * mc.kv_bytes_per_token()
+        t0 = time.perf_counter()
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
         elif cc.kv_cache_memory_bytes is not None:
@@ -57,29 +106,75 @@ class Worker:
                 "KV cache on CPU: %.0f%% of %.2f GiB available RAM allowed, using %.3f GiB",
                 100 * CPU_KV_CACHE_FRACTION, avail / _GiB, num_blocks * block_bytes / _GiB,
             )
+        self.startup.add("profile", time.perf_counter() - t0)
         return int(num_blocks)
 
+    def _graph_pool_estimate(self, activations: int, profile_tokens: int) -> int:
+        """A decode graph's activations scale with its batch; the largest graph sets the shared pool."""
+        if not self.model_runner.use_cuda_graphs:
+            return 0
+        largest = capture_sizes(self.config.scheduler_config.max_num_seqs)[-1]
+        share = min(1.0, 2.0 * largest / max(profile_tokens, 1))
+        return int(activations * share) + _GRAPH_POOL_BASE_BYTES
+
     def _profile_cuda_blocks(self, block_bytes: int) -> int:
-        cc, sc = self.config.cache_config, self.config.scheduler_config
+        cc, sc, mc = self.config.cache_config, self.config.scheduler_config, self.config.model_config
+        mem = self.memory
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         free_before, total = torch.cuda.mem_get_info()
         weights = torch.cuda.memory_allocated()
-        self.model_runner.profile_run(min(sc.max_num_batched_tokens, sc.max_model_len * sc.max_num_seqs))
+        profile_tokens = min(sc.max_num_batched_tokens, sc.max_model_len * sc.max_num_seqs)
+        self.model_runner.profile_run(profile_tokens)
         torch.cuda.synchronize()
-        activations = torch.cuda.max_memory_allocated() - weights
+        mem.total, mem.weights = total, weights
+        mem.usable = int(total * cc.gpu_memory_utilization)
+        mem.activations = torch.cuda.max_memory_allocated() - weights
         torch.cuda.empty_cache()
-        # What other processes hold counts against our share too.
-        used_elsewhere = total - free_before - torch.cuda.memory_reserved()
-        budget = int(total * cc.gpu_memory_utilization) - max(used_elsewhere, 0) - weights - activations
+        # Logits in float32 plus a sort's values and int64 indices when a batch samples with top-p.
+        mem.sampler = sc.max_num_seqs * mc.vocab_size * 16
+        mem.graph_pool = self._graph_pool_estimate(mem.activations, profile_tokens)
+        # What other processes and this one's CUDA context hold counts against our share too.
+        mem.non_torch = max(total - free_before - torch.cuda.memory_reserved(), 0)
+        budget = mem.usable - mem.non_torch - weights - mem.activations - mem.sampler - mem.graph_pool
+        num_blocks = max(budget // block_bytes, 0)
+        mem.kv_cache = num_blocks * block_bytes
+        capacity = num_blocks * cc.block_size
+        fits = capacity / sc.max_model_len
+        logger.info("GPU memory: %s", mem.summary())
         logger.info(
-            "GPU memory: total %.2f GiB, weights %.2f GiB, peak activations %.2f GiB, KV cache %.2f GiB",
-            total / _GiB, weights / _GiB, activations / _GiB, max(budget, 0) / _GiB,
+            "KV cache: %d blocks of %d tokens = %d tokens, %.2f sequences of max_model_len %d",
+            num_blocks, cc.block_size, capacity, fits, sc.max_model_len,
         )
-        return max(budget // block_bytes, 0)
+        if capacity < sc.max_model_len:
+            raise ValueError(
+                f"not even one sequence of max_model_len {sc.max_model_len} fits in GPU memory: after "
+                f"{weights / _GiB:.2f} GiB of weights, {mem.activations / _GiB:.2f} GiB of activations and "
+                f"{(mem.sampler + mem.graph_pool + mem.non_torch) / _GiB:.2f} GiB of other use, the KV cache gets "
+                f"{max(budget, 0) / _GiB:.2f} GiB = {capacity} tokens. The largest max_model_len that fits is "
+                f"{capacity}; or raise gpu_memory_utilization (now {cc.gpu_memory_utilization}), lower "
+                f"max_num_batched_tokens, or use --enforce-eager"
+            )
+        return num_blocks
 
     def initialize_cache(self, num_blocks: int) -> None:
+        t0 = time.perf_counter()
         self.model_runner.initialize_kv_cache(num_blocks)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.startup.add("kv_alloc", time.perf_counter() - t0)
+        if self.model_runner.use_cuda_graphs:
+            t0 = time.perf_counter()
+            self.model_runner.capture_cuda_graphs()
+            self.startup.add("graph_capture", time.perf_counter() - t0)
+            runner = self.model_runner.graph_runner
+            self.memory.graph_pool = runner.pool_bytes
+            logger.info(
+                "captured %d CUDA graphs (decode batches %s) in %.2f s, pool %.3f GiB",
+                len(runner.sizes), ",".join(map(str, runner.sizes)), self.startup.phases["graph_capture"],
+                runner.pool_bytes / _GiB,
+            )
+        logger.info("worker start-up: %s", self.startup.summary())
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

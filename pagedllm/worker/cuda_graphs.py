@@ -1,0 +1,102 @@
+"""CUDA graphs of pure-decode forward passes at padded batch-size buckets: capture once, replay every step.
+
+A decode step of a small model is hundreds of tiny kernels; launched one by one from Python the CPU,
+not the GPU, sets the pace. Replaying a captured graph launches them all at once. A graph fixes its
+inputs' addresses and every launch parameter, so the runner (a) feeds it through the fixed decode views
+of StepBuffers and (b) builds the captured attention metadata from upper bounds (max_model_len) rather
+than from the step's own lengths: the kernels then read the actual lengths from device memory.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger("pagedllm")
+
+# Larger decode batches gain little from graphs (the GPU work dwarfs the launches) and cost capture time.
+MAX_CAPTURE_SIZE = 512
+
+
+def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> list[int]:
+    """Powers of two (1, 2, 4, ..., 256) below the cap min(max_num_seqs, max_size), then the cap itself,
+    so every decode batch the scheduler can form has a graph."""
+    cap = max(1, min(max_num_seqs, max_size))
+    sizes = []
+    s = 1
+    while s < cap:
+        sizes.append(s)
+        s *= 2
+    sizes.append(cap)
+    return sizes
+
+
+class CudaGraphRunner:
+    """Graphs of ``forward(padded_batch_size) -> hidden [size, H]``, one per bucket.
+
+    ``forward`` must read its inputs only from buffers whose addresses never change (the decode views),
+    and the caller must have written a step's inputs there before ``replay``. With ``capture=False``
+    nothing is captured and ``replay`` runs ``forward`` eagerly over the same padded static inputs: the
+    padded path can then be tested where CUDA graphs do not exist (the CPU, Triton's interpreter).
+    """
+
+    def __init__(self, sizes: list[int], capture: bool = True) -> None:
+        self.sizes = sorted(set(sizes))
+        self.capture_enabled = capture
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._forward: Callable[[int], torch.Tensor] | None = None
+        self.pool_bytes = 0
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def bucket_for(self, num_reqs: int) -> int | None:
+        """The smallest bucket holding ``num_reqs`` requests, or None when the batch is too large."""
+        i = bisect.bisect_left(self.sizes, num_reqs)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def capture(
+        self,
+        forward: Callable[[int], torch.Tensor],
+        prepare_inputs: Callable[[int], None],
+    ) -> float:
+        """Warms up and captures every bucket, largest first so the smaller ones reuse its memory pool.
+
+        ``prepare_inputs(size)`` writes a harmless padded batch into the decode views. Returns seconds.
+        """
+        self._forward = forward
+        t0 = time.perf_counter()
+        if not self.capture_enabled:
+            return 0.0
+        reserved0 = torch.cuda.memory_reserved()
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            prepare_inputs(size)
+            # Eager warm-up first: Triton compiles its specialisations and cuBLAS picks its kernels
+            # outside the capture, where host synchronisation is still allowed.
+            forward(size)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = forward(size)
+            self._graphs[size] = graph
+            self._outputs[size] = out
+        torch.cuda.synchronize()
+        self.pool_bytes = torch.cuda.memory_reserved() - reserved0
+        return time.perf_counter() - t0
+
+    def replay(self, size: int) -> torch.Tensor:  # -> [size, H], valid until the next replay
+        if not self.capture_enabled:
+            assert self._forward is not None, "capture() was never called"
+            return self._forward(size)
+        self._graphs[size].replay()
+        return self._outputs[size]
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._outputs.clear()
