@@ -23,6 +23,11 @@ def _build_parser() -> argparse.ArgumentParser:
     tp = bench.add_parser("throughput", help="offline throughput on random prompts")
     throughput.add_cli_args(tp)
     tp.set_defaults(func=throughput.run)
+    from pagedllm.benchmarks import latency
+
+    lt = bench.add_parser("latency", help="time to first token and per output token, per batch size")
+    latency.add_cli_args(lt)
+    lt.set_defaults(func=latency.run)
     from pagedllm.benchmarks import serve as bench_serve
     from pagedllm.entrypoints.openai import cli_args as serve_args
 
