@@ -102,11 +102,13 @@ class _BusyLoop:
     def run(self) -> None:
         zmq = self.zmq
         while self.running:
+            # A re-parented core means the front-end died without saying so (e.g. SIGKILL): stop,
+            # rather than computing for nobody. One getppid() per step costs nothing.
+            if os.getppid() != self.parent_pid:
+                logger.warning("front-end process %d is gone; engine core exits", self.parent_pid)
+                return
             busy = self.core.has_unfinished_requests()
             if not busy and not self.inp.poll(_IDLE_POLL_MS, zmq.POLLIN):
-                if os.getppid() != self.parent_pid:
-                    logger.warning("front-end process %d is gone; engine core exits", self.parent_pid)
-                    return
                 continue
             handled = self._drain_inputs()
             outputs = self.core.step() if self.core.has_unfinished_requests() else []
