@@ -162,7 +162,10 @@ class AsyncLLM:
             if ct is not None:
                 self._record("record_finished", "abort", now - ct.parent.arrival)
         if children and not self.core.is_dead:
-            self.core.abort(children)
+            try:
+                self.core.abort(children)
+            except EngineDeadError:
+                pass  # a dead core holds no blocks any more; callers are told through their queues
 
     # ---- utilities ---------------------------------------------------------------------------------
     async def get_stats(self) -> SchedulerStats:

@@ -110,6 +110,8 @@ def test_context_length_errors_name_both_numbers(client, completions_server):
         ("logit_bias", {"not-a-token": 1.0}),
         ("allowed_token_ids", []),
         ("allowed_token_ids", [40000]),
+        ("seed", 1 << 70),
+        ("top_k", 1 << 64),
     ],
 )
 def test_invalid_sampling_field_names_the_field(completions_server, field, value):

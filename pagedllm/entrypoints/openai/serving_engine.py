@@ -19,6 +19,7 @@ _DIRECT_FIELDS = (
     "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
     "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
 )
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 # Fields whose None means "the model's default" (generation_config.json), as in vLLM.
 _DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
@@ -121,6 +122,11 @@ class OpenAIServing:
         kwargs["max_tokens"] = max_tokens
         kwargs["logprobs"] = logprobs
         fields = list(kwargs) + ["logprobs", "max_tokens"]
+        for name, value in kwargs.items():
+            # The engine core gets these as msgpack integers; larger ones could not even be sent.
+            if isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
+                shown = rename.get(name, name)
+                raise bad_request(f"{shown} must fit in a signed 64-bit integer, got {value}", param=shown)
         try:
             params = SamplingParams(**kwargs)
             params.verify_vocab(self.vocab_size)
