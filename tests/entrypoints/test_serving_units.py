@@ -235,3 +235,14 @@ print('ok')
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_core_start_failure_is_reported_by_the_core(tmp_path):
+    from pagedllm.engine.core_client import CoreClient
+    from pagedllm.engine_args import EngineArgs
+
+    (tmp_path / "config.json").write_text("{}")  # a model directory the core cannot build
+    client = CoreClient(EngineArgs(model=str(tmp_path), device="cpu"))
+    with pytest.raises(RuntimeError, match="engine core failed to start"):
+        client.wait_ready(timeout_s=120)
+    assert not client.proc.is_alive()
