@@ -125,6 +125,8 @@ class BlockTableRows:
         self.num_blocks[row] = end
 
     def free(self, row: int) -> None:
+        # Zeroed so a later owner of the row never shows another request's blocks past its own.
+        self.table[row, : self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
         self._free_rows.append(row)
 

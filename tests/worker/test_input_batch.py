@@ -1,0 +1,199 @@
+"""InputBatch and StepBuffers on CPU: exact token ids, positions, slot mappings and block tables of mixed
+batches across steps (chunked prefill, prefix hits, decode, new blocks, finish, preemption), and the
+padded decode layout the CUDA graphs read."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from pagedllm.worker.gpu_buffers import StepBuffers, step_layout
+from pagedllm.worker.input_batch import InputBatch, is_plain_greedy
+
+BS = 4  # block size
+
+
+def _new(rid, prompt, blocks, computed=0, params=None):
+    return NewRequestData(
+        req_id=rid,
+        prompt_token_ids=prompt,
+        output_token_ids=[],
+        sampling_params=params or SamplingParams(temperature=0.0),
+        seed=0,
+        block_ids=blocks,
+        num_computed_tokens=computed,
+    )
+
+
+def _step(new=(), cached=(), scheduled=None, finished=(), preempted=()):
+    cr = CachedRequestData(
+        req_ids=[c[0] for c in cached],
+        new_block_ids=[c[1] for c in cached],
+        num_computed_tokens=[c[2] for c in cached],
+    )
+    return SchedulerOutput(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cr,
+        num_scheduled_tokens=dict(scheduled),
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        finished_req_ids=set(finished),
+        preempted_req_ids=set(preempted),
+    )
+
+
+def _eq(a, b):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_mixed_batches_across_steps():
+    ib = InputBatch(BS, max_num_reqs=2, max_blocks_per_req=2)  # small, so the table has to grow
+    # Step 1: a prompt chunk of 6 (of 10) and a whole 3-token prompt.
+    a_prompt = list(range(100, 110))
+    so = _step(
+        new=[_new("a", a_prompt, [7, 3, 9]), _new("b", [200, 201, 202], [5])],
+        scheduled={"a": 6, "b": 3},
+    )
+    ib.update_states(so)
+    b = ib.prepare(so)
+    assert b.req_ids == ["a", "b"]
+    _eq(b.input_ids, [100, 101, 102, 103, 104, 105, 200, 201, 202])
+    _eq(b.positions, [0, 1, 2, 3, 4, 5, 0, 1, 2])
+    _eq(b.slot_mapping, [28, 29, 30, 31, 12, 13, 20, 21, 22])
+    _eq(b.query_start_loc, [0, 6, 9])
+    _eq(b.seq_lens, [6, 3])
+    _eq(b.block_table, [[7, 3, 9], [5, 0, 0]])
+    assert b.sampling_mask == [False, True]
+    _eq(b.logits_indices, [8])
+    assert (b.max_query_len, b.max_seq_len, b.is_pure_decode) == (6, 6, False)
+    ib.requests["b"].output_token_ids.append(300)  # what the runner does after sampling
+
+    # Step 2: the rest of a's prompt, b's first decode, and c with a 4-token prefix hit.
+    so = _step(
+        new=[_new("c", [1, 2, 3, 4, 5], [8, 2], computed=4)],
+        cached=[("a", [], 6), ("b", [], 3)],
+        scheduled={"a": 4, "b": 1, "c": 1},
+    )
+    ib.update_states(so)
+    b = ib.prepare(so)
+    _eq(b.input_ids, [106, 107, 108, 109, 300, 5])
+    _eq(b.positions, [6, 7, 8, 9, 3, 4])
+    _eq(b.slot_mapping, [14, 15, 36, 37, 23, 8])
+    _eq(b.query_start_loc, [0, 4, 5, 6])
+    _eq(b.seq_lens, [10, 4, 5])
+    _eq(b.block_table, [[7, 3, 9], [5, 0, 0], [8, 2, 0]])
+    assert b.sampling_mask == [True, True, True]
+    _eq(b.logits_indices, [3, 4, 5])
+    for rid, tok in (("a", 110), ("b", 301), ("c", 400)):
+        ib.requests[rid].output_token_ids.append(tok)
+
+    # Step 3: a finished; pure decode of b (into a new block) and c.
+    so = _step(cached=[("b", [11], 4), ("c", [], 5)], scheduled={"b": 1, "c": 1}, finished=["a"])
+    ib.update_states(so)
+    b = ib.prepare(so)
+    assert "a" not in ib.requests
+    _eq(b.input_ids, [301, 400])
+    _eq(b.positions, [4, 5])
+    _eq(b.slot_mapping, [44, 9])
+    _eq(b.block_table, [[5, 11], [8, 2]])
+    _eq(b.seq_lens, [5, 6])
+    assert b.is_pure_decode and b.max_seq_len == 6
+    ib.requests["b"].output_token_ids.append(302)
+
+    # Step 4: c preempted; d takes a's old row, which must not show a's blocks.
+    so = _step(
+        new=[_new("d", [50, 51], [4])],
+        cached=[("b", [], 5)],
+        scheduled={"b": 1, "d": 2},
+        preempted=["c"],
+    )
+    ib.update_states(so)
+    b = ib.prepare(so)
+    assert set(ib.requests) == {"b", "d"}
+    _eq(b.input_ids, [302, 50, 51])
+    _eq(b.positions, [5, 0, 1])
+    _eq(b.slot_mapping, [45, 16, 17])
+    _eq(b.block_table, [[5, 11], [4, 0]])
+    _eq(b.logits_indices, [0, 2])
+
+
+def test_rows_are_reused_and_grow():
+    ib = InputBatch(BS, max_num_reqs=1, max_blocks_per_req=1)
+    names = [f"r{i}" for i in range(5)]
+    so = _step(new=[_new(n, [1, 2, 3], [10 * i + 1]) for i, n in enumerate(names)], scheduled={n: 3 for n in names})
+    ib.update_states(so)
+    assert sorted(st.row for st in ib.requests.values()) == [0, 1, 2, 3, 4]
+    so = _step(finished=["r1", "r3"], cached=[("r0", [99], 3)], scheduled={"r0": 1})
+    ib.update_states(so)
+    freed = {1, 3}
+    so = _step(new=[_new("x", [7], [5])], scheduled={"x": 1})
+    ib.update_states(so)
+    assert ib.requests["x"].row in freed
+    _eq(ib.block_table.table[ib.requests["r0"].row, :2], [1, 99])
+
+
+def test_plain_greedy_flags():
+    assert is_plain_greedy(SamplingParams(temperature=0.0))
+    assert not is_plain_greedy(SamplingParams(temperature=0.7))
+    assert not is_plain_greedy(SamplingParams(temperature=0.0, logprobs=2))
+    assert not is_plain_greedy(SamplingParams(temperature=0.0, repetition_penalty=1.2))
+    assert not is_plain_greedy(SamplingParams(temperature=0.0, logit_bias={3: 1.0}))
+    assert not is_plain_greedy(SamplingParams(temperature=0.0, allowed_token_ids=[1, 2]))
+    assert not is_plain_greedy(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7]))
+    assert is_plain_greedy(SamplingParams(temperature=0.0, min_tokens=2))
+
+
+def _decode_batch(ib):
+    names = ["p", "q", "r"]
+    so = _step(
+        new=[_new(n, [1] * (3 + i), [3 * i + 1, 3 * i + 2]) for i, n in enumerate(names)],
+        scheduled={n: 3 + i for i, n in enumerate(names)},
+    )
+    ib.update_states(so)
+    ib.prepare(so)
+    for i, n in enumerate(names):
+        ib.requests[n].output_token_ids.append(500 + i)
+    so = _step(cached=[(n, [], 3 + i) for i, n in enumerate(names)], scheduled={n: 1 for n in names})
+    ib.update_states(so)
+    return ib.prepare(so)
+
+
+def test_step_buffers_pad_a_decode_batch_onto_the_graph_views():
+    ib = InputBatch(BS)
+    b = _decode_batch(ib)
+    bufs = StepBuffers(torch.device("cpu"), max_tokens=16, max_reqs=8, max_blocks_per_req=5)
+    dev = bufs.upload(b, num_reqs_padded=4, block_width=5)
+    _eq(dev.input_ids, [500, 501, 502, 0])
+    _eq(dev.positions, [3, 4, 5, 0])
+    _eq(dev.slot_mapping, [7, 20, 33, -1])
+    _eq(dev.query_start_loc, [0, 1, 2, 3, 4])
+    _eq(dev.seq_lens, [4, 5, 6, 0])
+    _eq(dev.block_table, [[1, 2, 0, 0, 0], [4, 5, 0, 0, 0], [7, 8, 0, 0, 0], [0, 0, 0, 0, 0]])
+    _eq(dev.logits_indices, [0, 1, 2])
+    # The graph of size 4 reads exactly these addresses.
+    views = bufs.decode_views(4)
+    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table"):
+        assert getattr(views, name).data_ptr() == getattr(dev, name).data_ptr(), name
+        assert getattr(views, name).shape == getattr(dev, name).shape, name
+    # Unpadded, compact: the table keeps the batch's own width.
+    dev = bufs.upload(b)
+    assert dev.block_table.shape == (3, 2)
+    _eq(dev.slot_mapping, [7, 20, 33])
+
+
+def test_layout_is_aligned_and_graph_sections_ignore_sampled_rows():
+    a, _ = step_layout(8, 8, 128, 0)
+    b, _ = step_layout(8, 8, 128, 8)
+    for name, (offset, _count) in a.items():
+        assert offset % 64 == 0
+        if name != "logits_indices":
+            assert b[name] == a[name]
+
+
+def test_capture_sizes_and_buckets():
+    assert capture_sizes(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert capture_sizes(1000) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert capture_sizes(12) == [1, 2, 4, 8, 12]
+    runner = CudaGraphRunner(capture_sizes(12), capture=False)
+    assert [runner.bucket_for(n) for n in (1, 3, 5, 9, 12, 13)] == [1, 4, 8, 12, 12, None]
