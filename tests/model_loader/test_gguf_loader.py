@@ -302,3 +302,32 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path) -> None:
     w.close()
     with pytest.raises(ValueError, match="phi2.*supported: gemma3, llama, qwen2, qwen3"):
         gguf_hf_config(path)
+
+
+@pytest.mark.parametrize("arch", sorted(TINY))
+def test_gguf_model_loader_equals_safetensors_loading(arch: str, tmp_path) -> None:
+    """load_format="gguf" builds the same pagedllm model as the HF safetensors checkpoint the file came from."""
+    from safetensors.numpy import save_file
+
+    from pagedllm.attention.registry import get_attn_backend
+    from pagedllm.config import LoadConfig, ModelConfig
+    from pagedllm.model_loader.loader import get_model
+
+    path = str(tmp_path / f"{arch}.gguf")
+    original = _write_tiny_gguf(path, arch, quantize=False)
+    config = gguf_hf_config(path)
+    hf_dir = tmp_path / "hf"
+    config.save_pretrained(hf_dir)
+    save_file(original, str(hf_dir / "model.safetensors"))
+    backend = get_attn_backend("torch_ref", "cpu")
+
+    def load(model: str, fmt: str, gguf_file: str | None):
+        model_config = ModelConfig(model=model, tokenizer=None, hf_config=config, dtype=torch.float32,
+                                   max_model_len=256, gguf_file=gguf_file)
+        return get_model(model_config, LoadConfig(load_format=fmt), torch.device("cpu"), backend).state_dict()
+
+    from_gguf = load(path, "gguf", path)
+    from_safetensors = load(str(hf_dir), "safetensors", None)
+    assert from_gguf.keys() == from_safetensors.keys()
+    for name, value in from_gguf.items():
+        assert torch.equal(value, from_safetensors[name]), name
