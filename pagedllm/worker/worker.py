@@ -69,7 +69,8 @@ class Worker:
         self.config = config
         self.device = config.device_config.torch_device
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            # torch 2.11 rejects a bare torch.device("cuda") here: it wants an index.
+            torch.cuda.set_device(self.device.index or 0)
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, self.device)
         self.memory = MemoryProfile()
