@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import MappingProxyType
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPES = os.path.join(HERE, "shapes")
@@ -409,7 +410,7 @@ def section_hf(args) -> dict:
     return out
 
 
-SECTIONS = {"qwen": section_qwen, "llama": section_llama, "hf": section_hf}
+SECTIONS = MappingProxyType({"qwen": section_qwen, "llama": section_llama, "hf": section_hf})
 
 
 # ---- driver --------------------------------------------------------------------------------------------

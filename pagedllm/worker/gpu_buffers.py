@@ -9,6 +9,7 @@ at the same device addresses: that is what lets a CUDA graph captured once read 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ _SECTIONS: tuple[tuple[str, np.dtype], ...] = (
     ("block_table", np.dtype(np.int32)),
     ("logits_indices", np.dtype(np.int64)),
 )
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+_TORCH_DTYPES = MappingProxyType({np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32})
 
 
 def _align(n: int) -> int:
