@@ -13,6 +13,7 @@ from pagedllm.sampling_params import SamplingParams
 # A prompt is text, {"prompt": text}, or {"prompt_token_ids": [...]} (vLLM's forms).
 PromptType = Union[str, dict]
 _SEED_MOD = 1 << 31
+_END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")
 
 
 def derive_seed(seed: int, index: int) -> int:
@@ -47,6 +48,11 @@ class Processor:
                 ids.add(source)
             elif isinstance(source, (list, tuple)):
                 ids.update(int(t) for t in source)
+        if self.model_config.gguf_file and self.tokenizer is not None:
+            # GGUF files carry no generation_config.json; like llama.cpp, also end on the
+            # end-of-turn tokens the vocabulary defines (Gemma's <end_of_turn>, ChatML's <|im_end|>).
+            vocab = self.tokenizer.get_vocab()
+            ids.update(vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab)
         return frozenset(ids)
 
     def default_sampling_params(self) -> SamplingParams:

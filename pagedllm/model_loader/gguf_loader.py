@@ -231,8 +231,18 @@ class GGUFModelLoader(BaseModelLoader):
     def load_model(
         self, model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]
     ) -> nn.Module:
+        from pagedllm.model_loader.gguf_cache import store_converted, tee_float32
+
         path = model_config.gguf_file or model_config.model
         model = build_model(model_config, device, attn_backend)
-        loaded = model.load_weights(iter_gguf_weights(path, model_config.dtype, device))
+        weights = iter_gguf_weights(path, model_config.dtype, device)
+        # Float32 loads keep an exact copy for the converted cache: the next start reads safetensors
+        # instead of parsing metadata and dequantizing again.
+        keep: dict[str, torch.Tensor] | None = {} if model_config.dtype == torch.float32 else None
+        if keep is not None:
+            weights = tee_float32(weights, keep)
+        loaded = model.load_weights(weights)
         check_all_loaded(model, loaded, path)
+        if keep:
+            store_converted(path, model_config.hf_config, keep)
         return finalize_model(model, device)

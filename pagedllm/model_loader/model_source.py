@@ -57,9 +57,21 @@ def load_model_source(
     if is_gguf:
         from pagedllm.model_loader.gguf_loader import gguf_hf_config
 
+        from pagedllm.model_loader.gguf_cache import find_converted
+
         path = os.path.abspath(model)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF file {model!r} does not exist")
+        converted = find_converted(path) if load_format != "gguf" else None
+        if converted is not None:
+            # An earlier start converted this file: load its float32 safetensors, skip the GGUF.
+            return ModelSource(
+                model_path=str(converted),
+                tokenizer_path=tokenizer or path,
+                hf_config=_text_config(AutoConfig.from_pretrained(converted)),
+                load_format="safetensors",
+                gguf_file=path,
+            )
         hf_config = gguf_hf_config(path)
         return ModelSource(
             model_path=path,

@@ -126,7 +126,8 @@ def test_config_matches_hf(gguf_path, reference):
 
 def test_greedy_matches_hf(gguf_path, reference):
     _, expected = reference
-    llm = _llm(gguf_path)
+    # Straight from the GGUF (this load also writes the converted float32 cache).
+    llm = _llm(gguf_path, load_format="gguf")
     texts = VARIED + SHARED + LONG
     # Text prompts: the engine's own tokenizer must produce HF's ids (BOS included).
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -141,6 +142,8 @@ def test_chunked_prefill_with_prefix_hits(gguf_path, reference):
     _, expected = reference
     # A budget of 16 tokens: every prompt is prefilled in chunks, the long ones in dozens of them.
     llm = _llm(gguf_path, skip_tokenizer_init=True, max_num_batched_tokens=16)
+    # With the converted cache in place (written by the first load), auto loads its safetensors.
+    assert llm.llm_engine.config.load_config.load_format == "safetensors"
     texts = VARIED[:2] + SHARED + LONG
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": expected[t][0]} for t in texts], params, use_tqdm=False)
