@@ -18,10 +18,9 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelConfig
-from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
+from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope
-from pagedllm.model_loader.weight_utils import load_named_weights
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, layer_sliding_window
 
 # Checkpoint prefixes of a Gemma3ForConditionalGeneration (transformers 5 layout, then the older
@@ -153,43 +152,20 @@ def _text_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator
         yield name, tensor
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """The Llama causal-LM shell around Gemma 3's decoder, tied by default, reading multimodal checkpoints too."""
+
+    default_tie_word_embeddings = True
+
     def __init__(self, model_config: ModelConfig, attn_backend: type[AttentionBackend]) -> None:
-        super().__init__()
-        cfg = model_config.hf_config
-        if getattr(cfg, "use_bidirectional_attention", False):
+        if getattr(model_config.hf_config, "use_bidirectional_attention", False):
             raise NotImplementedError("Gemma 3 with bidirectional attention (an embedding model) is not supported")
-        self.model_config = model_config
-        self.model = Gemma3Model(model_config, attn_backend)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
-        self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
+        super().__init__(model_config, attn_backend)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64
-        positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+    def build_decoder(self, model_config: ModelConfig, attn_backend: type[AttentionBackend]) -> nn.Module:
+        return Gemma3Model(model_config, attn_backend)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, vocab] float32
-        return self.lm_head.compute_logits(hidden_states, soft_cap=self.final_logit_softcapping)
-
-    def sliding_windows(self) -> list[int | None]:
-        """One entry per layer, for the KV cache manager: the layer's window, or None for full attention."""
-        return [layer.self_attn.sliding_window for layer in self.model.layers]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        # A tied head has no weight of its own; some checkpoints still carry a copy of it.
-        skip_prefixes = ("lm_head.",) if self.tie_word_embeddings else ()
-        return load_named_weights(
-            self,
-            _text_model_weights(weights),
-            LlamaForCausalLM.stacked_params_mapping,
-            skip_prefixes,
-            LlamaForCausalLM.ignored_weight_substrings,
-        )
+    def checkpoint_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        return _text_model_weights(weights)

@@ -204,12 +204,15 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(hf_config, "attention_bias", False))
         return DecoderOptions(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(hf_config, "mlp_bias", False)))
 
+    # What a config without tie_word_embeddings means for this family.
+    default_tie_word_embeddings = False
+
     def __init__(self, model_config: ModelConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
         cfg = model_config.hf_config
         self.model_config = model_config
-        self.model = LlamaModel(model_config, attn_backend, self.decoder_options(cfg))
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.model = self.build_decoder(model_config, attn_backend)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", self.default_tie_word_embeddings))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
@@ -235,8 +238,21 @@ class LlamaForCausalLM(nn.Module):
         # A tied head has no weight of its own; some checkpoints still carry a copy of it.
         skip_prefixes = ("lm_head.",) if self.tie_word_embeddings else ()
         return load_named_weights(
-            self, weights, self.stacked_params_mapping, skip_prefixes, self.ignored_weight_substrings
+            self,
+            self.checkpoint_weights(weights),
+            self.stacked_params_mapping,
+            skip_prefixes,
+            self.ignored_weight_substrings,
         )
+
+    def build_decoder(self, model_config: ModelConfig, attn_backend: type[AttentionBackend]) -> nn.Module:
+        return LlamaModel(model_config, attn_backend, self.decoder_options(model_config.hf_config))
+
+    def checkpoint_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """Renames checkpoint tensors to this class's layout where a family's checkpoints differ."""
+        return weights
 
 
 class MistralForCausalLM(LlamaForCausalLM):
