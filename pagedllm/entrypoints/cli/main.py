@@ -2,41 +2,31 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
+
+
+# (subcommand path, module exposing add_cli_args/run, help); modules load only when the CLI starts.
+_COMMANDS = (
+    (("generate",), "pagedllm.entrypoints.cli.generate", "continue prompts, streaming the text (default model: Gemma 3 270M)"),
+    (("chat",), "pagedllm.entrypoints.cli.chat", "interactive chat through the model's chat template"),
+    (("serve",), "pagedllm.entrypoints.openai.cli_args", "OpenAI-compatible HTTP server"),
+    (("bench", "throughput"), "pagedllm.benchmarks.throughput", "offline throughput on random prompts"),
+    (("bench", "latency"), "pagedllm.benchmarks.latency", "time to first token and per output token, per batch size"),
+    (("bench", "serve"), "pagedllm.benchmarks.serve", "load-test a running server with streaming requests"),
+)
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="Fast, exact LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    from pagedllm.benchmarks import throughput
-    from pagedllm.entrypoints.cli import chat, generate
-
-    gen = sub.add_parser("generate", help="continue prompts, streaming the text (default model: Gemma 3 270M)")
-    generate.add_cli_args(gen)
-    gen.set_defaults(func=generate.run)
-    ch = sub.add_parser("chat", help="interactive chat through the model's chat template")
-    chat.add_cli_args(ch)
-    ch.set_defaults(func=chat.run)
-
-    tp = bench.add_parser("throughput", help="offline throughput on random prompts")
-    throughput.add_cli_args(tp)
-    tp.set_defaults(func=throughput.run)
-    from pagedllm.benchmarks import latency
-
-    lt = bench.add_parser("latency", help="time to first token and per output token, per batch size")
-    latency.add_cli_args(lt)
-    lt.set_defaults(func=latency.run)
-    from pagedllm.benchmarks import serve as bench_serve
-    from pagedllm.entrypoints.openai import cli_args as serve_args
-
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve_args.add_cli_args(sv)
-    sv.set_defaults(func=serve_args.run)
-    bs = bench.add_parser("serve", help="load-test a running server with streaming requests")
-    bench_serve.add_cli_args(bs)
-    bs.set_defaults(func=bench_serve.run)
+    for path, module_name, help_text in _COMMANDS:
+        module = importlib.import_module(module_name)
+        cmd = (bench if path[0] == "bench" else sub).add_parser(path[-1], help=help_text)
+        module.add_cli_args(cmd)
+        cmd.set_defaults(func=module.run)
     return parser
 
 
