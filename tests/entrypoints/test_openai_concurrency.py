@@ -96,7 +96,8 @@ def test_non_streaming_disconnect_aborts(completions_server):
     before = _metric(_metrics(completions_server), "pagedllm:request_success_total", 'finished_reason="abort"')
     body = {"model": MODEL, "prompt": "Long one", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
     try:
-        httpx.post(f"{completions_server.url}/v1/completions", json=body, headers=completions_server.headers, timeout=0.5)
+        # 240 tokens take far longer than 0.1 s; the client leaves while the request runs.
+        httpx.post(f"{completions_server.url}/v1/completions", json=body, headers=completions_server.headers, timeout=0.1)
     except httpx.TimeoutException:
         pass  # the client gave up and closed the connection while the request was running
     deadline = time.monotonic() + 30
