@@ -88,12 +88,7 @@ class ParallelLMHead(VocabEmbedding):
         hidden_states: torch.Tensor,  # [N, E]
         soft_cap: float | None = None,
     ) -> torch.Tensor:  # [N, vocab] float32
-        if hidden_states.device.type == "cpu" and self.bias is None and hidden_states.dim() == 2:
-            # CPU BLAS blocks weight @ hidden^T (vocab rows outer) 1.3-2x faster than linear() for a
-            # large vocabulary and a small batch; the transposed view costs no copy.
-            logits = torch.matmul(self.weight, hidden_states.t()).t()
-        else:
-            logits = F.linear(hidden_states, self.weight, self.bias)
+        logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, logits)
