@@ -56,8 +56,9 @@ def serve_run(args, prompts) -> dict:
         summary, _ = asyncio.run(benchmark(bargs))
         return summary
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
 
 
 def offline_run(args, prompts) -> dict:

@@ -195,10 +195,15 @@ def run_server(args: argparse.Namespace) -> None:
 
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
+    default_name = None
     if not args.model:
-        raise ValueError("no model given: pagedllm serve MODEL (or --model MODEL)")
+        # Like `pagedllm generate`, serve the default model when none is named.
+        from pagedllm.model_loader.default_model import default_model_path
+
+        args.model = default_model_path()
+        default_name = os.path.splitext(os.path.basename(args.model))[0]
     engine_args = EngineArgs.from_cli_args(args)
-    names = args.served_model_name or [engine_args.model]
+    names = args.served_model_name or [default_name or engine_args.model]
     api_keys = list(args.api_key or [])
     if os.environ.get("PAGEDLLM_API_KEY"):
         api_keys.append(os.environ["PAGEDLLM_API_KEY"])
