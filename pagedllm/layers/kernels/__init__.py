@@ -1,0 +1,1 @@
+"""Fused Triton kernels for the decoder layer's small elementwise ops (RMSNorm, gated activations, rotary), used on CUDA only."""

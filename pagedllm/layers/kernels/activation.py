@@ -1,0 +1,54 @@
+"""Triton gated activations ``act(gate) * up`` over a fused ``[gate | up]`` row: SiLU and GELU (tanh or erf) in one kernel."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _act_and_mul_kernel(
+    x_ptr,  # [T, 2F], last dim contiguous
+    out_ptr,  # [T, F] contiguous
+    n_cols,  # F
+    stride_xt,
+    ACT: tl.constexpr,  # 0 silu, 1 gelu tanh, 2 gelu erf
+    BLOCK: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    mask = cols < n_cols
+    g_raw = tl.load(x_ptr + tok * stride_xt + cols, mask=mask, other=0.0)  # [BLOCK] input dtype
+    u = tl.load(x_ptr + tok * stride_xt + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    g = g_raw.to(tl.float32)
+    if ACT == 0:
+        a = g / (1.0 + tl.exp(-g))
+    elif ACT == 1:
+        # sqrt(2/pi) and 0.044715: the constants of torch's tanh GELU.
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        # tanh(y) = 1 - 2 / (exp(2y) + 1): exact limits at +-inf, no libdevice needed.
+        t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+        a = 0.5 * g * (1.0 + t)
+    else:
+        a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    # torch rounds act(gate) to the input dtype before the multiply, then rounds the product.
+    a = a.to(g_raw.dtype).to(tl.float32)
+    tl.store(out_ptr + tok * n_cols + cols, (a * u).to(g_raw.dtype), mask=mask)
+
+
+_ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+
+
+def usable(x: torch.Tensor) -> bool:
+    return x.dtype in SUPPORTED_DTYPES and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] % 2 == 0 and x.numel() > 0
+
+
+def act_and_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:  # x [T, 2F] -> [T, F]
+    tokens, n_cols = x.shape[0], x.shape[1] // 2
+    out = torch.empty((tokens, n_cols), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(n_cols))
+    grid = (tokens, triton.cdiv(n_cols, block))
+    _act_and_mul_kernel[grid](x, out, n_cols, x.stride(0), ACT=_ACTS[act], BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,110 @@
+"""Triton RMSNorm with an optional fused residual add: one kernel instead of ~9 torch ops per norm.
+
+The op order is ``pagedllm.layers.norm``'s: the residual add rounds to the input dtype, the
+statistics are float32, the normalized row is cast back before a Llama weight multiply (in the
+input dtype) or kept float32 through a Gemma ``(1 + w)`` multiply and cast after.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr,  # [R0, R1, H] (or [R0, H] with R1 = 1), last dim contiguous
+    res_ptr,  # [R0, R1, H] like x; unused without HAS_RESIDUAL
+    w_ptr,  # [H] contiguous
+    out_ptr,  # [R0 * R1, H] contiguous
+    res_out_ptr,  # [R0 * R1, H] contiguous; unused without HAS_RESIDUAL
+    n_inner,  # R1: rows per outer index (heads for q/k norm, 1 for hidden states)
+    stride_x0, stride_x1,
+    stride_r0, stride_r1,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    GEMMA: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # next power of two >= hidden: the whole row is one tile
+):
+    row = tl.program_id(0)
+    i0 = row // n_inner
+    i1 = row % n_inner
+    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    mask = cols < hidden
+    x = tl.load(x_ptr + i0 * stride_x0 + i1 * stride_x1 + cols, mask=mask, other=0.0)  # [BLOCK_H] input dtype
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + i0 * stride_r0 + i1 * stride_r1 + cols, mask=mask, other=0.0)
+        # torch adds half tensors in float32 and rounds once; the new residual is that rounded sum.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * hidden + cols, x, mask=mask)
+    xf = x.to(tl.float32)  # [BLOCK_H]
+    var = tl.sum(xf * xf, axis=0) / hidden
+    normed = xf * (1.0 / tl.sqrt(var + eps))  # [BLOCK_H] float32
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    if GEMMA:
+        out = normed * (1.0 + w.to(tl.float32))
+    else:
+        # Llama casts the normalized row first, then multiplies in the input dtype (one rounding each).
+        out = w.to(tl.float32) * normed.to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * hidden + cols, out.to(x.dtype), mask=mask)
+
+
+def _rows_view(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int] | None:
+    """(tensor, outer stride, inner stride, inner count) addressing t's rows, or None if not expressible."""
+    if t.stride(-1) != 1:
+        return None
+    if t.dim() == 1:
+        return t, 0, 0, 1
+    if t.dim() == 2:
+        return t, t.stride(0), 0, 1
+    if t.dim() == 3:
+        return t, t.stride(0), t.stride(1), t.shape[1]
+    return None
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether the kernel computes exactly the torch path's op order for these tensors."""
+    ok = (
+        x.dtype in SUPPORTED_DTYPES
+        and weight.dtype == x.dtype  # otherwise torch type-promotes the product
+        and weight.dim() == 1
+        and weight.is_contiguous()
+        and x.numel() > 0
+        and _rows_view(x) is not None
+    )
+    if residual is not None:
+        ok = ok and residual.shape == x.shape and residual.dtype == x.dtype and _rows_view(residual) is not None
+    return ok
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., H] (at most 3 dims), last dim contiguous
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # like x
+    gemma: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # out [..., H] (and new residual [..., H])
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden
+    xv, sx0, sx1, n_inner = _rows_view(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        rv, sr0, sr1, _ = _rows_view(residual)
+        res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        rv, sr0, sr1, res_out = xv, 0, 0, out
+    block = triton.next_power_of_2(hidden)
+    # Wide rows (hidden states) get more warps so each thread holds a few elements; head-dim rows need few.
+    num_warps = 8 if block >= 4096 else (4 if block >= 1024 else (2 if block >= 256 else 1))
+    _rmsnorm_kernel[(rows,)](
+        xv, rv, weight, out, res_out,
+        n_inner, sx0, sx1, sr0, sr1, hidden, eps,
+        HAS_RESIDUAL=residual is not None,
+        GEMMA=gemma,
+        BLOCK_H=block,
+        num_warps=num_warps,
+    )
+    return out if residual is None else (out, res_out)
