@@ -1,6 +1,7 @@
 """The fused RMSNorm, gated-activation and rotary Triton kernels against the torch layers; on CPU they run in Triton's interpreter."""
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 
@@ -47,9 +48,11 @@ def _tol(dtype: torch.dtype) -> dict:
 
 
 def _ref(module: torch.nn.Module, *args):
-    """The layer's output; on CPU that is its torch path, the reference (the CUDA dispatch does not apply)."""
+    """The layer's torch path, the reference: run on CPU copies, where the CUDA dispatch does not apply."""
+    cpu_args = [a.detach().cpu().clone() if isinstance(a, torch.Tensor) else a for a in args]
     with torch.no_grad():
-        return module(*args)
+        out = copy.deepcopy(module).cpu()(*cpu_args)
+    return tuple(o.to(DEVICE) for o in out) if isinstance(out, tuple) else out.to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -74,12 +77,12 @@ def test_rmsnorm(dtype, hidden, with_residual, gemma):
 def test_rmsnorm_strided_heads():
     """q/k norm: [T, H, D] views into a fused qkv row, normalized per head."""
     torch.manual_seed(0)
-    layer = RMSNorm(48, eps=1e-6)
+    layer = RMSNorm(48, eps=1e-6).to(DEVICE)
     layer.weight.data.normal_()
     qkv = torch.randn(3, 7 * 48 + 16, device=DEVICE)
     q = qkv[:, : 4 * 48].unflatten(-1, (4, 48))
     assert norm_k.usable(q, layer.weight)
-    torch.testing.assert_close(norm_k.rms_norm(q, layer.weight, layer.eps), _ref(layer.to(DEVICE), q), **_tol(torch.float32))
+    torch.testing.assert_close(norm_k.rms_norm(q, layer.weight, layer.eps), _ref(layer, q), **_tol(torch.float32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -110,7 +113,7 @@ def test_rotary_in_place(dtype, head_size, rotary_dim, hq, hkv, three_d, scaling
     if three_d:
         q, k = q.unflatten(-1, (hq, head_size)), k.unflatten(-1, (hkv, head_size))
     v_before = qkv[:, (hq + hkv) * head_size :].clone()
-    ref_q, ref_k = _ref(rope, positions, q.clone(), k.clone())
+    ref_q, ref_k = _ref(rope, positions, q, k)
     assert rot_k.usable(q, k, positions, head_size, True)
     got_q, got_k = rot_k.rotary_neox_(positions, q, k, rope.inv_freq, head_size, scaling)
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
