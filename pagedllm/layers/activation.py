@@ -8,6 +8,11 @@ from torch import nn
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2F] -> [T, F]
+        if x.is_cuda:
+            from pagedllm.layers.kernels import activation as kernel  # one launch instead of two
+
+            if kernel.usable(x):
+                return kernel.act_and_mul(x, "silu")
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -22,6 +27,11 @@ class GeluAndMul(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2F] -> [T, F]
+        if x.is_cuda:
+            from pagedllm.layers.kernels import activation as kernel  # one launch instead of two
+
+            if kernel.usable(x):
+                return kernel.act_and_mul(x, "gelu_tanh" if self.approximate == "tanh" else "gelu")
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up
 
