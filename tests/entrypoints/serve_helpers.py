@@ -109,13 +109,23 @@ class Server:
         pytest.fail(f"server {self.name} not ready after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
 
     def core_pid(self) -> int:
-        """The engine-core child process (a multiprocessing spawn child, not the resource tracker)."""
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            for pid in (task / "children").read_text().split():
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-                    return int(pid)
-        raise AssertionError(f"no engine-core child of {self.proc.pid}")
+        """The engine-core child process (a multiprocessing spawn child, not the resource tracker).
+
+        Found by parent pid in /proc/*/stat, which names the parent process whichever of its
+        threads started the child (the per-thread `children` lists miss those of exited threads).
+        """
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:  # the process ended while we looked
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == self.proc.pid and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                return int(entry.name)
+        raise AssertionError(f"no live engine-core child of {self.proc.pid}:\n{self.log_tail()}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

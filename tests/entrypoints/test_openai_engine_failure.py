@@ -64,10 +64,13 @@ def _kill_engine_and_check(chat_server):
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
         assert r.status_code == 200
         lines = []
+        killed = False
         for line in r.iter_lines():
             lines.append(line)
-            if len([ln for ln in lines if ln.startswith("data: ")]) == 2:
+            # Kill once: the blank separator lines that follow must not trigger a second look-up.
+            if not killed and len([ln for ln in lines if ln.startswith("data: ")]) == 2:
                 os.kill(chat_server.core_pid(), signal.SIGKILL)  # both requests are running now
+                killed = True
         events = sse_events(lines)
     thread.join(120)
     assert events[-1] == "[DONE]"
