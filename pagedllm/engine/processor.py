@@ -113,5 +113,3 @@ class Processor:
         if bad:
             raise ValueError(f"prompt_token_ids holds token id {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})")
         params.verify_vocab(self.vocab_size)
-        if params.prompt_logprobs is not None and len(ids) < 1:
-            raise ValueError("prompt_logprobs needs a prompt of at least 1 token")
