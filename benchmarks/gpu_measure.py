@@ -1,0 +1,245 @@
+"""GPU measurement helpers for the H200 benchmarks: copy bandwidth, per-step recording, roofline, profiles."""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+
+# ---- workloads ---------------------------------------------------------------------------------------
+def workload_qwen(vocab: int, n: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) pairs: lengths uniform in [lo, hi], ids uniform above the special tokens."""
+    rng = random.Random(seed)
+    lens = [(rng.randint(lo, hi), rng.randint(lo, hi)) for _ in range(n)]
+    return [([rng.randrange(min(1000, vocab // 4), vocab) for _ in range(i)], o) for i, o in lens]
+
+
+def workload_fixed(vocab: int, n: int, input_len: int, output_len: int, seed: int = 1) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(min(1000, vocab // 4), vocab) for _ in range(input_len)], output_len) for _ in range(n)]
+
+
+def copy_bandwidth_bytes_per_s(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy rate counting bytes read plus written (the DEVICE.md convention)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return float("nan")
+    src = torch.randn(nbytes // 4, device="cuda")  # random data, never zeros
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times)
+
+
+class StepRecorder:
+    """Wraps the engine's step and the executor's execute_model of one LLM to time every step."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        core = llm.llm_engine.engine_core
+        self.runner = core.executor.worker.model_runner
+        self.steps: list[dict] = []
+        self.enabled = False
+        exec_fn, step_fn = core.executor.execute_model, llm.llm_engine.step
+        sync = _cuda_sync()
+
+        def timed_execute(so):
+            t0 = time.perf_counter()
+            out = exec_fn(so)
+            self._exec = time.perf_counter() - t0
+            return out
+
+        def timed_step():
+            self._exec = 0.0
+            self.runner.last_step = None
+            t0 = time.perf_counter()
+            out = step_fn()
+            sync()
+            dt = time.perf_counter() - t0
+            info = self.runner.last_step
+            if self.enabled and info is not None:
+                self.steps.append(
+                    dict(reqs=info.num_reqs, tokens=info.num_tokens, ctx=info.context_tokens,
+                         graph=info.graph_size, runner_s=self._exec, step_s=dt)
+                )
+            return out
+
+        core.executor.execute_model = timed_execute
+        llm.llm_engine.step = timed_step
+
+
+def _cuda_sync():
+    import torch
+
+    return torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+
+def weight_bytes_read(llm) -> int:
+    """Bytes of parameters a decode step reads: all of them but an untied input embedding (row gathers)."""
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    model = runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.model.embed_tokens.weight
+    if not getattr(model, "tie_word_embeddings", False):
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def decode_roofline(steps: list[dict], weight_bytes: int, kv_bytes_per_token: int, bw: float, full_batch: int) -> dict:
+    """Roofline fraction of pure-decode steps, over their runner time (forward + sampling) and whole step time."""
+    dec = [s for s in steps if s["tokens"] == s["reqs"]]
+    if not dec:
+        return {}
+
+    def frac(sel, key):
+        if not sel:
+            return None
+        moved = sum(weight_bytes + s["ctx"] * kv_bytes_per_token for s in sel)
+        return moved / sum(s[key] for s in sel) / bw
+
+    full = [s for s in dec if s["reqs"] == full_batch]
+    return {
+        "decode_steps": len(dec),
+        "full_batch_steps": len(full),
+        "roofline_runner_all": frac(dec, "runner_s"),
+        "roofline_step_all": frac(dec, "step_s"),
+        "roofline_runner_full_batch": frac(full, "runner_s"),
+        "roofline_step_full_batch": frac(full, "step_s"),
+        "median_runner_ms_full_batch": 1e3 * statistics.median([s["runner_s"] for s in full]) if full else None,
+        "median_step_ms_full_batch": 1e3 * statistics.median([s["step_s"] for s in full]) if full else None,
+        "median_ctx_full_batch": statistics.median([s["ctx"] for s in full]) if full else None,
+        "decode_time_s": sum(s["step_s"] for s in dec),
+        "decode_runner_time_s": sum(s["runner_s"] for s in dec),
+        "all_steps": len(steps),
+        "all_step_time_s": sum(s["step_s"] for s in steps),
+    }
+
+
+def run_generate(llm, reqs: list[tuple[list[int], int]], recorder: StepRecorder | None = None) -> dict:
+    from pagedllm import SamplingParams
+
+    llm.llm_engine.engine_core.reset_prefix_cache()
+    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o, detokenize=False) for _, o in reqs]
+    if recorder is not None:
+        recorder.steps.clear()
+        recorder.enabled = True
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    if recorder is not None:
+        recorder.enabled = False
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    want = sum(o for _, o in reqs)
+    if num_out != want:
+        raise RuntimeError(f"generated {num_out} tokens, requested {want}")
+    return {
+        "num_prompts": len(reqs),
+        "input_tokens": sum(len(p) for p, _ in reqs),
+        "output_tokens": num_out,
+        "elapsed_s": elapsed,
+        "output_tok_per_s": num_out / elapsed,
+    }
+
+
+def warm_up(llm) -> None:
+    """Triton specialises integer arguments (== 1, multiple of 16, other): batches of 16 and 17 requests
+    compile the prefill/mixed kernels' remaining variants here instead of inside a timed run."""
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    for n in (16, 17):
+        run_generate(llm, workload_fixed(vocab, n, 64, 4, seed=7 + n))
+
+
+def make_llm(model: str, smoke: bool, **kw):
+    from pagedllm import LLM
+
+    args = dict(model=model, load_format="dummy", skip_tokenizer_init=True, seed=0, max_model_len=2048, max_num_seqs=256)
+    if smoke:
+        args.update(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=8)
+    else:
+        args.update(dtype="bfloat16")
+    args.update(kw)
+    return LLM(**args)
+
+
+def startup_report(llm) -> dict:
+    worker = llm.llm_engine.engine_core.executor.worker
+    mem = worker.memory
+    g = 1 << 30
+    cfg = llm.llm_engine.config
+    blocks = llm.llm_engine.engine_core.num_blocks
+    return {
+        "phases_s": dict(worker.startup.phases),
+        "memory_gib": {k: getattr(mem, k) / g for k in ("total", "usable", "weights", "activations", "sampler",
+                                                        "graph_pool", "non_torch", "kv_cache")},
+        "kv_blocks": blocks,
+        "max_len_sequences_fit": blocks * cfg.cache_config.block_size / cfg.model_config.max_model_len,
+        "graph_sizes": list(worker.model_runner.graph_runner.sizes) if worker.model_runner.graph_runner else [],
+    }
+
+
+def kernel_profile(llm, batch: int, input_len: int, steps: int, eager: bool) -> dict:
+    """Device time per kernel class over a few decode steps (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedllm import SamplingParams
+
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    reqs = workload_fixed(vocab, batch, input_len, steps + 1, seed=99)
+    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
+    saved = runner.use_cuda_graphs
+    runner.use_cuda_graphs = not eager
+    try:
+        # Prefill outside the profile: run once with 1 token, then profile a run whose decode dominates.
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 1, detokenize=False)
+        llm.generate(prompts, params, use_tqdm=False)
+        llm.llm_engine.engine_core.reset_prefix_cache()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    finally:
+        runner.use_cuda_graphs = saved
+    classes: dict[str, list[float]] = {}
+    for evt in prof.key_averages():
+        dev_us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
+        if dev_us <= 0:
+            continue
+        name = evt.key.lower()
+        if "paged_attention" in name or "reduce_splits" in name:
+            cls = "attention"
+        elif "reshape_and_cache" in name:
+            cls = "kv_write"
+        elif any(s in name for s in ("gemm", "gemv", "cutlass", "nvjet", "sm90", "xmma", "cublas", "splitk")):
+            cls = "matmul"
+        elif "memcpy" in name or "memset" in name:
+            cls = "copy"
+        else:
+            cls = "elementwise/other"
+        c = classes.setdefault(cls, [0.0, 0])
+        c[0] += dev_us
+        c[1] += evt.count
+    total_steps = steps + 1
+    return {
+        "eager": eager,
+        "batch": batch,
+        "per_step_device_us": {k: v[0] / total_steps for k, v in classes.items()},
+        "per_step_kernels": {k: v[1] / total_steps for k, v in classes.items()},
+        "top": [(e.key[:60], getattr(e, "self_device_time_total", 0), e.count)
+                for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, "self_device_time_total", 0))[:12]],
+    }
+
+
