@@ -12,18 +12,8 @@ from pagedllm.attention.metadata import AttentionMetadata
 class TritonImpl(AttentionImpl):
     """Same contract as the torch_ref backend; rows past ``num_actual_tokens`` come back as zeros."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap)
-        # None lets the kernel's heuristic pick; tests and benchmarks pin 1 or a partition count.
-        self.num_splits: int | None = None
+    # None lets the kernel's heuristic pick; tests and benchmarks pin 1 or a partition count per instance.
+    num_splits: int | None = None
 
     def forward(
         self,
