@@ -31,7 +31,7 @@ _WORDS = (
 
 @dataclass
 class BenchPrompt:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (a /v1/completions token prompt)
     output_len: int
 
 
@@ -191,15 +191,21 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
     }
 
 
-async def benchmark(args: argparse.Namespace) -> tuple[dict, list[RequestResult]]:
+async def benchmark(
+    args: argparse.Namespace, prompts: list[BenchPrompt] | None = None
+) -> tuple[dict, list[RequestResult]]:
+    """Runs the load test; `prompts` (e.g. token ids shared with an offline run) replaces the dataset flags."""
     import httpx
 
     slos = parse_goodput(args.goodput)
-    prompts = make_prompts(args.dataset, args.num_prompts, args.input_len, args.output_len, args.random_range_ratio, args.seed)
+    if prompts is None:
+        prompts = make_prompts(args.dataset, args.num_prompts, args.input_len, args.output_len, args.random_range_ratio, args.seed)
     delays = arrival_delays(len(prompts), args.request_rate, args.burstiness, random.Random(args.seed + 1))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     base = args.base_url.rstrip("/")
     chat = "chat" in args.endpoint
+    if chat and any(not isinstance(p.prompt, str) for p in prompts):
+        raise ValueError("token-id prompts need the /v1/completions endpoint")
     limit = args.max_concurrency or len(prompts)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit)) as client:
         model = args.model
