@@ -98,11 +98,21 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
-        if self.q_norm is not None:
-            q = self.q_norm(q.unflatten(-1, (-1, self.head_size)))
-            k = self.k_norm(k.unflatten(-1, (-1, self.head_size)))
-        q, k = self.rotary_emb(positions, q, k)
+        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))  # views of one [T, q + 2 kv] output
+        use_fused = False
+        if self.q_norm is not None and q.is_cuda:
+            # One Triton launch normalizing and rotating q and k in place in the qkv output, instead of
+            # two norm launches writing copies and a rotary launch over them (kernels/qk_norm_rotary.py).
+            from pagedllm.layers.kernels import qk_norm_rotary as fused
+
+            use_fused = fused.modules_usable(positions, q, k, self.q_norm, self.k_norm, self.rotary_emb)
+        if use_fused:
+            q, k = fused.apply_(positions, q, k, self.q_norm, self.k_norm, self.rotary_emb)
+        else:
+            if self.q_norm is not None:
+                q = self.q_norm(q.unflatten(-1, (-1, self.head_size)))
+                k = self.k_norm(k.unflatten(-1, (-1, self.head_size)))
+            q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q.flatten(1), k.flatten(1), v, kv_cache, attn_metadata)
         return self.o_proj(out)
 

@@ -1,0 +1,251 @@
+"""One Triton launch for Qwen3/Gemma 3 per-head q/k RMSNorm then neox rotary, in place on the q and k slices of the qkv output.
+
+It replaces what the decoder otherwise runs per layer on CUDA: two RMSNorm launches (each writing a
+fresh ``[T, H, D]`` copy of q or k) and one rotary launch over those copies. Here every head is read
+once from the fused qkv projection output, normalized and rotated in registers, and written back
+over itself, so q and k stay strided views of that output and no copy is made.
+
+The op order is the torch path's (``pagedllm.layers.norm`` then ``pagedllm.layers.rotary``):
+float32 statistics; Llama casts the normalized head to the activation dtype and multiplies by the
+weight in that dtype, Gemma multiplies by ``1 + w`` in float32 and casts after; then
+``freqs = pos * inv_freq`` in float32, ``cos/sin * attention_scaling`` rounded to the activation
+dtype, and ``x*cos + rotate_half(x)*sin`` with each product and the sum rounded to that dtype.
+Channels past ``rotary_dim`` (partial rotary) are normalized but not rotated.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.layers.kernels.rotary import _heads_view
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _weighted(normed, w, x_ptr, GEMMA: tl.constexpr):
+    # normed, w: float32 tiles; x_ptr only names the activation dtype (a pointer, not a dtype object,
+    # is what a nested jit call takes portably). Returns float32 holding the torch path's dt-rounded value.
+    dt = x_ptr.dtype.element_ty
+    if GEMMA:
+        out = normed * (1.0 + w)
+    else:
+        # Llama: normalized values are cast first, then multiplied in the activation dtype (one rounding each).
+        out = w * normed.to(dt).to(tl.float32)
+    return out.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _norm_rotate_heads(
+    base_ptr,  # this token's row of q or k: [num_heads, stride_h], head channels contiguous
+    w_ptr,  # [D] norm weight, contiguous
+    h0,  # first head of this program's tile
+    num_heads,
+    stride_h,
+    eps,
+    head_size,  # D
+    half,  # rotary_dim / 2
+    cos, sin,  # [1, HALF_P2] float32, already rounded to the activation dtype
+    GEMMA: tl.constexpr,
+    HAS_REST: tl.constexpr,  # partial rotary: channels [2*half, D) pass through unrotated
+    HALF_P2: tl.constexpr,
+    REST_P2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    dims = tl.arange(0, HALF_P2)[None, :]  # [1, HALF_P2]
+    heads = h0 + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+    hmask = heads < num_heads
+    dmask = dims < half
+    mask = hmask & dmask  # [BLOCK_H, HALF_P2]
+    # The head is read as its two rotary halves (and the pass-through rest), so rotate_half needs
+    # no register shuffle and every element is loaded exactly once.
+    p1 = base_ptr + heads * stride_h + dims  # [BLOCK_H, HALF_P2]
+    x1_raw = tl.load(p1, mask=mask, other=0.0)
+    dt = x1_raw.dtype
+    x1 = x1_raw.to(tl.float32)
+    x2 = tl.load(p1 + half, mask=mask, other=0.0).to(tl.float32)
+    sumsq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [BLOCK_H]
+    if HAS_REST:
+        rdims = tl.arange(0, REST_P2)[None, :]  # [1, REST_P2]
+        rmask = hmask & (rdims < head_size - 2 * half)
+        pr = base_ptr + heads * stride_h + 2 * half + rdims  # [BLOCK_H, REST_P2]
+        xr = tl.load(pr, mask=rmask, other=0.0).to(tl.float32)
+        sumsq += tl.sum(xr * xr, axis=1)
+    # Same expression as the rmsnorm kernel: mean of squares over the whole head, then 1/sqrt.
+    rstd = (1.0 / tl.sqrt(sumsq / head_size + eps))[:, None]  # [BLOCK_H, 1] float32
+
+    w1 = tl.load(w_ptr + dims, mask=dmask, other=0.0).to(tl.float32)  # [1, HALF_P2]
+    w2 = tl.load(w_ptr + half + dims, mask=dmask, other=0.0).to(tl.float32)
+    n1 = _weighted(x1 * rstd, w1, base_ptr, GEMMA)  # [BLOCK_H, HALF_P2], dt-rounded values in float32
+    n2 = _weighted(x2 * rstd, w2, base_ptr, GEMMA)
+    # rot*cos + cat(-x2, x1)*sin, each product and the sum rounded like torch's half ops (kernels/rotary.py).
+    a1 = (n1 * cos).to(dt).to(tl.float32)
+    b1 = (-n2 * sin).to(dt).to(tl.float32)
+    a2 = (n2 * cos).to(dt).to(tl.float32)
+    b2 = (n1 * sin).to(dt).to(tl.float32)
+    tl.store(p1, (a1 + b1).to(dt), mask=mask)
+    tl.store(p1 + half, (a2 + b2).to(dt), mask=mask)
+    if HAS_REST:
+        wr = tl.load(w_ptr + 2 * half + rdims, mask=rdims < head_size - 2 * half, other=0.0).to(tl.float32)
+        tl.store(pr, _weighted(xr * rstd, wr, base_ptr, GEMMA).to(dt), mask=rmask)
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(
+    pos_ptr,  # [T] int
+    inv_freq_ptr,  # [R/2] float32
+    q_ptr,  # [T, Hq, D] addressed by strides, head channels contiguous; rewritten in place
+    k_ptr,  # [T, Hkv, D] likewise
+    qw_ptr,  # [D] q_norm weight
+    kw_ptr,  # [D] k_norm weight
+    num_q_heads, num_k_heads,
+    stride_qt, stride_qh,
+    stride_kt, stride_kh,
+    q_eps, k_eps,
+    head_size,
+    half,  # R/2
+    scaling,
+    num_q_blocks,  # cdiv(Hq, BLOCK_H): tiles 0..num_q_blocks-1 of axis 1 are q, the rest k
+    GEMMA: tl.constexpr,
+    HAS_REST: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    REST_P2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # int64: tok * stride_qt passes 2**31 for long prefills of wide models.
+    tok = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    dims = tl.arange(0, HALF_P2)  # [HALF_P2]
+    pos = tl.load(pos_ptr + tok).to(tl.float32)
+    inv = tl.load(inv_freq_ptr + dims, mask=dims < half, other=0.0)
+    freqs = pos * inv  # [HALF_P2] float32
+    dt = q_ptr.dtype.element_ty
+    cos = (tl.cos(freqs) * scaling).to(dt).to(tl.float32)[None, :]  # [1, HALF_P2]
+    sin = (tl.sin(freqs) * scaling).to(dt).to(tl.float32)[None, :]
+    # A tile of heads, not a whole token, per program: small decode batches get several programs a token.
+    if blk < num_q_blocks:
+        _norm_rotate_heads(
+            q_ptr + tok * stride_qt, qw_ptr, blk * BLOCK_H, num_q_heads, stride_qh, q_eps, head_size, half,
+            cos, sin, GEMMA, HAS_REST, HALF_P2, REST_P2, BLOCK_H,
+        )
+    else:
+        _norm_rotate_heads(
+            k_ptr + tok * stride_kt, kw_ptr, (blk - num_q_blocks) * BLOCK_H, num_k_heads, stride_kh, k_eps,
+            head_size, half, cos, sin, GEMMA, HAS_REST, HALF_P2, REST_P2, BLOCK_H,
+        )
+
+
+def _weight_ok(weight: torch.Tensor, x: torch.Tensor, head_size: int, gemma: bool) -> bool:
+    return (
+        weight.dim() == 1
+        and weight.numel() == head_size
+        and weight.is_contiguous()
+        and weight.device == x.device
+        # Llama multiplies in the weight's dtype, so another dtype would make torch type-promote;
+        # Gemma casts the weight to float32 anyway.
+        and (weight.dtype in SUPPORTED_DTYPES if gemma else weight.dtype == x.dtype)
+    )
+
+
+def usable(
+    positions: torch.Tensor,  # [T] int
+    query: torch.Tensor,  # [T, Hq*D] or [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv*D] or [T, Hkv, D]
+    q_weight: torch.Tensor,  # [D]
+    k_weight: torch.Tensor,  # [D]
+    inv_freq: torch.Tensor,  # [R/2] float32
+    head_size: int,
+    is_neox_style: bool,
+    gemma: bool,
+) -> bool:
+    """Whether the kernel computes the torch path's result for these tensors (else use the torch path)."""
+    return (
+        is_neox_style
+        and query.dtype in SUPPORTED_DTYPES
+        and key.dtype == query.dtype
+        and positions.dim() == 1
+        and not positions.is_floating_point()
+        and query.shape[0] == key.shape[0] == positions.shape[0]
+        and query.shape[0] > 0
+        and query.device == key.device == positions.device == inv_freq.device
+        and inv_freq.dtype == torch.float32
+        and inv_freq.dim() == 1
+        and inv_freq.is_contiguous()
+        and 0 < 2 * inv_freq.numel() <= head_size
+        and _weight_ok(q_weight, query, head_size, gemma)
+        and _weight_ok(k_weight, query, head_size, gemma)
+        and _heads_view(query, head_size) is not None
+        and _heads_view(key, head_size) is not None
+    )
+
+
+def modules_usable(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_norm, k_norm, rotary_emb) -> bool:
+    """``usable`` for a layer's ``q_norm``/``k_norm`` (RMSNorm or GemmaRMSNorm, same class) and RotaryEmbedding."""
+    from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    # Exact classes: a subclass could change the weight's application and the kernel would not know.
+    kind = type(q_norm)
+    return (
+        kind in (RMSNorm, GemmaRMSNorm)
+        and type(k_norm) is kind
+        and type(rotary_emb) is RotaryEmbedding
+        and q_norm.hidden_size == k_norm.hidden_size == rotary_emb.head_size
+        and usable(
+            positions, query, key, q_norm.weight, k_norm.weight, rotary_emb.inv_freq,
+            rotary_emb.head_size, rotary_emb.is_neox_style, kind is GemmaRMSNorm,
+        )
+    )
+
+
+def qk_norm_rotary_(
+    positions: torch.Tensor,  # [T] int
+    query: torch.Tensor,  # [T, Hq*D] or [T, Hq, D], last dim contiguous; normalized and rotated in place
+    key: torch.Tensor,  # [T, Hkv*D] or [T, Hkv, D], likewise
+    q_weight: torch.Tensor,  # [D]
+    k_weight: torch.Tensor,  # [D]
+    q_eps: float,
+    k_eps: float,
+    inv_freq: torch.Tensor,  # [R/2] float32, contiguous
+    head_size: int,
+    attention_scaling: float = 1.0,
+    gemma: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (query, key), the same tensors
+    sqt, sqh, hq = _heads_view(query, head_size)
+    skt, skh, hk = _heads_view(key, head_size)
+    half = inv_freq.numel()
+    half_p2 = triton.next_power_of_2(half)
+    rest = head_size - 2 * half
+    rest_p2 = triton.next_power_of_2(rest) if rest > 0 else 1
+    # ~1K head elements per program: 8 heads of 128, 4 of 256; small enough that decode steps get
+    # many programs, large enough that prefill does not drown in tiny ones.
+    block_h = max(1, min(triton.next_power_of_2(max(hq, hk)), 1024 // triton.next_power_of_2(head_size)))
+    num_q_blocks = triton.cdiv(hq, block_h)
+    grid = (query.shape[0], num_q_blocks + triton.cdiv(hk, block_h))
+    _qk_norm_rotary_kernel[grid](
+        positions, inv_freq, query, key, q_weight, k_weight,
+        hq, hk, sqt, sqh, skt, skh,
+        float(q_eps), float(k_eps), head_size, half, float(attention_scaling), num_q_blocks,
+        GEMMA=gemma, HAS_REST=rest > 0, HALF_P2=half_p2, REST_P2=rest_p2, BLOCK_H=block_h,
+        num_warps=4,
+    )
+    return query, key
+
+
+def apply_(
+    positions: torch.Tensor,  # [T] int
+    query: torch.Tensor,  # [T, Hq*D] or [T, Hq, D]; rewritten in place
+    key: torch.Tensor,  # [T, Hkv*D] or [T, Hkv, D]; rewritten in place
+    q_norm,
+    k_norm,
+    rotary_emb,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (query, key), the same tensors
+    """``rotary_emb(positions, q_norm(q), k_norm(k))`` from the layer's modules; check ``modules_usable`` first."""
+    from pagedllm.layers.norm import GemmaRMSNorm
+
+    return qk_norm_rotary_(
+        positions, query, key, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps,
+        rotary_emb.inv_freq, rotary_emb.head_size, rotary_emb.attention_scaling,
+        gemma=type(q_norm) is GemmaRMSNorm,
+    )

@@ -1,0 +1,191 @@
+"""The fused q/k RMSNorm + neox rotary kernel against the torch path (q_norm/k_norm, RotaryEmbedding), interpreted on CPU."""
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+
+import pytest
+import torch
+
+_ON_GPU = torch.cuda.is_available()
+if not _ON_GPU:
+    # Must precede the kernels' import: @triton.jit picks interpreter or compiler when it decorates.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton", reason="triton is not importable; the fused kernels cannot be tested")
+
+from pagedllm.layers.kernels import qk_norm_rotary as qkr_k  # noqa: E402
+from pagedllm.layers.kernels import rotary as rot_k  # noqa: E402
+from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm  # noqa: E402
+from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
+
+if not _ON_GPU:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    # Something imported the kernels before TRITON_INTERPRET was set: decorate them again.
+    for _mod in (rot_k, qkr_k):
+        if not any(isinstance(v, InterpretedFunction) for v in vars(_mod).values()):
+            importlib.reload(_mod)
+
+pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
+
+DEVICE = "cuda" if _ON_GPU else "cpu"
+# The interpreter mishandles bfloat16, so that case runs only compiled, on CUDA.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _ON_GPU else [])
+POSITIONS = [0, 1, 17, 255, 1000, 4095, 32767]
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    # float32 differs in summation order and sqrt/sin/cos ulps; half types by about one rounding step.
+    return {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}.get(
+        dtype, dict(atol=2e-2, rtol=2e-2)
+    )
+
+
+def _assert_matches(got: torch.Tensor, ref: torch.Tensor) -> None:
+    torch.testing.assert_close(got, ref, **_tol(got.dtype))
+    if got.dtype != torch.float32:
+        # One skipped or extra rounding (a different op order) stays within a tolerance of one half
+        # ulp but changes some 10% of the elements; a faithful order changes only the rare element
+        # whose float32 intermediate lands on a rounding boundary (about 0.01% here).
+        changed = (got != ref).float().mean().item()
+        assert changed <= 0.02, f"{changed:.2%} of the elements differ from the torch path"
+
+
+def _layers(head_size: int, rotary_dim: int, dtype: torch.dtype, gemma: bool, scaling: float = 1.0, eps: float = 1e-6):
+    """q_norm, k_norm and rotary embedding as LlamaAttention builds them, with random norm weights."""
+    cls = GemmaRMSNorm if gemma else RMSNorm
+    q_norm, k_norm = cls(head_size, eps, params_dtype=dtype), cls(head_size, eps, params_dtype=dtype)
+    # Gemma stores w as an offset from 1 (near 0); Llama/Qwen3 weights sit around 1.
+    for norm in (q_norm, k_norm):
+        norm.weight.data.normal_(0.0 if gemma else 1.0, 0.5)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    rope = RotaryEmbedding(head_size, inv_freq, scaling)
+    return q_norm.to(DEVICE), k_norm.to(DEVICE), rope.to(DEVICE)
+
+
+def _ref(positions, q, k, q_norm, k_norm, rope, head_size):
+    """LlamaAttention's torch path on CPU copies (where no CUDA dispatch applies): [T, H, D] each."""
+    cpu = [copy.deepcopy(m).cpu() for m in (q_norm, k_norm, rope)]
+    q, k = q.detach().cpu().clone(), k.detach().cpu().clone()
+    with torch.no_grad():
+        q = cpu[0](q.unflatten(-1, (-1, head_size)) if q.dim() == 2 else q)
+        k = cpu[1](k.unflatten(-1, (-1, head_size)) if k.dim() == 2 else k)
+        q, k = cpu[2](positions.cpu(), q, k)
+    return q.to(DEVICE), k.to(DEVICE)
+
+
+def _check(dtype, head_size, rotary_dim, hq, hkv, gemma, three_d, scaling=1.0, pos_dtype=torch.int64):
+    torch.manual_seed(head_size * 7 + hq * 3 + hkv + int(gemma))
+    q_norm, k_norm, rope = _layers(head_size, rotary_dim, dtype, gemma, scaling)
+    positions = torch.tensor(POSITIONS, dtype=pos_dtype, device=DEVICE)
+    tokens = positions.numel()
+    # q and k as the strided views of one fused qkv output that LlamaAttention hands over; a row of
+    # padding past v makes the token stride differ from every slice's width.
+    width = (hq + 2 * hkv) * head_size
+    qkv = (3 * torch.randn(tokens, width + 8, dtype=torch.float32, device=DEVICE)).to(dtype)[:, :width]
+    q, k = qkv[:, : hq * head_size], qkv[:, hq * head_size : (hq + hkv) * head_size]
+    if three_d:
+        q, k = q.unflatten(-1, (hq, head_size)), k.unflatten(-1, (hkv, head_size))
+    assert not q.is_contiguous() and not k.is_contiguous()
+    v_before = qkv[:, (hq + hkv) * head_size :].clone()
+    ref_q, ref_k = _ref(positions, q, k, q_norm, k_norm, rope, head_size)
+
+    assert qkr_k.modules_usable(positions, q, k, q_norm, k_norm, rope)
+    got_q, got_k = qkr_k.apply_(positions, q, k, q_norm, k_norm, rope)
+    # In place: the same views, rewritten inside the qkv output; v untouched.
+    assert got_q is q and got_k is k
+    _assert_matches(got_q if three_d else got_q.unflatten(-1, (-1, head_size)), ref_q)
+    _assert_matches(got_k if three_d else got_k.unflatten(-1, (-1, head_size)), ref_k)
+    torch.testing.assert_close(qkv[:, (hq + hkv) * head_size :], v_before, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama_w", "gemma_1pw"])
+@pytest.mark.parametrize(
+    "head_size,hq,hkv,three_d",
+    # GQA 2:1 and 8:1 (more q heads than one tile holds at D=64), MHA, and MQA.
+    [(64, 4, 2, False), (64, 24, 3, True), (128, 5, 5, False), (128, 16, 2, True), (256, 4, 1, False)],
+)
+def test_matches_torch_path(dtype, gemma, head_size, hq, hkv, three_d):
+    _check(dtype, head_size, head_size, hq, hkv, gemma, three_d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama_w", "gemma_1pw"])
+def test_partial_rotary(dtype, gemma):
+    """Channels past rotary_dim are normalized with the rest of the head but not rotated."""
+    _check(dtype, 128, 64, 4, 2, gemma, False)
+    _check(dtype, 80, 40, 3, 1, gemma, True)  # neither half nor the rest a power of two
+
+
+def test_attention_scaling_and_int32_positions():
+    _check(torch.float16, 64, 64, 4, 2, False, False, scaling=0.75, pos_dtype=torch.int32)
+
+
+def test_not_usable_cases():
+    """Cases the kernel does not compute like the torch path: the caller must fall back."""
+    head_size = 64
+    q_norm, k_norm, rope = _layers(head_size, head_size, torch.float16, False)
+    positions = torch.arange(3, device=DEVICE)
+    qkv = torch.randn(3, 4 * head_size, dtype=torch.float16, device=DEVICE)
+    q, k = qkv[:, : 2 * head_size], qkv[:, 2 * head_size : 3 * head_size]
+    assert qkr_k.modules_usable(positions, q, k, q_norm, k_norm, rope)
+    # A Llama-style weight of another dtype makes torch type-promote the product.
+    assert not qkr_k.modules_usable(positions, q, k, copy.deepcopy(q_norm).float(), k_norm, rope)
+    # A Gemma weight is cast to float32 anyway, so its dtype does not matter.
+    g_q, g_k, _ = _layers(head_size, head_size, torch.float32, True)
+    assert qkr_k.modules_usable(positions, q, k, g_q, g_k, rope)
+    # Mixed norm classes, GPT-J style rotary, a norm of another width, a strided head dim, float positions.
+    assert not qkr_k.modules_usable(positions, q, k, q_norm, g_k, rope)
+    gptj = RotaryEmbedding(head_size, rope.inv_freq.cpu(), is_neox_style=False).to(DEVICE)
+    assert not qkr_k.modules_usable(positions, q, k, q_norm, k_norm, gptj)
+    assert not qkr_k.modules_usable(positions, q, k, RMSNorm(32, params_dtype=torch.float16).to(DEVICE), k_norm, rope)
+    assert not qkr_k.modules_usable(positions, q[:, ::2], k[:, ::2], q_norm, k_norm, rope)
+    assert not qkr_k.modules_usable(positions.float(), q, k, q_norm, k_norm, rope)
+    assert not qkr_k.modules_usable(positions[:0], q[:0], k[:0], q_norm, k_norm, rope)
+    # A subclass might apply its weight differently: only the exact classes are recognized.
+    sub = type("OtherNorm", (RMSNorm,), {})
+    assert not qkr_k.modules_usable(positions, q, k, sub(head_size, params_dtype=torch.float16).to(DEVICE),
+                                    sub(head_size, params_dtype=torch.float16).to(DEVICE), rope)
+
+
+@pytest.mark.skipif(not _ON_GPU, reason="LlamaAttention dispatches to the fused kernel on CUDA only")
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama_w", "gemma_1pw"])
+def test_llama_attention_forward_uses_fused_kernel(gemma, monkeypatch):
+    """LlamaAttention.forward on CUDA: the fused path gives what its unfused torch/Triton path gives."""
+    from pagedllm.attention.registry import get_attn_backend
+    from pagedllm.models.llama import LlamaAttention
+
+    torch.manual_seed(0)
+    dtype, hidden, hq, hkv, d = torch.bfloat16, 256, 8, 2, 128
+    _, _, rope = _layers(d, d, dtype, gemma)
+    layer = LlamaAttention(
+        hidden, hq, hkv, d, rope, get_attn_backend("torch_ref", "cuda"),
+        qk_norm_cls=GemmaRMSNorm if gemma else RMSNorm,
+    ).to(device=DEVICE, dtype=dtype)
+    for norm in (layer.q_norm, layer.k_norm):
+        norm.weight.data.normal_(0.0 if gemma else 1.0, 0.5)
+    layer.qkv_proj.weight.data.normal_(0.0, hidden**-0.5)
+    captured = []
+
+    class Capture(torch.nn.Module):  # stands in for attention: records the q and k it is handed
+        def forward(self, q, k, v, kv_cache, md):
+            captured.append((q.clone(), k.clone()))
+            return q
+
+    monkeypatch.setattr(layer, "attn", Capture())
+    monkeypatch.setattr(layer, "o_proj", torch.nn.Identity())
+    positions = torch.tensor(POSITIONS, device=DEVICE)
+    x = torch.randn(positions.numel(), hidden, dtype=dtype, device=DEVICE)
+    calls = []
+    real_apply = qkr_k.apply_
+    monkeypatch.setattr(qkr_k, "apply_", lambda *a: calls.append(1) or real_apply(*a))
+    layer(positions, x, None, None)
+    assert calls, "the fused kernel was not used"
+    monkeypatch.setattr(qkr_k, "modules_usable", lambda *a: False)
+    layer(positions, x, None, None)
+    (fq, fk), (uq, uk) = captured
+    _assert_matches(fq, uq)
+    _assert_matches(fk, uk)
