@@ -44,14 +44,22 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 4 << 30) -> float:
 
 
 class StepRecorder:
-    """Wraps the engine's step and the executor's execute_model of one LLM to time every step."""
+    """Wraps the engine's step (and the executor's execute_model) of one LLM to time every step.
+
+    Synchronous scheduling: each step is timed to its end on the device, with the runner's share.
+    Asynchronous scheduling: a step call returns the output of the step submitted by the call before,
+    so a step's time is the interval between two returns (the device's pace when it is the bottleneck),
+    and there is no separate runner share: ``runner_s`` repeats ``step_s``.
+    """
 
     def __init__(self, llm) -> None:
         self.llm = llm
         core = llm.llm_engine.engine_core
         self.runner = core.executor.worker.model_runner
+        self.async_mode = core.async_scheduling
         self.steps: list[dict] = []
         self.enabled = False
+        self._last_return: float | None = None
         exec_fn, step_fn = core.executor.execute_model, llm.llm_engine.step
         sync = _cuda_sync()
 
@@ -61,23 +69,37 @@ class StepRecorder:
             self._exec = time.perf_counter() - t0
             return out
 
+        def record(info, runner_s: float, step_s: float) -> None:
+            if self.enabled and info is not None:
+                self.steps.append(
+                    dict(reqs=info.num_reqs, tokens=info.num_tokens, ctx=info.context_tokens,
+                         graph=info.graph_size, runner_s=runner_s, step_s=step_s)
+                )
+
         def timed_step():
+            if self.async_mode:
+                info = self.runner.last_step  # submitted by the previous call; this one returns its output
+                out = step_fn()
+                now = time.perf_counter()
+                if self._last_return is not None:
+                    record(info, now - self._last_return, now - self._last_return)
+                self._last_return = now
+                return out
             self._exec = 0.0
             self.runner.last_step = None
             t0 = time.perf_counter()
             out = step_fn()
             sync()
-            dt = time.perf_counter() - t0
-            info = self.runner.last_step
-            if self.enabled and info is not None:
-                self.steps.append(
-                    dict(reqs=info.num_reqs, tokens=info.num_tokens, ctx=info.context_tokens,
-                         graph=info.graph_size, runner_s=self._exec, step_s=dt)
-                )
+            record(self.runner.last_step, self._exec, time.perf_counter() - t0)
             return out
 
         core.executor.execute_model = timed_execute
         llm.llm_engine.step = timed_step
+
+    def start(self) -> None:
+        self.steps.clear()
+        self._last_return = None
+        self.enabled = True
 
 
 def _cuda_sync():
@@ -134,8 +156,7 @@ def run_generate(llm, reqs: list[tuple[list[int], int]], recorder: StepRecorder 
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o, detokenize=False) for _, o in reqs]
     if recorder is not None:
-        recorder.steps.clear()
-        recorder.enabled = True
+        recorder.start()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0

@@ -98,6 +98,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # Schedule step N+1 while the device runs step N (the runner feeds step N's sampled ids, still on
+    # the device, as step N+1's inputs); outputs then arrive one step later.
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)

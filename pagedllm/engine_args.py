@@ -46,6 +46,8 @@ class EngineArgs:
     download_dir: str | None = None
     attention_backend: str | None = None
     num_gpu_blocks_override: int | None = None
+    # None: on for CUDA (it hides the engine's CPU work behind the device's), off on CPU (nothing to hide).
+    async_scheduling: bool | None = None
 
     # ---- CLI -----------------------------------------------------------------------------------
     @staticmethod
@@ -73,6 +75,10 @@ class EngineArgs:
         parser.add_argument("--download-dir", type=str, default=None)
         parser.add_argument("--attention-backend", type=str, default=None, choices=["torch_ref", "triton"])
         parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        parser.add_argument(
+            "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+            help="overlap scheduling of the next step with the device's current one (default: on for CUDA)",
+        )
         return parser
 
     @classmethod
@@ -145,6 +151,7 @@ class EngineArgs:
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                async_scheduling=device == "cuda" if self.async_scheduling is None else self.async_scheduling,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device_config=DeviceConfig(device=device),

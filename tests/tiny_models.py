@@ -123,3 +123,24 @@ def make_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0) -> str:
                 param.copy_(0.02 * torch.randn(param.shape, generator=gen))
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def make_tiny_model_with_tokenizer(tok_name: str, path: str | os.PathLike) -> str:
+    """A tiny random Llama sized to a real tokenizer's vocabulary, with that tokenizer's files beside it."""
+    import shutil
+
+    from assets import tokenizer_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tdir = tokenizer_dir(tok_name)
+    tok = AutoTokenizer.from_pretrained(tdir)
+    config = tiny_config("llama")
+    config.vocab_size = len(tok)
+    config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    config.pad_token_id = None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    for f in tdir.iterdir():
+        shutil.copy(f, path)
+    return os.fspath(path)

@@ -52,6 +52,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Scheduled steps that will sample a token for this request and whose output has not been
+        # applied yet: 0 between steps when scheduling is synchronous, up to 1 more when it runs ahead.
+        self.num_pending_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first schedule; -1 until then
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

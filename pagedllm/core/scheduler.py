@@ -93,7 +93,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            # Tokens sampled by a step still in flight count as known: the runner feeds them from the
+            # device. A request whose pending token is certain to end it gets no further step.
+            num_known = req.num_tokens + req.num_pending_tokens
+            if req.num_pending_tokens and self._ends_by_length(req, num_known):
+                i += 1
+                continue
+            num_new = min(num_known - req.num_computed_tokens, budget)
             num_new = min(num_new, self.max_model_len - req.num_computed_tokens)
             if num_new <= 0:
                 i += 1
@@ -124,6 +130,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            if req.num_pending_tokens:
+                break  # preempted while a step still computes its next token: resume once it lands
             hits, num_hit_tokens = kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -156,7 +164,10 @@ class Scheduler:
 
         # The step will compute these tokens; account for them now so the next schedule moves on.
         for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            req = self.requests[rid]
+            req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens + req.num_pending_tokens:
+                req.num_pending_tokens += 1  # the step ends at the last known token: it samples
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -183,8 +194,11 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         for rid, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             req = self.requests.get(rid)
-            if req is None:  # aborted while the step ran
+            if req is None:  # aborted, or finished by an earlier step, while this one ran
                 continue
+            if token_ids:
+                req.num_pending_tokens -= 1
+            was_running = req.status == RequestStatus.RUNNING
             new_ids: list[int] = []
             for tok in token_ids:
                 req.append_output_token_ids([tok])
@@ -209,9 +223,16 @@ class Scheduler:
                 )
             )
             if req.is_finished:
-                self.running.remove(req)
+                # A request preempted while this step ran waits in the queue, not in running.
+                (self.running if was_running else self.waiting).remove(req)
                 self._free(req)
         return outputs
+
+    def _ends_by_length(self, req: Request, num_known: int) -> bool:
+        """True when a request with ``num_known`` tokens (pending ones included) stops on length."""
+        return (
+            req.max_tokens is not None and num_known - req.num_prompt_tokens >= req.max_tokens
+        ) or num_known >= self.max_model_len
 
     def _check_stop(self, req: Request, token: int) -> bool:
         params = req.sampling_params

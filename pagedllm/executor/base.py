@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -10,6 +11,7 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._outputs: deque[ModelRunnerOutput] = deque()
 
     @abstractmethod
     def determine_num_blocks(self) -> int:
@@ -21,7 +23,20 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        ...
+        """Runs one step to completion and returns its output."""
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Launches one step; a non-empty one's output comes from a later ``take_output``.
+
+        This default runs the step at once; executors whose workers can run ahead override both.
+        """
+        output = self.execute_model(scheduler_output)
+        if not scheduler_output.is_empty:
+            self._outputs.append(output)
+
+    def take_output(self) -> ModelRunnerOutput:
+        """The output of the oldest submitted non-empty step not yet taken (waits for it)."""
+        return self._outputs.popleft()
 
     def shutdown(self) -> None:
         pass
@@ -45,3 +60,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        self.worker.submit(scheduler_output)
+
+    def take_output(self) -> ModelRunnerOutput:
+        return self.worker.take_output()

@@ -1,10 +1,11 @@
 """Persistent step-input buffers: one pinned host staging area mirrored on the device, filled by one H2D copy.
 
 Every array a step needs (token ids, positions, slot mapping, query starts, sequence lengths, the
-block table, the rows to sample) is packed back to back into one host buffer and sent to the device
-in a single non-blocking copy. The packing depends only on (tokens, requests, block-table width,
-sampled rows), and the sampled rows come last, so a padded decode batch of a given size always lands
-at the same device addresses: that is what lets a CUDA graph captured once read every later step.
+block table, the rows to sample, where to copy tokens the previous step is still sampling) is packed
+back to back into one host buffer and sent to the device in a single non-blocking copy. The packing
+depends only on (tokens, requests, block-table width, sampled rows, pending tokens), and the last two
+come last, so a padded decode batch of a given size always lands at the same device addresses: that
+is what lets a CUDA graph captured once read every later step.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ _SECTIONS: tuple[tuple[str, np.dtype], ...] = (
     ("seq_lens", np.dtype(np.int32)),
     ("block_table", np.dtype(np.int32)),
     ("logits_indices", np.dtype(np.int64)),
+    ("pending_dst", np.dtype(np.int64)),
+    ("pending_src", np.dtype(np.int64)),
 )
 _TORCH_DTYPES = MappingProxyType({np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32})
 
@@ -38,7 +41,7 @@ def _align(n: int) -> int:
 
 
 def step_layout(
-    num_tokens: int, num_reqs: int, block_width: int, num_logits: int
+    num_tokens: int, num_reqs: int, block_width: int, num_logits: int, num_pending: int = 0
 ) -> tuple[dict[str, tuple[int, int]], int]:
     """Byte offset and element count of every section, and the bytes used in all."""
     counts = {
@@ -49,6 +52,8 @@ def step_layout(
         "seq_lens": num_reqs,
         "block_table": num_reqs * block_width,
         "logits_indices": num_logits,
+        "pending_dst": num_pending,
+        "pending_src": num_pending,
     }
     layout: dict[str, tuple[int, int]] = {}
     offset = 0
@@ -69,6 +74,8 @@ class DeviceInputs:
     seq_lens: torch.Tensor  # [Bp] int32, 0 on padding requests
     block_table: torch.Tensor  # [Bp, W] int32
     logits_indices: torch.Tensor  # [S] int64
+    pending_dst: torch.Tensor  # [P] int64: input_ids rows to fill from the previous step's sampled ids
+    pending_src: torch.Tensor  # [P] int64: rows of those sampled ids
 
 
 class StepBuffers:
@@ -79,7 +86,7 @@ class StepBuffers:
         self.max_tokens = max_tokens
         self.max_reqs = max_reqs
         self.max_blocks_per_req = max_blocks_per_req
-        _, capacity = step_layout(max_tokens, max_reqs, max_blocks_per_req, max_reqs)
+        _, capacity = step_layout(max_tokens, max_reqs, max_blocks_per_req, max_reqs, max_reqs)
         self.capacity = capacity
         on_gpu = device.type == "cuda"
         self.host = torch.zeros(capacity, dtype=torch.uint8, pin_memory=on_gpu)  # [capacity] bytes
@@ -120,12 +127,13 @@ class StepBuffers:
         padded_tokens = num_tokens + pad
         width = b.block_table.shape[1] if block_width is None else block_width
         num_logits = 0 if b.logits_indices is None else len(b.logits_indices)
+        num_pending = 0 if b.pending_dst is None else len(b.pending_dst)
         if pad < 0 or padded_tokens > self.max_tokens or padded_reqs > self.max_reqs or width > self.max_blocks_per_req:
             raise ValueError(
                 f"step of {padded_tokens} tokens, {padded_reqs} requests, {width} blocks per request exceeds "
                 f"the input buffers ({self.max_tokens}, {self.max_reqs}, {self.max_blocks_per_req})"
             )
-        layout, used = step_layout(padded_tokens, padded_reqs, width, num_logits)
+        layout, used = step_layout(padded_tokens, padded_reqs, width, num_logits, num_pending)
         if self._copy_done is not None:
             self._copy_done.synchronize()
 
@@ -154,6 +162,9 @@ class StepBuffers:
         table[num_reqs:] = 0
         if num_logits:
             view("logits_indices", i64)[:] = b.logits_indices
+        if num_pending:
+            view("pending_dst", i64)[:] = b.pending_dst
+            view("pending_src", i64)[:] = b.pending_src
 
         if self._copy_done is not None:
             self.device_buf[:used].copy_(self.host[:used], non_blocking=True)

@@ -60,6 +60,11 @@ class BatchInputs:
     # Requests whose step ends at the last known token, so the sampled token is kept.
     sampling_mask: list[bool] = field(default_factory=list)
     logits_indices: np.ndarray | None = None  # [S] int64: flat index of each sampled request's last token
+    # Tokens the previous step is still sampling (asynchronous scheduling): their flat indices here,
+    # and (set by the runner) the row of each in the previous step's sampled ids, to copy on the device.
+    pending_dst: np.ndarray | None = None  # [P] int64
+    pending_src: np.ndarray | None = None  # [P] int64
+    pending_req_ids: list[str] = field(default_factory=list)
     max_query_len: int = 0
     max_seq_len: int = 0
 
@@ -186,12 +191,22 @@ class InputBatch:
         lens: list[int] = []
         rows: list[int] = []
         sampling_mask: list[bool] = []
+        pending_dst: list[int] = []
+        pending_req_ids: list[str] = []
         for rid in req_ids:
             st = requests[rid]
             n = scheduled[rid]
             start = st.num_computed_tokens
             num_tokens = len(st.prompt_token_ids) + len(st.output_token_ids)
-            if n == 1 and start == num_tokens - 1:
+            if start == num_tokens:
+                # The step in flight is sampling this token; the runner copies it in on the device.
+                if n != 1:
+                    raise RuntimeError(f"request {rid!r}: {n} tokens scheduled past its {num_tokens} known ones")
+                pending_dst.append(len(tokens))
+                pending_req_ids.append(rid)
+                tokens.append(0)
+                num_tokens += 1
+            elif n == 1 and start == num_tokens - 1:
                 tokens.append(st.output_token_ids[-1] if st.output_token_ids else st.prompt_token_ids[-1])
             else:
                 tokens.extend(st.token_slice(start, start + n))
@@ -231,4 +246,6 @@ class InputBatch:
             logits_indices=(query_start_loc[1:][mask_np] - 1).astype(np.int64),
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
+            pending_dst=np.array(pending_dst, dtype=np.int64),
+            pending_req_ids=pending_req_ids,
         )

@@ -2,14 +2,18 @@
 
 Per step: InputBatch flattens the scheduled requests into host arrays; StepBuffers packs them into
 pinned memory and sends them to the device in one non-blocking copy; a pure-decode batch replays the
-CUDA graph of its padded size (cuda_graphs.py), any other step runs eagerly; while the GPU works, the
-CPU gathers the sampled requests' state; then logits, sampling on the device, and one ``.tolist()``
-of the sampled ids, the step's only wait for the GPU.
+CUDA graph of its padded size (cuda_graphs.py), any other step runs eagerly; then logits, sampling on
+the device, and a non-blocking copy of the sampled ids to the host behind an event, the step's only
+wait for the GPU. ``submit`` launches a step and ``take_output`` waits for it, so the engine core can
+schedule step N+1 while step N runs: tokens that step N is still sampling reach step N+1's inputs by
+a copy on the device.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -48,6 +52,28 @@ class StepInfo:
     graph_size: int  # padded batch size of the replayed CUDA graph; 0 when the step ran eagerly
 
 
+class LogprobsTensorsOnHost(NamedTuple):
+    token_ids: torch.Tensor  # [S, K + 1]
+    logprobs: torch.Tensor  # [S, K + 1]
+    ranks: torch.Tensor  # [S]
+
+
+@dataclass
+class _StepInFlight:
+    """A launched step: what its output needs once the device is done with it."""
+
+    req_ids: list[str]
+    prompt_logprobs: dict[str, LogprobsLists]
+    rows: list[int] = field(default_factory=list)  # indices into req_ids of the sampled requests
+    states: list = field(default_factory=list)  # their CachedRequestStates, in the same order
+    token_ids: torch.Tensor | None = None  # [S] on the device: the next step's pending tokens read it
+    sampled_row: dict[str, int] = field(default_factory=dict)  # req_id -> row of token_ids
+    host_token_ids: torch.Tensor | None = None  # [S] on the host, valid once ``event`` has passed
+    host_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    want: list[int | None] = field(default_factory=list)  # logprobs asked for, per sampled request
+    event: torch.cuda.Event | None = None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
@@ -77,6 +103,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = None
         self.last_step: StepInfo | None = None
+        # The last submitted step while its output is not resolved, and resolved outputs not yet taken.
+        self._in_flight: _StepInFlight | None = None
+        self._done: deque[ModelRunnerOutput] = deque()
 
     def load_model(self) -> None:
         from pagedllm.model_loader.loader import get_model
@@ -145,59 +174,121 @@ class ModelRunner:
             seq_lens_cpu=b.seq_lens.tolist(),
         )
 
-    def _forward(self, b: BatchInputs) -> tuple[torch.Tensor, DeviceInputs, int]:
+    @staticmethod
+    def _fill_pending(dev: DeviceInputs, prev: _StepInFlight | None) -> None:
+        """Copies the previous step's sampled ids, still on the device, into this step's input ids."""
+        if dev.pending_dst.numel():
+            dev.input_ids.index_copy_(0, dev.pending_dst, prev.token_ids.index_select(0, dev.pending_src))
+
+    def _forward(self, b: BatchInputs, prev: _StepInFlight | None) -> tuple[torch.Tensor, DeviceInputs, int]:
         """Launches the step's forward pass; returns (hidden [>= T, H], device inputs, graph size or 0)."""
         graph_size = 0
         if self.graph_runner is not None and self.use_cuda_graphs and b.is_pure_decode:
             graph_size = self.graph_runner.bucket_for(b.num_reqs) or 0
         if graph_size:
             dev = self.buffers.upload(b, graph_size, self.max_blocks_per_req)
+            self._fill_pending(dev, prev)
             return self.graph_runner.replay(graph_size), dev, graph_size
         dev = self.buffers.upload(b)
+        self._fill_pending(dev, prev)
         hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, self._attn_metadata(b, dev))
         return hidden, dev, 0
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self.input_batch.update_states(so)
+        """Runs one step to completion."""
+        self.submit(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        return self.take_output()
+
+    @torch.inference_mode()
+    def submit(self, so: SchedulerOutput) -> None:
+        """Launches one step: inputs, forward pass, sampling, and the copy of the sampled ids to the host.
+
+        Nothing here waits for this step. If the previous step is still in flight, its sampled ids feed
+        this step's pending tokens on the device, and its output is resolved (waited for) only after
+        this step's forward pass is queued, so the device never idles on it.
+        """
+        self.input_batch.update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return
+        prev = self._in_flight
         b = self.input_batch.prepare(so)
-        hidden, dev, graph_size = self._forward(b)  # [>= T, H]; the GPU is busy from here on
+        if b.pending_req_ids:
+            if prev is None:
+                raise RuntimeError(f"requests {b.pending_req_ids} wait for tokens that no step is sampling")
+            b.pending_src = np.array([prev.sampled_row[rid] for rid in b.pending_req_ids], dtype=np.int64)
+        hidden, dev, graph_size = self._forward(b, prev)  # [>= T, H]; the GPU is busy from here on
         self.last_step = StepInfo(b.num_reqs, b.num_tokens, int(b.seq_lens.sum()), graph_size)
 
+        if prev is not None:
+            # The previous step's tokens are needed on the host before this step samples (penalties,
+            # seeds and stop checks read each request's output so far).
+            self._done.append(self._resolve(prev))
+            self._in_flight = None
         prompt_logprobs = self._prompt_logprobs(b, hidden)
-        sampled: list[list[int]] = [[] for _ in b.req_ids]
-        logprobs: dict[str, LogprobsLists] = {}
+        step = _StepInFlight(b.req_ids, prompt_logprobs)
         num_sampled = len(b.logits_indices)
         if num_sampled:
-            # Host bookkeeping first, while the forward pass still runs on the device.
             rows = np.flatnonzero(np.asarray(b.sampling_mask)).tolist()
             states = [self.input_batch.requests[b.req_ids[i]] for i in rows]
-            plain_greedy = all(st.plain_greedy for st in states)
             if num_sampled == b.num_tokens:
                 # Every token is some request's last one (pure decode): rows 0..T-1 in order.
                 last_hidden = hidden[:num_sampled]
             else:
                 last_hidden = hidden.index_select(0, dev.logits_indices)
             logits = self.model.compute_logits(last_hidden)  # [S, vocab] float32
-            if plain_greedy:
+            if all(st.plain_greedy for st in states):
                 # What the sampler does for an all-greedy batch, minus building its metadata.
-                token_ids, lp = logits.argmax(dim=-1).tolist(), None
+                token_ids, lp = logits.argmax(dim=-1), None
             else:
                 token_ids, lp = self._sample(logits, states)
-            want = [st.sampling_params.logprobs for st in states] if lp is not None else None
-            lp_lists = _to_lists(lp, [k or 0 for k in want]) if lp is not None else None
-            for j, (i, st) in enumerate(zip(rows, states)):
+            step.rows, step.states, step.token_ids = rows, states, token_ids
+            step.sampled_row = {st.req_id: j for j, st in enumerate(states)}
+            # Sent to pinned host memory behind this step's kernels; _resolve waits for the event.
+            step.host_token_ids = token_ids.to("cpu", non_blocking=True)
+            if lp is not None:
+                step.host_logprobs = (
+                    lp.token_ids.to("cpu", non_blocking=True),
+                    lp.logprobs.to("cpu", non_blocking=True),
+                    lp.ranks.to("cpu", non_blocking=True),
+                )
+                step.want = [st.sampling_params.logprobs for st in states]
+            if self.device.type == "cuda":
+                step.event = torch.cuda.Event()
+                step.event.record()
+        self._in_flight = step
+
+    def take_output(self) -> ModelRunnerOutput:
+        """The output of the oldest submitted step not yet taken; waits for it if it is still running."""
+        if self._done:
+            return self._done.popleft()
+        if self._in_flight is None:
+            raise RuntimeError("take_output() without a submitted step")
+        step, self._in_flight = self._in_flight, None
+        return self._resolve(step)
+
+    def _resolve(self, step: _StepInFlight) -> ModelRunnerOutput:
+        """Waits for a step's sampled ids on the host and turns them into the step's output."""
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        logprobs: dict[str, LogprobsLists] = {}
+        if step.rows:
+            if step.event is not None:
+                step.event.synchronize()
+            token_ids = step.host_token_ids.tolist()
+            lp_lists = None
+            if step.host_logprobs is not None:
+                lp_lists = _to_lists(LogprobsTensorsOnHost(*step.host_logprobs), [k or 0 for k in step.want])
+            for j, (i, st) in enumerate(zip(step.rows, step.states)):
                 st.output_token_ids.append(token_ids[j])
                 sampled[i] = [token_ids[j]]
-                if lp_lists is not None and want[j] is not None:
+                if lp_lists is not None and step.want[j] is not None:
                     logprobs[st.req_id] = lp_lists[j]
         return ModelRunnerOutput(
-            req_ids=b.req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs
         )
 
-    def _sample(self, logits: torch.Tensor, states: list) -> tuple[list[int], object]:
+    def _sample(self, logits: torch.Tensor, states: list) -> tuple[torch.Tensor, object]:  # ids [S]
         from pagedllm.sample.metadata import build_sampling_metadata
 
         md = build_sampling_metadata(
@@ -209,7 +300,7 @@ class ModelRunner:
             device=self.device,
         )
         out = self.sampler(logits, md)
-        return out.sampled_token_ids.tolist(), out.logprobs
+        return out.sampled_token_ids, out.logprobs
 
     def _prompt_logprobs(self, b: BatchInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
         """Logprobs of each prompt token given its prefix, for the prompt positions in this step."""

@@ -590,3 +590,72 @@ def test_prefix_cache_stats_count_a_blocked_request_once_at_admission():
     assert so.scheduled_new_reqs[0].num_computed_tokens == 4
     st = sched.make_stats()
     assert (st.prefix_cache_queries, st.prefix_cache_hits) == (24, 4)
+
+
+# ---- asynchronous scheduling: steps scheduled before the previous step's tokens are known ----------
+
+
+def _out(so: SchedulerOutput, tokens: dict[str, int]) -> ModelRunnerOutput:
+    req_ids = list(so.num_scheduled_tokens)
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[tokens[r]] if r in tokens else [] for r in req_ids])
+
+
+def test_async_pending_token_is_scheduled_and_a_length_end_is_not():
+    sched = make_sched()
+    sched.add_request(make_req("A", 5, max_tokens=2))
+    so1 = sched.schedule()
+    assert so1.num_scheduled_tokens == {"A": 5} and sched.requests["A"].num_pending_tokens == 1
+    so2 = sched.schedule()  # before step 1's token is known: A's pending token is its input
+    assert so2.num_scheduled_tokens == {"A": 1} and so2.scheduled_cached_reqs.num_computed_tokens == [5]
+    assert sched.requests["A"].num_pending_tokens == 2
+    so3 = sched.schedule()  # two pending tokens reach max_tokens: nothing more for A
+    assert so3.is_empty
+    outs = sched.update_from_output(so1, _out(so1, {"A": 11}))
+    assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([11], None)]
+    outs = sched.update_from_output(so2, _out(so2, {"A": 12}))
+    assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([12], "length")]
+    assert free_count(sched) == 64 and not sched.has_unfinished_requests()
+
+
+def test_async_eos_drops_the_step_already_in_flight():
+    sched = make_sched()
+    sched.add_request(make_req("A", 20, max_tokens=10))
+    sched.add_request(make_req("B", 3, base=5000, max_tokens=10))
+    so1 = sched.schedule()
+    so2 = sched.schedule()
+    assert so2.num_scheduled_tokens == {"A": 1, "B": 1}
+    outs = by_id(sched.update_from_output(so1, _out(so1, {"A": EOS, "B": 30})))
+    assert outs["A"].finish_reason == "stop" and outs["B"].new_token_ids == [30]
+    # A's blocks are free at once, though step 2 still computes a token for it; that token is dropped.
+    assert block_ids(sched, "A") == []
+    so3 = sched.schedule()
+    assert so3.finished_req_ids == {"A"} and so3.num_scheduled_tokens == {"B": 1}
+    outs = sched.update_from_output(so2, _out(so2, {"A": 99, "B": 31}))
+    assert [(o.req_id, o.new_token_ids) for o in outs] == [("B", [31])]
+    assert sched.requests["B"].output_token_ids == [30, 31] and sched.requests["B"].num_pending_tokens == 1
+
+
+def test_async_preempted_request_takes_its_token_in_the_queue_and_resumes_after():
+    # 4 blocks of 4 tokens: A (7 prompt tokens) and B (8) hold two each; B's next token needs a third.
+    sched = make_sched(num_blocks=4, block_size=4)
+    sched.add_request(make_req("A", 7, max_tokens=4))
+    sched.add_request(make_req("B", 8, base=5000, max_tokens=4))
+    so1 = sched.schedule()
+    assert so1.num_scheduled_tokens == {"A": 7, "B": 8}
+    so2 = sched.schedule()  # A's pending token fits its blocks; B's does not: B, the newest, is preempted
+    assert so2.preempted_req_ids == {"B"} and so2.num_scheduled_tokens == {"A": 1}
+    assert sched.requests["B"].status == RequestStatus.PREEMPTED
+    # Step 1's token for B lands while B waits in the queue.
+    sched.update_from_output(so1, _out(so1, {"A": 40, "B": 50}))
+    assert sched.requests["B"].output_token_ids == [50] and sched.requests["B"].num_pending_tokens == 0
+    sched.update_from_output(so2, _out(so2, {"A": 41}))
+    resumed = []
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        resumed += [nr for nr in so.scheduled_new_reqs if nr.req_id == "B"]
+        toks = {r: 60 for r in so.num_scheduled_tokens
+                if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens}
+        sched.update_from_output(so, _out(so, toks))
+    # Resumed with its token, and a prefix-cache hit on its first block (the second was evicted for A).
+    assert [(nr.output_token_ids, nr.num_computed_tokens) for nr in resumed] == [([50], 4)]
+    assert free_count(sched) == 4

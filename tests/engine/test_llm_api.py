@@ -1,36 +1,16 @@
 """The LLM API end to end with a real tokenizer: text, stop strings, n > 1, seeds, logprobs, chat, errors."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from assets import tokenizer_dir
-from tiny_models import tiny_config
+from tiny_models import make_tiny_model_with_tokenizer
 
 from pagedllm import LLM, SamplingParams
 
 
-def _model_with_tokenizer(tok_name: str, path) -> str:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tdir = tokenizer_dir(tok_name)
-    tok = AutoTokenizer.from_pretrained(tdir)
-    config = tiny_config("llama")
-    config.vocab_size = len(tok)
-    config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
-    config.pad_token_id = None
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path, safe_serialization=True)
-    for f in tdir.iterdir():
-        shutil.copy(f, path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def mistral_llm(tmp_path_factory):
-    path = _model_with_tokenizer("mistral", tmp_path_factory.mktemp("mistral-tok"))
+    path = make_tiny_model_with_tokenizer("mistral", tmp_path_factory.mktemp("mistral-tok"))
     return LLM(model=path, dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 25, max_model_len=256)
 
 
@@ -159,7 +139,7 @@ def test_abort_frees_blocks(mistral_llm):
 
 
 def test_chat_renders_like_apply_chat_template(tmp_path):
-    path = _model_with_tokenizer("qwen3", tmp_path)
+    path = make_tiny_model_with_tokenizer("qwen3", tmp_path)
     llm = LLM(model=path, dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 24, max_model_len=256)
     tok = llm.get_tokenizer()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there! 你好"}]

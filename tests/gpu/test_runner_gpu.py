@@ -54,8 +54,8 @@ def _count_graph_steps(runner):
     sizes = []
     original = runner._forward
 
-    def spy(b):
-        out = original(b)
+    def spy(b, prev):
+        out = original(b, prev)
         sizes.append(out[2])
         return out
 
@@ -76,6 +76,25 @@ def test_fp32_gpu_greedy_matches_cpu_torch_ref(tiny_path):
     _free(gpu)
     assert got == ref
     assert {s for s in sizes if s} >= {8, 4, 2, 1}, sizes  # graphs replayed, padding included
+
+
+def test_async_scheduling_matches_sync_on_gpu(tiny_path):
+    # Seeded sampling with penalties and logprobs reads each request's outputs on the host, and
+    # stop tokens end requests that already have a step in flight.
+    prompts = _prompts(7, seed=3)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=8 + 5 * i, repetition_penalty=1.2,
+                       logprobs=2, detokenize=False, ignore_eos=True, stop_token_ids=[17, 42] if i % 2 else None)
+        for i in range(7)
+    ]
+    outs = {}
+    for async_scheduling in (False, True):
+        llm = _llm(tiny_path, device="cuda", dtype="float32", kv_cache_memory_bytes=_KV_BYTES,
+                   async_scheduling=async_scheduling)
+        res = llm.generate(prompts, params, use_tqdm=False)
+        outs[async_scheduling] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in res]
+        _free(llm)
+    assert outs[True] == outs[False]
 
 
 def test_cuda_graph_and_eager_identical_bf16(tiny_path):

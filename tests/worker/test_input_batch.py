@@ -182,13 +182,15 @@ def test_step_buffers_pad_a_decode_batch_onto_the_graph_views():
     _eq(dev.slot_mapping, [7, 20, 33])
 
 
-def test_layout_is_aligned_and_graph_sections_ignore_sampled_rows():
+def test_layout_is_aligned_and_graph_sections_ignore_sampled_rows_and_pending_tokens():
     a, _ = step_layout(8, 8, 128, 0)
-    b, _ = step_layout(8, 8, 128, 8)
+    b, _ = step_layout(8, 8, 128, 8, 5)
+    tail = ("logits_indices", "pending_dst", "pending_src")
     for name, (offset, _count) in a.items():
         assert offset % 64 == 0
-        if name != "logits_indices":
+        if name not in tail:
             assert b[name] == a[name]
+    assert [b[name][1] for name in tail] == [8, 5, 5]
 
 
 def test_capture_sizes_and_buckets():
