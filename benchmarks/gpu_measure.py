@@ -176,11 +176,11 @@ def run_generate(llm, reqs: list[tuple[list[int], int]], recorder: StepRecorder 
 
 
 def warm_up(llm) -> None:
-    """Triton specialises integer arguments (== 1, multiple of 16, other): batches of 16 and 17 requests
-    compile the prefill/mixed kernels' remaining variants here instead of inside a timed run."""
+    """Triton specialises integer arguments (== 1, multiple of 16, other): batches whose request and token
+    counts take each kind compile the prefill/mixed kernels' variants here instead of inside a timed run."""
     vocab = llm.llm_engine.config.model_config.vocab_size
-    for n in (16, 17):
-        run_generate(llm, workload_fixed(vocab, n, 64, 4, seed=7 + n))
+    for n, in_len in ((16, 64), (17, 64), (16, 65), (17, 65)):
+        run_generate(llm, workload_fixed(vocab, n, in_len, 4, seed=7 + n + in_len))
 
 
 def make_llm(model: str, smoke: bool, **kw):

@@ -45,7 +45,9 @@ def _tol(dtype: torch.dtype) -> dict:
 
 def _assert_matches(got: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(got, ref, **_tol(got.dtype))
-    if got.dtype != torch.float32:
+    # Checked under the interpreter only: on CUDA the reference modules run their own fused kernels
+    # (another op order) and compiled code may contract multiply-adds, so only the tolerance applies.
+    if got.dtype != torch.float32 and not got.is_cuda:
         # One skipped or extra rounding (a different op order) stays within a tolerance of one half
         # ulp but changes some 10% of the elements; a faithful order changes only the rare element
         # whose float32 intermediate lands on a rounding boundary (about 0.01% here).
