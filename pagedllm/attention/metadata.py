@@ -1,7 +1,8 @@
 """AttentionMetadata: the per-step description of a flat, mixed batch over the paged KV cache."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,9 @@ class AttentionMetadata:
     # Host copies, so reference paths can slice per request without a device sync.
     query_start_loc_cpu: list[int]  # [B + 1]
     seq_lens_cpu: list[int]  # [B]
+    # What a backend derives from this step's batch alone (gather indices, masks), computed by the
+    # first layer and reused by the others; keyed by the backend. Not part of the batch description.
+    step_cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def query_lens_cpu(self) -> list[int]:

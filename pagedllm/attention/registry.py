@@ -6,6 +6,7 @@ import importlib
 from pagedllm.attention.backend import AttentionBackend
 
 _BACKENDS: dict[str, tuple[str, str]] = {
+    "cpu": ("pagedllm.attention.backends.cpu", "CpuAttentionBackend"),
     "torch_ref": ("pagedllm.attention.backends.torch_ref", "TorchRefBackend"),
     "triton": ("pagedllm.attention.backends.triton", "TritonBackend"),
 }
@@ -16,9 +17,9 @@ def available_backends() -> list[str]:
 
 
 def get_attn_backend(name: str | None, device_type: str) -> type[AttentionBackend]:
-    """Returns the backend class; ``None`` picks Triton on CUDA and the reference path elsewhere."""
+    """Returns the backend class; ``None`` picks Triton on CUDA, the CPU backend on CPU, else the reference."""
     if name is None or name == "auto":
-        name = "triton" if device_type == "cuda" else "torch_ref"
+        name = {"cuda": "triton", "cpu": "cpu"}.get(device_type, "torch_ref")
     if name not in _BACKENDS:
         raise ValueError(f"attention backend {name!r} is unknown; choose one of {available_backends()}")
     module, cls = _BACKENDS[name]
