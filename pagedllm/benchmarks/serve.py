@@ -115,6 +115,19 @@ def arrival_delays(n: int, rate: float, burstiness: float, rng: random.Random) -
     return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
 
 
+async def _sse_lines(resp):
+    """The stream's lines split on LF only, as SSE defines them (aiter_lines also splits on U+2028 etc.,
+    which may stand raw inside an event's JSON)."""
+    buf = ""
+    async for text in resp.aiter_text():
+        buf += text
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if buf:
+        yield buf.rstrip("\r")
+
+
 async def _one_request(client, url: str, payload: dict, headers: dict, timeout: float) -> RequestResult:
     res = RequestResult(start=time.perf_counter())
     last = res.start
@@ -123,7 +136,7 @@ async def _one_request(client, url: str, payload: dict, headers: dict, timeout: 
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return res
-            async for line in resp.aiter_lines():
+            async for line in _sse_lines(resp):
                 if not line.startswith("data: "):
                     continue
                 data = line[6:]

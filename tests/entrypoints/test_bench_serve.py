@@ -1,10 +1,12 @@
 """`pagedllm bench serve`: arrival processes, datasets, the summary maths, and a short run against a real server."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import statistics
 
+import httpx
 import pytest
 
 from pagedllm.benchmarks import serve as bench
@@ -70,3 +72,38 @@ def test_bench_serve_against_a_server(completions_server, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "TTFT" in printed
     assert (tmp_path / "bench.png").exists() or "skipping the plot" in printed
+
+
+SEPARATORS = "a\u2028b\u2029c\x85d"  # raw in JSON; str.splitlines (and httpx's aiter_lines) splits on each
+
+
+def test_stream_chunks_with_line_separators_survive_line_readers():
+    from pagedllm.entrypoints.openai.protocol import CompletionChoice, CompletionStreamResponse
+    from pagedllm.entrypoints.openai.serving_engine import sse_chunk
+
+    event = sse_chunk(CompletionStreamResponse(id="x", model="m", choices=[CompletionChoice(index=0, text=SEPARATORS)]))
+    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+    assert json.loads(event[len("data: "):])["choices"][0]["text"] == SEPARATORS
+
+
+def test_bench_client_splits_events_on_newlines_only():
+    raw = ('data: {"t": "' + SEPARATORS + '"}\n\ndata: [DONE]\n\n').encode()
+    # Delivered in 3-byte pieces, so events and UTF-8 characters are cut across reads too.
+    resp = httpx.Response(200, stream=httpx.ByteStream(b""), request=httpx.Request("POST", "http://x"))
+    resp.stream = _Pieces(raw, 3)
+
+    async def lines():
+        return [line async for line in bench._sse_lines(resp)]
+
+    assert asyncio.run(lines()) == ['data: {"t": "' + SEPARATORS + '"}', "", "data: [DONE]", ""]
+
+
+class _Pieces(httpx.AsyncByteStream):
+    """A response body arriving in fixed-size pieces."""
+
+    def __init__(self, data: bytes, size: int) -> None:
+        self.data, self.size = data, size
+
+    async def __aiter__(self):
+        for i in range(0, len(self.data), self.size):
+            yield self.data[i : i + self.size]

@@ -167,6 +167,8 @@ def test_llama_attention_forward_uses_fused_kernel(gemma, monkeypatch):
         hidden, hq, hkv, d, rope, get_attn_backend("torch_ref", "cuda"),
         qk_norm_cls=GemmaRMSNorm if gemma else RMSNorm,
     ).to(device=DEVICE, dtype=dtype)
+    # Module.to(dtype) casts buffers too; the model loader keeps inv_freq in float32, as here.
+    layer.rotary_emb.inv_freq = layer.rotary_emb.inv_freq.float()
     for norm in (layer.q_norm, layer.k_norm):
         norm.weight.data.normal_(0.0 if gemma else 1.0, 0.5)
     layer.qkv_proj.weight.data.normal_(0.0, hidden**-0.5)

@@ -239,10 +239,15 @@ class TokenTexts:
         return tok.decode([token_id])
 
 
+# JSON leaves these raw, and SSE does not split on them, but line readers built on str.splitlines (httpx's
+# aiter_lines among them) do: escaped, a generated NEL or line/paragraph separator cannot cut an event.
+_SPLITLINES_ONLY = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse_chunk(chunk: Any) -> str:
     """One server-sent event; a chunk without usage leaves the key out (as OpenAI does)."""
     exclude = {"usage"} if getattr(chunk, "usage", None) is None else None
-    return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+    return f"data: {chunk.model_dump_json(exclude=exclude).translate(_SPLITLINES_ONLY)}\n\n"
 
 
 def sse_error(status: int, message: str, code: str | None = None) -> str:
