@@ -329,6 +329,35 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Compiles the mixed-batch kernels' variants (one per class of longest query run) now, rather than
+        inside the first steps that need them: one tiny single-request step per power of two up to 64.
+
+        The steps write no KV (padding slots) and read block 0, whatever it holds; outputs are dropped.
+        """
+        bs = self.block_size
+        for q_len in (2, 4, 8, 16, 32, 64):
+            if q_len > min(self.max_model_len, self.buffers.max_tokens):
+                break
+            b = BatchInputs(
+                req_ids=["warm-up"],
+                input_ids=np.zeros(q_len, dtype=np.int64),
+                positions=np.arange(q_len, dtype=np.int64),
+                slot_mapping=np.full(q_len, -1, dtype=np.int64),
+                query_start_loc=np.array([0, q_len], dtype=np.int32),
+                seq_lens=np.array([q_len], dtype=np.int32),
+                block_table=np.zeros((1, -(-q_len // bs)), dtype=np.int32),
+                logits_indices=np.array([q_len - 1], dtype=np.int64),
+                max_query_len=q_len,
+                max_seq_len=q_len,
+                pending_dst=np.zeros(0, dtype=np.int64),
+            )
+            hidden, _, _ = self._forward(b, None)
+            self.model.compute_logits(hidden[q_len - 1 : q_len]).argmax(dim=-1)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
         """One forward pass over ``num_tokens`` prompt tokens without a KV cache, to measure activations."""
         mc = self.model_config

@@ -164,6 +164,11 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.startup.add("kv_alloc", time.perf_counter() - t0)
+        if self.device.type == "cuda":
+            # Triton compiles on first use; a variant first met mid-serving would stall every request.
+            t0 = time.perf_counter()
+            self.model_runner.warm_up_kernels()
+            self.startup.add("kernel_warmup", time.perf_counter() - t0)
         if self.model_runner.use_cuda_graphs:
             t0 = time.perf_counter()
             self.model_runner.capture_cuda_graphs()

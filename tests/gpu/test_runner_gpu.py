@@ -129,7 +129,7 @@ def test_bf16_logprobs_close_to_fp32(tiny_path):
 def test_start_up_reports_memory_and_phases(tiny_path):
     llm = _llm(tiny_path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5)
     worker = llm.llm_engine.engine_core.executor.worker
-    assert {"load", "profile", "kv_alloc", "graph_capture"} <= set(worker.startup.phases)
+    assert {"load", "profile", "kv_alloc", "kernel_warmup", "graph_capture"} <= set(worker.startup.phases)
     mem = worker.memory
     assert mem.weights > 0 and mem.kv_cache > 0 and mem.activations > 0
     assert mem.weights + mem.kv_cache + mem.activations <= mem.usable

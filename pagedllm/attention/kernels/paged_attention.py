@@ -140,7 +140,10 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Triton specialises integer arguments on == 1 and on divisibility by 16, compiling a variant for each
+# kind it meets. Batch counts and the block table's row stride change with every step, so without
+# this a long-running engine would keep compiling prefill variants in the middle of serving.
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "split_len", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D] final output (unused when IS_SPLIT)
     part_acc_ptr,  # [T, Hq, num_splits, D] fp32 unnormalised partial outputs (IS_SPLIT only)
@@ -270,7 +273,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
     out_ptr,  # [T, Hq, D]
     part_acc_ptr,  # [T, Hq, num_splits, D] fp32

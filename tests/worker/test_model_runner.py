@@ -1,0 +1,29 @@
+"""ModelRunner start-up steps on CPU: the kernel warm-up writes no KV and changes no later output."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_tiny_model
+
+from pagedllm import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("backend", ["torch_ref", "cpu"])
+def test_kernel_warm_up_leaves_the_cache_and_outputs_alone(tmp_path, backend):
+    path = make_tiny_model("qwen3", tmp_path / "m")
+    kw = dict(model=path, skip_tokenizer_init=True, device="cpu", dtype="float32", max_model_len=128,
+              kv_cache_memory_bytes=1 << 22, attention_backend=backend)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 20, 41)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+    expected = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
+
+    llm = LLM(**kw)
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    for cache in runner.kv_caches:
+        cache.fill_(0.5)  # known contents: the warm-up may read block 0 but must write nowhere
+    runner.warm_up_kernels()
+    assert all(bool((cache == 0.5).all()) for cache in runner.kv_caches)
+    for cache in runner.kv_caches:
+        cache.zero_()
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
