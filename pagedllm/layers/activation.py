@@ -14,7 +14,7 @@ class SiluAndMul(nn.Module):
             if kernel.usable(x):
                 return kernel.act_and_mul(x, "silu")
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)  # in place on the fresh activation: one [T, F] buffer, not two
 
 
 class GeluAndMul(nn.Module):
@@ -33,7 +33,7 @@ class GeluAndMul(nn.Module):
             if kernel.usable(x):
                 return kernel.act_and_mul(x, "gelu_tanh" if self.approximate == "tanh" else "gelu")
         gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate=self.approximate) * up
+        return F.gelu(gate, approximate=self.approximate).mul_(up)  # in place: one [T, F] buffer, not two
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"

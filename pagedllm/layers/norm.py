@@ -55,4 +55,5 @@ class GemmaRMSNorm(RMSNorm):
         self.weight.data.zero_()
 
     def _apply_weight(self, normed: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
-        return (normed * (1.0 + self.weight.float())).to(input_dtype)
+        # In place: ``normed`` is _normalize's fresh float32 result, so this saves an [..., H] buffer.
+        return normed.mul_(1.0 + self.weight.float()).to(input_dtype)

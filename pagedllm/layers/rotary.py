@@ -33,6 +33,8 @@ class RotaryEmbedding(nn.Module):
         self.is_neox_style = is_neox_style
         # float32 and non-persistent: it is derived from the config, never read from a checkpoint.
         self.register_buffer("inv_freq", inv_freq.detach().to(torch.float32), persistent=False)
+        # (positions, {dtype: (cos, sin)}) of the step in progress; see cache_positions.
+        self._step_cache: tuple[torch.Tensor, dict] | None = None
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -48,13 +50,41 @@ class RotaryEmbedding(nn.Module):
         if self.is_neox_style:
             half = self.rotary_dim // 2
             x1, x2 = rot[..., :half], rot[..., half:]
-            cos2, sin2 = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-            # Same expression as HF's apply_rotary_pos_emb: x * cos + rotate_half(x) * sin.
-            out = rot * cos2 + torch.cat((-x2, x1), dim=-1) * sin2
-        else:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+            # HF's x * cat(cos, cos) + cat(-x2, x1) * cat(sin, sin), half by half and without the
+            # concatenated copies: (-x2) * sin == -(x2 * sin) and a + (-b) == a - b exactly in IEEE
+            # arithmetic, so float32 results stay bit-identical to HF's.
+            out = torch.empty_like(x)
+            o1, o2 = out[..., :half], out[..., half : self.rotary_dim]
+            torch.mul(x1, cos, out=o1).sub_(x2 * sin)
+            torch.mul(x2, cos, out=o2).add_(x1 * sin)
+            if rest.shape[-1]:
+                out[..., self.rotary_dim :] = rest
+            return out
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+    def cache_positions(self, positions: torch.Tensor | None) -> None:
+        """Computes cos/sin for ``positions`` [T] once; CPU forwards given this very tensor reuse them.
+
+        A model calls this before its layers (every layer of a step rotates at the same positions)
+        and ``cache_positions(None)`` after them. The CUDA path computes cos/sin inside its kernel.
+        """
+        # Keyed by identity, not value: comparing positions would cost what the cache saves. Within one
+        # forward nothing rewrites the positions tensor (inference tensors carry no version counter).
+        self._step_cache = None if positions is None else (positions, {})
+
+    def _cached_cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # each [T, 1, rotary_dim / 2]
+        cache = self._step_cache
+        if cache is not None and cache[0] is positions:
+            if dtype not in cache[1]:
+                cos, sin = self.cos_sin(positions, dtype)
+                cache[1][dtype] = (cos.unsqueeze(1), sin.unsqueeze(1))
+            return cache[1][dtype]
+        cos, sin = self.cos_sin(positions, dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def forward(
         self,
@@ -69,8 +99,7 @@ class RotaryEmbedding(nn.Module):
 
             if kernel.usable(query, key, positions, self.head_size, self.is_neox_style):
                 return kernel.rotary_neox_(positions, query, key, self.inv_freq, self.head_size, self.attention_scaling)
-        cos, sin = self.cos_sin(positions, query.dtype)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = self._cached_cos_sin(positions, query.dtype)
         q = self._rotate(query.unflatten(-1, (-1, self.head_size)) if query.dim() == 2 else query, cos, sin)
         k = self._rotate(key.unflatten(-1, (-1, self.head_size)) if key.dim() == 2 else key, cos, sin)
         return q.reshape(query.shape), k.reshape(key.shape)
