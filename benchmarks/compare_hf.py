@@ -12,9 +12,15 @@ import json
 import os
 import platform
 import random
+import sys
 import time
 
 import torch
+
+# Run as a script from a checkout: import this tree's pagedllm, not whatever an install points to.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
 
 def make_workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
