@@ -63,8 +63,14 @@ def _count_graph_steps(runner):
     return sizes
 
 
-def test_fp32_gpu_greedy_matches_cpu_torch_ref(tiny_path):
+@pytest.fixture(scope="module", params=["qwen3", "gemma3", "llama"])
+def any_tiny_path(request, tmp_path_factory):
+    return make_tiny_model(request.param, tmp_path_factory.mktemp("tiny") / request.param)
+
+
+def test_fp32_gpu_greedy_matches_cpu_torch_ref(any_tiny_path):
     # Uneven lengths: the decode batch shrinks through 7, 6, ... so padded graph buckets get used.
+    tiny_path = any_tiny_path
     prompts = _prompts(7)
     max_tokens = [4, 9, 13, 17, 21, 24, 30]
     cpu = _llm(tiny_path, device="cpu", attention_backend="torch_ref", dtype="float32")
