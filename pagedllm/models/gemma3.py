@@ -64,7 +64,9 @@ class PackedWeight:
         self._packed: torch.Tensor | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:  # [out, in] dense -> oneDNN tensor
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        # An inference tensor (made under inference_mode) has no version counter; it is never written.
+        version = 0 if weight.is_inference() else weight._version
+        key = (weight.data_ptr(), version, tuple(weight.shape))
         if key != self._key:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
             self._key = key
