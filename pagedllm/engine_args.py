@@ -73,7 +73,7 @@ class EngineArgs:
         parser.add_argument("--trust-remote-code", action="store_true")
         parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         parser.add_argument("--download-dir", type=str, default=None)
-        parser.add_argument("--attention-backend", type=str, default=None, choices=["torch_ref", "triton"])
+        parser.add_argument("--attention-backend", type=str, default=None, choices=["cpu", "torch_ref", "triton"])
         parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
         parser.add_argument(
             "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

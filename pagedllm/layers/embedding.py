@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.cpu_linear import PackedWeight, cpu_linear
+
 
 class VocabEmbedding(nn.Module):
     """Embedding table whose rows (tokens) are split evenly over ranks; the last shard is zero-padded."""
@@ -70,6 +72,8 @@ class ParallelLMHead(VocabEmbedding):
             self.bias.weight_loader = self._bias_loader
         else:
             self.register_parameter("bias", None)
+        # The (possibly tied) weight in oneDNN's layout for CPU products, made on first use.
+        self.packed_weight = PackedWeight()
 
     def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         rows = self.vocab_end - self.vocab_start
@@ -88,7 +92,10 @@ class ParallelLMHead(VocabEmbedding):
         hidden_states: torch.Tensor,  # [N, E]
         soft_cap: float | None = None,
     ) -> torch.Tensor:  # [N, vocab] float32
-        logits = F.linear(hidden_states, self.weight, self.bias)
+        if hidden_states.device.type == "cpu":
+            logits = cpu_linear(hidden_states, self.weight, self.bias, self.packed_weight)
+        else:
+            logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, logits)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.cpu_linear import PackedWeight, cpu_linear
+
 ShardId = int | str | None
 
 
@@ -46,7 +48,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
         else:
             layer.register_parameter("bias", None)
 
+        # The weight in oneDNN's layout, made on the first CPU product (cpu_linear.py).
+        layer.packed_weight = PackedWeight()
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.device.type == "cpu":
+            return cpu_linear(x, layer.weight, bias, layer.packed_weight)
         return F.linear(x, layer.weight, bias)
 
 

@@ -19,7 +19,6 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelConfig
 from pagedllm.layers.embedding import VocabEmbedding
-from pagedllm.layers.linear import LinearBase, UnquantizedLinearMethod
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, layer_sliding_window
@@ -36,86 +35,6 @@ _MULTIMODAL_SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_
 
 # Rows of one MLP call in a long CPU prefill (see Gemma3DecoderLayer._mlp_block).
 _CPU_MLP_ROWS = 512
-
-def _has_op(namespace: Any, name: str) -> bool:
-    try:
-        return hasattr(namespace, name)
-    except RuntimeError:  # an op namespace this build lacks
-        return False
-
-
-# oneDNN's float32 matrix product and weight prepacking: the ops inductor uses for frozen CPU linears.
-_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and _has_op(torch.ops.mkldnn, "_linear_pointwise")
-_ONEDNN_PACK = _ONEDNN_LINEAR and _has_op(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
-class PackedWeight:
-    """A dense [out, in] float32 weight reordered once into oneDNN's blocked layout, for ``cpu_linear``.
-
-    Without it oneDNN reorders the weight on every call: at decode sizes (32 rows) that costs ~25% of
-    the decoder's products and ~30% of the lm_head's. Packing is lazy (the first product after loading)
-    and redone whenever the dense weight is replaced or written in place through the parameter; writes
-    through ``param.data`` bypass the version counter, which is fine here since weights are fixed once
-    loaded. The packed copy doubles the weight's memory.
-    """
-
-    def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._packed: torch.Tensor | None = None
-
-    def get(self, weight: torch.Tensor) -> torch.Tensor:  # [out, in] dense -> oneDNN tensor
-        # An inference tensor (made under inference_mode) has no version counter; it is never written.
-        version = 0 if weight.is_inference() else weight._version
-        key = (weight.data_ptr(), version, tuple(weight.shape))
-        if key != self._key:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            self._key = key
-        return self._packed
-
-
-def cpu_linear(
-    x: torch.Tensor,  # [T, in]
-    weight: torch.Tensor,  # [out, in]
-    bias: torch.Tensor | None,  # [out] or None
-    packed: PackedWeight | None = None,
-) -> torch.Tensor:  # [T, out]
-    """``F.linear`` on CPU in float32 through oneDNN, else ``F.linear`` itself.
-
-    torch's CPU ``F.linear`` calls MKL's sgemm, which on the AMD EPYC (Zen 4) machine we measure on
-    runs 1.5-2x slower than oneDNN for the decoder's products and 2.2-2.7x slower for the 262k-row
-    lm_head at decode sizes (benchmarks/compare_hf.py). Results differ from MKL's in summation order
-    only (~1e-6 absolute on logits); packed and unpacked oneDNN weights give identical results.
-    """
-    if (
-        _ONEDNN_LINEAR
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.dim() == 2
-        and x.shape[0] > 0
-    ):
-        if not x.is_contiguous():
-            x = x.contiguous()
-        w = packed.get(weight) if packed is not None and _ONEDNN_PACK else weight
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-    return torch.nn.functional.linear(x, weight, bias)
-
-
-class _CpuLinearMethod(UnquantizedLinearMethod):
-    """The unquantized method with its product routed through ``cpu_linear`` on a prepacked weight."""
-
-    def __init__(self) -> None:
-        self.packed = PackedWeight()
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_linear(x, layer.weight, bias, self.packed)
-
-
-def _use_cpu_linear(module: nn.Module) -> None:
-    """Switches every unquantized linear below ``module`` to ``cpu_linear`` (same weights, same layout)."""
-    for m in module.modules():
-        if isinstance(m, LinearBase) and type(m.quant_method) is UnquantizedLinearMethod:
-            m.quant_method = _CpuLinearMethod()
 
 
 def _layer_types(hf_config: Any) -> list[str]:
@@ -165,7 +84,6 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        _use_cpu_linear(self)
 
     def forward(
         self,
@@ -266,24 +184,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if getattr(model_config.hf_config, "use_bidirectional_attention", False):
             raise NotImplementedError("Gemma 3 with bidirectional attention (an embedding model) is not supported")
         super().__init__(model_config, attn_backend)
-        # A plain attribute, not a buffer: derived from the (tied) weight, never saved or moved.
-        self._packed_lm_head = PackedWeight()
 
     def build_decoder(self, model_config: ModelConfig, attn_backend: type[AttentionBackend]) -> nn.Module:
         return Gemma3Model(model_config, attn_backend)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, vocab] float32
-        head = self.lm_head
-        if hidden_states.device.type != "cpu" or head.tp_size != 1:
-            return super().compute_logits(hidden_states)
-        # The vocabulary projection is the largest product of a decode step (262k x 640 for the 270M
-        # model): through oneDNN rather than MKL on CPU.
-        logits = cpu_linear(hidden_states, head.weight, head.bias, self._packed_lm_head)
-        logits = logits[..., : head.num_embeddings].float()
-        if self.final_logit_softcapping is not None:
-            cap = self.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return logits
 
     def checkpoint_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]
