@@ -91,7 +91,10 @@ class ParallelLMHead(VocabEmbedding):
         self,
         hidden_states: torch.Tensor,  # [N, E]
         soft_cap: float | None = None,
-    ) -> torch.Tensor:  # [N, vocab] float32
+        float32: bool = True,
+    ) -> torch.Tensor:  # [N, vocab] float32, or the weight's dtype when float32=False and no soft cap
+        """``float32=False`` skips the float32 copy when only an argmax follows: the conversion is exact,
+        so the argmax (first maximum included) is the same; a soft cap is always applied in float32."""
         if hidden_states.device.type == "cpu":
             logits = cpu_linear(hidden_states, self.weight, self.bias, self.packed_weight)
         else:
@@ -100,7 +103,10 @@ class ParallelLMHead(VocabEmbedding):
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, logits)
             logits = torch.cat(parts, dim=-1)
-        logits = logits[..., : self.num_embeddings].float()
+        logits = logits[..., : self.num_embeddings]
+        if not float32 and soft_cap is None:
+            return logits
+        logits = logits.float()
         if soft_cap is not None:
             logits = torch.tanh(logits / soft_cap) * soft_cap
         return logits

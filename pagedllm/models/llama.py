@@ -246,8 +246,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, vocab] float32
-        return self.lm_head.compute_logits(hidden_states, soft_cap=self.final_logit_softcapping)
+    def compute_logits(
+        self, hidden_states: torch.Tensor, float32: bool = True
+    ) -> torch.Tensor:  # [N, H] -> [N, vocab] float32 (see ParallelLMHead.compute_logits for float32=False)
+        return self.lm_head.compute_logits(hidden_states, soft_cap=self.final_logit_softcapping, float32=float32)
 
     def sliding_windows(self) -> list[int | None]:
         """One entry per layer, for the KV cache manager: the layer's window, or None for full attention."""

@@ -237,12 +237,12 @@ class ModelRunner:
                 last_hidden = hidden[:num_sampled]
             else:
                 last_hidden = hidden.index_select(0, dev.logits_indices)
-            logits = self.model.compute_logits(last_hidden)  # [S, vocab] float32
             if all(st.plain_greedy for st in states):
-                # What the sampler does for an all-greedy batch, minus building its metadata.
-                token_ids, lp = logits.argmax(dim=-1), None
+                # What the sampler does for an all-greedy batch, minus building its metadata and the
+                # float32 copy of the logits ([S, vocab] in the model dtype; the argmax is the same).
+                token_ids, lp = self.model.compute_logits(last_hidden, float32=False).argmax(dim=-1), None
             else:
-                token_ids, lp = self._sample(logits, states)
+                token_ids, lp = self._sample(self.model.compute_logits(last_hidden), states)  # [S, vocab] float32
             step.rows, step.states, step.token_ids = rows, states, token_ids
             step.sampled_row = {st.req_id: j for j, st in enumerate(states)}
             # Sent to pinned host memory behind this step's kernels; _resolve waits for the event.

@@ -27,3 +27,17 @@ def test_kernel_warm_up_leaves_the_cache_and_outputs_alone(tmp_path, backend):
         cache.zero_()
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
+
+
+def test_plain_greedy_argmax_on_model_dtype_logits_matches_the_sampler(tmp_path):
+    # bf16 logits go to argmax without a float32 copy on the plain-greedy path; asking for logprobs
+    # sends the same batch through the sampler on float32 logits. The tokens must agree exactly.
+    path = make_tiny_model("llama", tmp_path / "m")
+    llm = LLM(model=path, skip_tokenizer_init=True, device="cpu", dtype="bfloat16", max_model_len=128,
+              kv_cache_memory_bytes=1 << 22)
+    prompts = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (4, 19, 33)]
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, detokenize=False)
+    sampled = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, detokenize=False, logprobs=1)
+    a = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)]
+    assert a == b
