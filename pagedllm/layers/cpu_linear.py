@@ -7,6 +7,7 @@ Results differ from MKL's in summation order only (~1e-6 absolute on logits).
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -30,21 +31,42 @@ class PackedWeight:
     the decoder's products and ~30% of the lm_head's. Packing is lazy (the first product after loading)
     and redone whenever the dense weight is replaced or written in place through the parameter; writes
     through ``param.data`` bypass the version counter, which is fine here since weights are fixed once
-    loaded. The packed copy doubles the weight's memory.
+    loaded. The packed copy doubles the weight's memory, so a weight is packed only while RAM has room.
     """
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._packed: torch.Tensor | None = None
 
-    def get(self, weight: torch.Tensor) -> torch.Tensor:  # [out, in] dense -> oneDNN tensor
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:  # [out, in] dense -> oneDNN tensor
+        """The packed weight, or None when memory is too short for a second copy (use the dense one)."""
         # An inference tensor (made under inference_mode) has no version counter; it is never written.
         version = 0 if weight.is_inference() else weight._version
         key = (weight.data_ptr(), version, tuple(weight.shape))
         if key != self._key:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
             self._key = key
+            self._packed = None  # drop the old copy before judging room for the new one
+            nbytes = weight.numel() * weight.element_size()
+            # A model that fits RAM once must still load when it cannot fit twice: packing is only a speed-up.
+            if available_ram_bytes() >= 2 * nbytes + _PACK_HEADROOM_BYTES:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         return self._packed
+
+
+# Memory left free after a packed copy is made: the KV cache, activations and the OS need room too.
+_PACK_HEADROOM_BYTES = 2 << 30
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo (free plus reclaimable), or free pages where that is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def cpu_linear(
@@ -65,6 +87,8 @@ def cpu_linear(
     ):
         if not x.is_contiguous():
             x = x.contiguous()
-        w = packed.get(weight) if packed is not None and _ONEDNN_PACK else weight
+        w = packed.get(weight) if packed is not None and _ONEDNN_PACK else None
+        if w is None:
+            w = weight
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     return torch.nn.functional.linear(x, weight, bias)
