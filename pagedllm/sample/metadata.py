@@ -73,10 +73,19 @@ def _concat_int64(lists: Iterable[list[int]], device: torch.device) -> torch.Ten
     return _buffer_to_tensor(buf, device)
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting: a blocking copy from pageable memory would wait for
+    every kernel already queued, i.e. for the step's forward pass, and undo asynchronous scheduling.
+    The pinned staging copy is held by torch's caching host allocator until the transfer is done."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _buffer_to_tensor(buf: array, device: torch.device) -> torch.Tensor:
     if not buf:
         return torch.empty(0, dtype=torch.int64, device=device)
-    return torch.frombuffer(buf, dtype=torch.int64).to(device)
+    return _to_device(torch.frombuffer(buf, dtype=torch.int64), device)
 
 
 def _flat_index(
@@ -93,7 +102,7 @@ def _pack_rows(columns: dict[str, list], dtype: torch.dtype, device: torch.devic
     """{name: [B] values} -> {name: [B] tensor}, all views of one [F, B] tensor moved in one copy."""
     if not columns:
         return {}
-    packed = torch.tensor(list(columns.values()), dtype=dtype).to(device)
+    packed = _to_device(torch.tensor(list(columns.values()), dtype=dtype), device)
     return dict(zip(columns, packed.unbind(0)))
 
 
@@ -133,7 +142,7 @@ def build_sampling_metadata(
     V = vocab_size
 
     def f32(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return _to_device(torch.tensor(values, dtype=torch.float32), device)
 
     def i64(values: list[int]) -> torch.Tensor:
         return _int64_tensor(values, device)

@@ -48,9 +48,8 @@ def process_logits_(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.bias_rows is not None:
         logits.index_put_((md.bias_rows, md.bias_cols), md.bias_values, accumulate=True)
     if md.stop_rows is not None:
-        logits.index_put_(
-            (md.stop_rows, md.stop_cols), torch.tensor(neg_inf, dtype=logits.dtype, device=logits.device)
-        )
+        # A Python scalar: a device tensor made from it here would be a blocking host-to-device copy.
+        logits[md.stop_rows, md.stop_cols] = neg_inf
     if not md.no_penalties:
         apply_penalties_(
             logits,
