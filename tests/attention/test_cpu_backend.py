@@ -6,70 +6,14 @@ inputs; they differ only in summation order and in where the scale is applied (~
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
+from paged_batches import build_paged_batch
 
 from pagedllm.attention.backends import cpu as cpu_backend
 from pagedllm.attention.backends.torch_ref import TorchRefImpl
-from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.registry import get_attn_backend
-
-
-def _build(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad=0):
-    """A paged batch over shuffled physical blocks; ``reqs`` is (cached context, new tokens) per request.
-
-    Returns (query, key, value, cache, poisoned cache, metadata factory). In the poisoned copy every
-    slot that holds no token of any request is NaN, so reading outside a request's keys shows up.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in reqs]
-    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_req) + 3
-    perm = torch.randperm(num_blocks, generator=gen)
-    spare = int(perm[-1])  # a never-written block fills the table's unused tail
-    block_table = torch.full((len(reqs), max(blocks_per_req) + 2), spare, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks_per_req):
-        block_table[i, :n] = perm[used : used + n]
-        used += n
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    kv_cache = rnd(2, num_blocks, block_size, num_kv_heads, head_size)
-    live = torch.zeros(num_blocks * block_size, dtype=torch.bool)
-    slots, qsl = [], [0]
-    for i, (ctx, q_len) in enumerate(reqs):
-        pos = torch.arange(seq_lens[i])
-        slot = block_table[i, pos // block_size].long() * block_size + pos % block_size
-        live[slot] = True
-        slots.append(slot[ctx:])
-        qsl.append(qsl[-1] + q_len)
-    num_tokens = qsl[-1]
-    query = rnd(num_tokens + pad, num_heads, head_size)
-    key = rnd(num_tokens + pad, num_kv_heads, head_size)
-    value = rnd(num_tokens + pad, num_kv_heads, head_size)
-    slot_mapping = torch.cat(slots + [torch.full((pad,), -1, dtype=torch.long)])
-    poisoned = kv_cache.clone()
-    poisoned.view(2, -1, num_kv_heads, head_size)[:, ~live] = float("nan")
-
-    def metadata() -> AttentionMetadata:  # a fresh one per step: the backend caches its plan in it
-        return AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            num_reqs=len(reqs),
-            max_query_len=max(q for _, q in reqs),
-            max_seq_len=max(seq_lens),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_table=block_table,
-            slot_mapping=slot_mapping,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-        )
-
-    return query, key, value, kv_cache, poisoned, metadata
 
 
 _TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -77,7 +21,7 @@ _TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3
 
 def _check(reqs, num_heads, num_kv_heads, head_size, block_size, *, window=None, soft_cap=None, pad=0,
            dtype=torch.float32, seed=0):
-    query, key, value, kv_cache, poisoned, metadata = _build(
+    query, key, value, kv_cache, poisoned, metadata = build_paged_batch(
         reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad
     )
     scale = head_size**-0.5
@@ -135,7 +79,7 @@ def test_plan_shared_by_layers_of_one_step():
     # Two layers (local and global) on one metadata object: one plan, one decode group per window,
     # and each layer's result still equals the reference's.
     reqs = [(40, 1), (12, 1), (0, 6)]
-    query, key, value, kv_cache, poisoned, metadata = _build(reqs, 4, 1, 32, 16, torch.float32, seed=3)
+    query, key, value, kv_cache, poisoned, metadata = build_paged_batch(reqs, 4, 1, 32, 16, torch.float32, seed=3)
     md = metadata()
     for window in (8, None, 8):
         ref = TorchRefImpl(4, 32, 0.2, 1, window).forward(query, key, value, kv_cache, metadata())

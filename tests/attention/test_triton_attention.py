@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib
-import math
 import os
 
 import pytest
@@ -18,7 +17,7 @@ triton = pytest.importorskip("triton", reason="triton is not importable; the Tri
 from pagedllm.attention.backends import torch_ref  # noqa: E402
 from pagedllm.attention.kernels import paged_attention as pa_mod  # noqa: E402
 from pagedllm.attention.kernels import reshape_and_cache as rc_mod  # noqa: E402
-from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
+from paged_batches import build_paged_batch  # noqa: E402
 
 
 def _backend_module():
@@ -42,69 +41,16 @@ DEVICE = torch.device("cuda" if _ON_GPU else "cpu")
 _BACKEND = _backend_module()
 
 
-def _build(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad=0):
-    """A paged mixed batch with shuffled physical blocks; ``reqs`` is (cached context, new tokens) per request.
-
-    Also returns a copy of the cache in which every slot that holds no token of any request is NaN,
-    so a kernel that reads past a sequence's end or outside its block table shows up as NaN.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in reqs]
-    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_req) + 2
-    perm = torch.randperm(num_blocks, generator=gen)
-    spare = int(perm[-1])
-    block_table = torch.full((len(reqs), max(blocks_per_req) + 2), spare, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks_per_req):
-        block_table[i, :n] = perm[used : used + n]
-        used += n
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    kv_cache = rnd(2, num_blocks, block_size, num_kv_heads, head_size)
-    live = torch.zeros(num_blocks * block_size, dtype=torch.bool)
-    slots, qsl = [], [0]
-    for i, (ctx, q_len) in enumerate(reqs):
-        pos = torch.arange(seq_lens[i])
-        slot = block_table[i, pos // block_size].long() * block_size + pos % block_size
-        live[slot] = True
-        slots.append(slot[ctx:])
-        qsl.append(qsl[-1] + q_len)
-    num_tokens = qsl[-1]
-    query = rnd(num_tokens + pad, num_heads, head_size)
-    key = rnd(num_tokens + pad, num_kv_heads, head_size)
-    value = rnd(num_tokens + pad, num_kv_heads, head_size)
-    slot_mapping = torch.cat(slots + [torch.full((pad,), -1, dtype=torch.long)])
-    poisoned = kv_cache.clone()
-    poisoned.view(2, -1, num_kv_heads, head_size)[:, ~live] = float("nan")
-
-    md = AttentionMetadata(
-        num_actual_tokens=num_tokens,
-        num_reqs=len(reqs),
-        max_query_len=max(q for _, q in reqs),
-        max_seq_len=max(seq_lens),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_table=block_table.to(DEVICE),
-        slot_mapping=slot_mapping.to(DEVICE),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-    )
-    to = lambda t: t.to(DEVICE)  # noqa: E731
-    return to(query), to(key), to(value), to(kv_cache), to(poisoned), md
-
-
 def _tol(dtype):
     return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
 
 
 def _check(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, window=None, soft_cap=None,
            num_splits=1, pad=0, seed=0):
-    query, key, value, kv_cache, poisoned, md = _build(
-        reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad
+    query, key, value, kv_cache, poisoned, metadata = build_paged_batch(
+        reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad, device=DEVICE
     )
+    md = metadata()
     scale = head_size**-0.5
     ref = torch_ref.TorchRefImpl(num_heads, head_size, scale, num_kv_heads, window, soft_cap)
     expected = ref.forward(query, key, value, kv_cache, md)
@@ -206,9 +152,10 @@ def test_explicit_tile_configs(cfg):
     # Tile shapes the defaults pick on GPUs for long contexts, exercised on a mixed ragged batch.
     reqs = [(300, 1), (0, 9), (130, 5), (7, 1)]
     num_heads, num_kv_heads, head_size, block_size = 8, 2, 64, 16
-    query, key, value, kv_cache, poisoned, md = _build(
-        reqs, num_heads, num_kv_heads, head_size, block_size, torch.float32, seed=11
+    query, key, value, kv_cache, poisoned, metadata = build_paged_batch(
+        reqs, num_heads, num_kv_heads, head_size, block_size, torch.float32, seed=11, device=DEVICE
     )
+    md = metadata()
     ref = torch_ref.TorchRefImpl(num_heads, head_size, 0.125, num_kv_heads)
     expected = ref.forward(query, key, value, kv_cache, md)
     rc_mod.reshape_and_cache(key, value, poisoned[0], poisoned[1], md.slot_mapping)
