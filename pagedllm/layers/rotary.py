@@ -7,7 +7,9 @@ results match bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -167,6 +169,22 @@ def compute_inv_freq(
         config.rope_parameters = params
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len=seq_len, layer_type=layer_type)
     return inv_freq.to(device="cpu", dtype=torch.float32), float(scaling)
+
+
+@contextlib.contextmanager
+def cos_sin_once_per_step(
+    rotary_embs: Iterable[RotaryEmbedding], positions: torch.Tensor
+) -> Iterator[None]:  # positions [T]
+    """Within the block, each CPU rotary module computes cos/sin for ``positions`` once, not once a layer
+    (every layer of a step rotates at the same positions). On CUDA the kernels compute them in place."""
+    ropes = [] if positions.is_cuda else list(rotary_embs)
+    for rope in ropes:
+        rope.cache_positions(positions)
+    try:
+        yield
+    finally:
+        for rope in ropes:
+            rope.cache_positions(None)
 
 
 def get_rope(

@@ -20,7 +20,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelConfig
 from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.norm import GemmaRMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, get_rope
+from pagedllm.layers.rotary import RotaryEmbedding, cos_sin_once_per_step, get_rope
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, layer_sliding_window
 
 # Checkpoint prefixes of a Gemma3ForConditionalGeneration (transformers 5 layout, then the older
@@ -149,16 +149,9 @@ class Gemma3Model(nn.Module):
         hidden_states = self.embed_tokens(input_ids)
         hidden_states = hidden_states * self.embed_scale.to(hidden_states.dtype)
         residual = None
-        if not positions.is_cuda:
-            # Every layer of a type rotates at the same positions: cos/sin once per type, not per layer.
-            for rope in self.rotary_embs.values():
-                rope.cache_positions(positions)
-        try:
+        with cos_sin_once_per_step(self.rotary_embs.values(), positions):
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
-        finally:
-            for rope in self.rotary_embs.values():
-                rope.cache_positions(None)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

@@ -22,7 +22,7 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, get_rope
+from pagedllm.layers.rotary import RotaryEmbedding, cos_sin_once_per_step, get_rope
 from pagedllm.model_loader.weight_utils import load_named_weights
 
 
@@ -187,17 +187,10 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         hidden_states, residual = self.embed_tokens(input_ids), None
-        # All layers share one rotary module and rotate at the same positions: on CPU, cos/sin once a
-        # step instead of once a layer (the CUDA kernels compute them in place).
-        rotary_emb = self.layers[0].self_attn.rotary_emb if not positions.is_cuda else None
-        if rotary_emb is not None:
-            rotary_emb.cache_positions(positions)
-        try:
+        # All layers share one rotary module.
+        with cos_sin_once_per_step([self.layers[0].self_attn.rotary_emb], positions):
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
-        finally:
-            if rotary_emb is not None:
-                rotary_emb.cache_positions(None)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
