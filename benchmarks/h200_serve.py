@@ -46,8 +46,6 @@ import hashlib
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -59,31 +57,13 @@ if REPO not in sys.path:
 
 from pagedllm.benchmarks import serve as bench_serve  # noqa: E402 - stdlib only until the client runs (httpx)
 from pagedllm.benchmarks.datasets import random_requests  # noqa: E402
+from serve_process import CLI, Server, child_env, tail  # noqa: E402 - a sibling module of this script
 
 LLAMA_8B = os.path.join(HERE, "shapes", "llama-3-8b")
-CLI = ["-m", "pagedllm.entrypoints.cli.main"]
 
 
 def log(msg: str) -> None:
     print(f"[h200_serve {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def child_env() -> dict:
-    """This process's environment (PYTHONPATH included), with the repo importable and the hub offline."""
-    env = dict(os.environ)
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if REPO not in [os.path.abspath(p) for p in paths]:
-        paths.append(REPO)
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_vocab_size(model: str, load_format: str) -> int:
@@ -105,82 +85,6 @@ def fingerprint(reqs) -> str:
     for r in reqs:
         h.update(json.dumps([r.prompt_token_ids, r.output_len]).encode())
     return h.hexdigest()
-
-
-def tail(path: str, n: int = 3000) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-n:]
-    except OSError:
-        return ""
-
-
-# ---- server ----------------------------------------------------------------------------------------------
-class Server:
-    def __init__(self, args, engine_flags: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = os.path.join(args.out, "server.log")
-        cmd = [sys.executable, *CLI, "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--served-model-name", "bench", "--disable-access-log", "--uvicorn-log-level", "warning",
-               *engine_flags]
-        self.cmd = cmd
-        log(f"starting the server: {shlex.join(cmd)}")
-        self.log_file = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=child_env(), start_new_session=True)
-        self.pgid = self.proc.pid  # start_new_session: the server leads its own process group
-
-    def wait_healthy(self, timeout: float) -> float:
-        import httpx
-
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}) during start-up:\n{tail(self.log_path)}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server was not healthy after {timeout:.0f} s:\n{tail(self.log_path)}")
-
-    def _group_alive(self) -> bool:
-        try:
-            os.killpg(self.pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-
-    def stop(self, timeout: float = 60.0) -> float:
-        """SIGTERM to the whole group (front end and engine core), SIGKILL what is left after `timeout`."""
-        t0 = time.perf_counter()
-        if self._group_alive():
-            try:
-                os.killpg(self.pgid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = t0 + timeout
-        while time.perf_counter() < deadline:
-            self.proc.poll()
-            if self.proc.returncode is not None and not self._group_alive():
-                break
-            time.sleep(0.2)
-        else:
-            log("the server did not stop in time: SIGKILL")
-            try:
-                os.killpg(self.pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
-            end = time.perf_counter() + 30
-            while self._group_alive() and time.perf_counter() < end:
-                time.sleep(0.2)
-        self.log_file.close()
-        return time.perf_counter() - t0
 
 
 def client_args(args, url: str, rate: float, seed: int, max_concurrency: int | None, n: int) -> argparse.Namespace:
@@ -482,7 +386,9 @@ def main(argv=None) -> int:
             json.dump(res, f, indent=2, default=str)
 
     timings = res["timings_s"]
-    server = Server(args, engine_flags)
+    server = Server(["--served-model-name", "bench", "--disable-access-log", "--uvicorn-log-level", "warning",
+                     *engine_flags], os.path.join(args.out, "server.log"))
+    log(f"starting the server: {shlex.join(server.cmd)}")
     try:
         timings["server_start"] = server.wait_healthy(min(args.server_start_timeout, time_left(args)))
         log(f"server healthy after {timings['server_start']:.1f} s on {server.url}")

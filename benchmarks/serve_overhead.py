@@ -9,46 +9,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 
-import httpx
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serve_process import Server  # a sibling module of this script
 
 
 def serve_run(args, prompts) -> dict:
     from pagedllm.benchmarks.serve import add_cli_args, benchmark
 
-    port = _free_port()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-num-seqs", str(args.concurrency), "--dtype", "float32"]
-    if args.model:
-        cmd.insert(4, args.model)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    flags = ([args.model] if args.model else []) + ["--max-num-seqs", str(args.concurrency), "--dtype", "float32"]
+    server = Server(flags)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError("the server exited during start-up")
-            time.sleep(1)
+        server.wait_healthy(300)
         p = argparse.ArgumentParser()
         add_cli_args(p)
         bargs = p.parse_args([
-            "--base-url", f"http://127.0.0.1:{port}", "--max-concurrency", str(args.concurrency),
+            "--base-url", server.url, "--max-concurrency", str(args.concurrency),
             "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio),
             "--seed", str(args.seed),
@@ -56,9 +32,7 @@ def serve_run(args, prompts) -> dict:
         summary, _ = asyncio.run(benchmark(bargs))
         return summary
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+        server.stop()
 
 
 def offline_run(args, prompts) -> dict:
