@@ -101,6 +101,9 @@ def kv_read_bytes(seq_lens, num_kv_heads, head_size, dtype) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep", action="store_true", help="also sweep decode tile configs")
+    parser.add_argument("--heads", default="32:8", help="query heads:KV heads (head size 128)")
+    parser.add_argument("--decode-cases", default="64:1024,64:4096,256:1024,256:4096", help="BATCH:CONTEXT,...")
+    parser.add_argument("--decode-only", action="store_true", help="skip the split-KV and prefill sections")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -110,16 +113,17 @@ def main() -> None:
     from pagedllm.attention.kernels.paged_attention import KernelConfig, choose_num_splits, default_config
 
     props = torch.cuda.get_device_properties(0)
-    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16  # Llama-3-8B attention
+    hq, hkv = (int(v) for v in args.heads.split(":"))
+    d, bs, dtype = 128, 16, torch.bfloat16  # 32:8 is Llama-3-8B attention, 16:8 Qwen3-0.6B
     results: dict = {"device": props.name, "sms": props.multi_processor_count}
     copy_bw = copy_bandwidth()
     results["copy_tbps"] = copy_bw
     print(f"{props.name}: {props.multi_processor_count} SMs; torch D2D copy {copy_bw:.2f} TB/s (read+write)")
 
-    print("\n== decode, 32q/8kv heads, D=128, bf16, block 16; device time from CUDA-graph replay, L2 flushed;")
+    print(f"\n== decode, {hq}q/{hkv}kv heads, D=128, bf16, block 16; device time from CUDA-graph replay, L2 flushed;")
     print("   KV read bandwidth and its fraction of the copy rate; eager = do_bench wall time incl. launch cost")
     results["decode"] = []
-    for batch, ctx in [(64, 1024), (64, 4096), (256, 1024), (256, 4096)]:
+    for batch, ctx in [tuple(int(v) for v in c.split(":")) for c in args.decode_cases.split(",")]:
         seq_lens = [ctx] * batch
         tensors = make_batch(seq_lens, 1, hq, hkv, d, bs, dtype)
         nbytes = kv_read_bytes(seq_lens, hkv, d, dtype)
@@ -136,7 +140,7 @@ def main() -> None:
                 f"{bw / copy_bw:5.1%}  (eager {eager * 1e3:7.1f} us)")
         if args.sweep:
             best = (ms, None)
-            for tile_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3)):
+            for tile_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
                 cfg = KernelConfig(block_m=16, tile_n=tile_n, num_warps=warps, num_stages=stages)
                 try:
                     t = time_attention(*tensors, 1, ctx, config=cfg, num_splits=1)
@@ -152,6 +156,9 @@ def main() -> None:
         results["decode"].append(row)
         del tensors
         torch.cuda.empty_cache()
+    if args.decode_only:
+        _write(args.json, results)
+        return
 
     print("\n== split-KV: few long decodes (same heads), single pass vs heuristic vs forced partitions")
     results["split"] = []
@@ -208,8 +215,12 @@ def main() -> None:
         results["prefill"]["best"] = {"us": best[0] * 1e3, "cfg": best[1]}
     del tensors, q, k, v
 
+    _write(args.json, results)
+
+
+def _write(path: str, results: dict) -> None:
     try:
-        with open(args.json, "w") as f:
+        with open(path, "w") as f:
             json.dump(results, f, indent=1)
     except OSError:
         pass

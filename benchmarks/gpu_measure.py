@@ -211,6 +211,43 @@ def startup_report(llm) -> dict:
     }
 
 
+def classify_kernel(name: str) -> str:
+    name = name.lower()
+    if "paged_attention" in name or "reduce_splits" in name:
+        return "attention"
+    if "reshape_and_cache" in name:
+        return "kv_write"
+    if "gemv_kernel" in name or any(s in name for s in ("gemm", "gemv", "cutlass", "nvjet", "sm90", "xmma", "cublas", "splitk")):
+        return "matmul"
+    if "rms_norm" in name or "rmsnorm" in name:
+        return "norm"
+    if "rotary" in name:
+        return "rotary"
+    if "act_and_mul" in name:
+        return "act_mul"
+    if "memcpy" in name or "memset" in name:
+        return "copy"
+    return "elementwise/other"
+
+
+def _profile_table(prof, per: int) -> dict:
+    """Device time and kernel count per class, divided by ``per`` (steps), plus the top kernels."""
+    classes: dict[str, list[float]] = {}
+    for evt in prof.key_averages():
+        dev_us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
+        if dev_us <= 0:
+            continue
+        c = classes.setdefault(classify_kernel(evt.key), [0.0, 0])
+        c[0] += dev_us
+        c[1] += evt.count
+    return {
+        "per_step_device_us": {k: v[0] / per for k, v in classes.items()},
+        "per_step_kernels": {k: v[1] / per for k, v in classes.items()},
+        "top": [(e.key[:60], getattr(e, "self_device_time_total", 0) / per, e.count / per)
+                for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, "self_device_time_total", 0))[:15]],
+    }
+
+
 def kernel_profile(llm, batch: int, input_len: int, steps: int, eager: bool) -> dict:
     """Device time per kernel class over a few decode steps (torch.profiler)."""
     import torch
@@ -225,42 +262,32 @@ def kernel_profile(llm, batch: int, input_len: int, steps: int, eager: bool) -> 
     saved = runner.use_cuda_graphs
     runner.use_cuda_graphs = not eager
     try:
-        # Prefill outside the profile: run once with 1 token, then profile a run whose decode dominates.
+        # The first run fills the prefix cache, so the profiled run's prefill computes only each
+        # prompt's last partial block and the decode steps dominate the profile.
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 1, detokenize=False)
         llm.generate(prompts, params, use_tqdm=False)
-        llm.llm_engine.engine_core.reset_prefix_cache()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
     finally:
         runner.use_cuda_graphs = saved
-    classes: dict[str, list[float]] = {}
-    for evt in prof.key_averages():
-        dev_us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
-        if dev_us <= 0:
-            continue
-        name = evt.key.lower()
-        if "paged_attention" in name or "reduce_splits" in name:
-            cls = "attention"
-        elif "reshape_and_cache" in name:
-            cls = "kv_write"
-        elif any(s in name for s in ("gemm", "gemv", "cutlass", "nvjet", "sm90", "xmma", "cublas", "splitk")):
-            cls = "matmul"
-        elif "memcpy" in name or "memset" in name:
-            cls = "copy"
-        else:
-            cls = "elementwise/other"
-        c = classes.setdefault(cls, [0.0, 0])
-        c[0] += dev_us
-        c[1] += evt.count
-    total_steps = steps + 1
-    return {
-        "eager": eager,
-        "batch": batch,
-        "per_step_device_us": {k: v[0] / total_steps for k, v in classes.items()},
-        "per_step_kernels": {k: v[1] / total_steps for k, v in classes.items()},
-        "top": [(e.key[:60], getattr(e, "self_device_time_total", 0), e.count)
-                for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, "self_device_time_total", 0))[:12]],
-    }
+    return {"eager": eager, "batch": batch, **_profile_table(prof, steps + 1)}
 
 
+def prefill_profile(llm, input_len: int, reps: int = 3) -> dict:
+    """Device time per kernel class of one prompt's prefill (one token sampled), averaged over ``reps``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedllm import SamplingParams
+
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1, detokenize=False)
+    prompts = [{"prompt_token_ids": p} for p, _ in workload_fixed(vocab, reps, input_len, 1, seed=98)]
+    llm.generate(prompts[:1], params, use_tqdm=False)
+    llm.llm_engine.engine_core.reset_prefix_cache()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for p in prompts:
+            llm.generate([p], params, use_tqdm=False)
+        torch.cuda.synchronize()
+    return {"input_len": input_len, **_profile_table(prof, reps)}

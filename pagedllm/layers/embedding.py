@@ -98,7 +98,14 @@ class ParallelLMHead(VocabEmbedding):
         if hidden_states.device.type == "cpu":
             logits = cpu_linear(hidden_states, self.weight, self.bias, self.packed_weight)
         else:
-            logits = F.linear(hidden_states, self.weight, self.bias)
+            logits = None
+            if hidden_states.shape[0] == 1:
+                from pagedllm.layers.kernels import gemv  # one token: the batch-1 GEMV (linear.py)
+
+                if gemv.usable(hidden_states, self.weight):
+                    logits = gemv.gemv(hidden_states, self.weight, self.bias)
+            if logits is None:
+                logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, logits)

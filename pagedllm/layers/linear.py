@@ -54,6 +54,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.device.type == "cpu":
             return cpu_linear(x, layer.weight, bias, layer.packed_weight)
+        if x.shape[0] == 1 and x.is_cuda:
+            from pagedllm.layers.kernels import gemv
+
+            if gemv.usable(x, layer.weight):
+                # One token (batch-1 decode): one bandwidth-bound launch instead of cuBLAS's split-K pair.
+                return gemv.gemv(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
 

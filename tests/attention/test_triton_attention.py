@@ -1,6 +1,7 @@
 """Triton attention kernels against the torch_ref oracle; on CPU they run in Triton's interpreter."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 
@@ -46,11 +47,14 @@ def _tol(dtype):
 
 
 def _check(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, window=None, soft_cap=None,
-           num_splits=1, pad=0, seed=0):
+           num_splits=1, pad=0, seed=0, max_seq_len_bound=None):
     query, key, value, kv_cache, poisoned, metadata = build_paged_batch(
         reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad, device=DEVICE
     )
     md = metadata()
+    if max_seq_len_bound is not None:
+        # What a captured decode graph launches with: a bound, not the batch's own longest context.
+        md = dataclasses.replace(md, max_seq_len=max_seq_len_bound)
     scale = head_size**-0.5
     ref = torch_ref.TorchRefImpl(num_heads, head_size, scale, num_kv_heads, window, soft_cap)
     expected = ref.forward(query, key, value, kv_cache, md)
@@ -83,6 +87,9 @@ def _check(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, windo
         pytest.param([(90, 1), (60, 11), (0, 3)], 8, 1, 64, 32, torch.float32, 20, 10.0, 3, 2,
                      id="split-mixed-window-softcap"),
         pytest.param([(3, 1), (0, 1)], 2, 2, 80, 16, torch.float32, None, None, 5, 0, id="split-short-empty-parts"),
+        pytest.param([(31, 1), (47, 1), (0, 1)], 4, 4, 64, 16, torch.float32, 16, None, 1, 2,
+                     id="decode-window-pad"),
+        pytest.param([(15, 1), (160, 1)], 4, 2, 64, 16, torch.float32, None, None, 3, 1, id="split-decode-pad"),
     ],
 )
 def test_triton_matches_torch_ref(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, window, soft_cap,
@@ -105,11 +112,36 @@ def test_heuristic_split_path_matches():
     _check(reqs, 4, 1, 64, 16, torch.float16, num_splits=None)
 
 
+@pytest.mark.parametrize("window", [None, 40])
+def test_split_decode_under_a_length_bound(window):
+    # Launch facts from a bound far above every context (as under CUDA graphs): each request's own
+    # context is cut into the partitions, from one tile up, and short ones leave partitions empty.
+    reqs = [(4, 1), (129, 1), (700, 1), (63, 1)]
+    assert pa_mod.choose_num_splits(len(reqs), 1, 4096, 2, num_sms=64) > 8
+    _check(reqs, 4, 2, 64, 16, torch.float16, window=window, num_splits=None, max_seq_len_bound=4096, seed=9)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_kv_write_fused_or_separate_is_identical(num_splits):
+    # Pure decode stores the new K/V inside the attention launch; the separate write must agree bit for bit.
+    reqs = [(33, 1), (0, 1), (70, 1), (16, 1)]
+    query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, torch.float32, 11, 1,
+                                                                 device=DEVICE)
+    outs = []
+    for fused in (True, False):
+        impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
+        impl.num_splits, impl.fuse_decode_kv_write = num_splits, fused
+        cache = kv_cache.clone()
+        outs.append((impl.forward(query, key, value, cache, metadata()), cache))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+
+
 def test_choose_num_splits():
     kw = dict(num_sms=132)
     assert pa_mod.choose_num_splits(4, 1, 32768, 8, **kw) > 1  # few long decodes: split
     assert pa_mod.choose_num_splits(256, 1, 4096, 8, **kw) == 1  # GPU already full
-    assert pa_mod.choose_num_splits(2, 1, 300, 8, **kw) == 1  # too short to be worth a reduction
+    assert pa_mod.choose_num_splits(2, 1, 100, 8, **kw) == 1  # too short to be worth a reduction
     assert pa_mod.choose_num_splits(2, 512, 32768, 8, **kw) == 1  # prefill in the batch
     assert pa_mod.choose_num_splits(1, 1, 10**6, 1, **kw) <= pa_mod._MAX_SPLITS
 
@@ -128,12 +160,15 @@ def test_reshape_and_cache_padding_and_cast():
 
 
 def test_default_config_choices():
-    # Decode tiles follow bytes in flight: long or numerous contexts take 128-key tiles, few short ones 32.
+    # Decode: 64-key tiles whatever the context (a graph captured at the longest context launches the
+    # same as an eager step), 4 warps for many programs, 2 for fewer; wide heads take 32-key tiles.
     dc = pa_mod.default_config
-    assert dc(128, 4, 1, max_seq_len=4096, num_reqs=64, num_kv_heads=8, num_sms=132).tile_n == 128
-    assert dc(128, 4, 1, max_seq_len=1024, num_reqs=256, num_kv_heads=8, num_sms=132).tile_n == 128
-    assert dc(128, 4, 1, max_seq_len=1024, num_reqs=64, num_kv_heads=8, num_sms=132).tile_n == 32
-    assert dc(128, 4, 1, max_seq_len=32768, num_reqs=1, num_kv_heads=8, num_sms=132, split=True).tile_n == 64
+    full = dc(128, 4, 1, max_seq_len=4096, num_reqs=256, num_kv_heads=8, num_sms=132)
+    assert (full.tile_n, full.num_warps) == (64, 4)
+    assert dc(128, 4, 1, max_seq_len=128, num_reqs=256, num_kv_heads=8, num_sms=132) == full
+    assert dc(128, 2, 1, max_seq_len=1024, num_reqs=64, num_kv_heads=8, num_sms=132).num_warps == 2
+    assert dc(256, 2, 1, max_seq_len=1024, num_reqs=64, num_kv_heads=8, num_sms=132).tile_n == 32
+    assert dc(128, 4, 1, max_seq_len=32768, num_reqs=1, num_kv_heads=8, num_sms=132, split=True).num_warps == 4
     assert dc(128, 32, 1).block_m == 32  # a group wider than 16 heads still fits one program
     prefill = dc(256, 3, 700)
     assert prefill.block_m % 4 == 0 and prefill.block_m <= 64

@@ -14,6 +14,8 @@ class TritonImpl(AttentionImpl):
 
     # None lets the kernel's heuristic pick; tests and benchmarks pin 1 or a partition count per instance.
     num_splits: int | None = None
+    # Pure-decode steps store the new K/V inside the attention launch instead of a separate one.
+    fuse_decode_kv_write: bool = True
 
     def forward(
         self,
@@ -26,7 +28,11 @@ class TritonImpl(AttentionImpl):
         md = attn_metadata
         num_tokens = md.num_actual_tokens
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        reshape_and_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache, md.slot_mapping[:num_tokens])
+        new_kv = None
+        if md.max_query_len == 1 and self.fuse_decode_kv_write:
+            new_kv = (key, value, md.slot_mapping)
+        else:
+            reshape_and_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache, md.slot_mapping[:num_tokens])
 
         out = torch.empty_like(query)
         if query.shape[0] > num_tokens:
@@ -50,6 +56,7 @@ class TritonImpl(AttentionImpl):
             soft_cap=self.logits_soft_cap,
             out=out[:num_tokens],
             num_splits=self.num_splits,
+            new_kv=new_kv,
         )
         return out
 

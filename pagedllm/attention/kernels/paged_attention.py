@@ -14,12 +14,15 @@ LOG2E = tl.constexpr(1.4426950408889634)
 _SEARCH_BLOCK = 128
 # Split-KV tuning, from H200 timings of 32q/8kv D=128 decode: a lone program streams one tile per
 # ~2 us, so bandwidth needs several resident programs per SM. Split only when (requests x KV heads)
-# leaves SMs under-filled (< _SPLIT_BELOW_PROGRAMS_PER_SM per SM), then cut contexts until about
-# _SPLIT_PROGRAMS_PER_SM programs per SM exist, in pieces of at least _MIN_SPLIT_LEN keys, and at
-# most _MAX_SPLITS pieces so the partial-result scratch stays small.
-_SPLIT_BELOW_PROGRAMS_PER_SM = 2
+# leaves SMs idle (< _SPLIT_BELOW_PROGRAMS_PER_SM per SM: at 1.9 per SM one pass still beat five
+# partitions plus their reduction, 74% against 66% of the copy rate), then cut contexts until about
+# _SPLIT_PROGRAMS_PER_SM programs per SM exist, at most one piece per _MIN_SPLIT_LEN keys of the
+# longest context, and at most _MAX_SPLITS pieces so the partial-result scratch stays small.
+# The kernel cuts each request's own context into that many tile-aligned pieces, so a CUDA graph
+# captured for the longest context still splits a short one finely.
+_SPLIT_BELOW_PROGRAMS_PER_SM = 1
 _SPLIT_PROGRAMS_PER_SM = 8
-_MIN_SPLIT_LEN = 256
+_MIN_SPLIT_LEN = 64
 _MAX_SPLITS = 64
 
 
@@ -143,7 +146,7 @@ def _attend_tile(
 # Triton specialises integer arguments on == 1 and on divisibility by 16, compiling a variant for each
 # kind it meets. Batch counts and the block table's row stride change with every step, so without
 # this a long-running engine would keep compiling prefill variants in the middle of serving.
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "split_len", "stride_bt"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D] final output (unused when IS_SPLIT)
     part_acc_ptr,  # [T, Hq, num_splits, D] fp32 unnormalised partial outputs (IS_SPLIT only)
@@ -154,10 +157,12 @@ def _paged_attention_kernel(
     block_table_ptr,  # [B, max_blocks_per_req] int32
     seq_lens_ptr,  # [B] int32
     query_start_loc_ptr,  # [B + 1] int32
+    new_k_ptr,  # [T, Hkv, D] this step's keys, last dim contiguous (WRITE_KV only)
+    new_v_ptr,  # [T, Hkv, D] this step's values (WRITE_KV only)
+    slot_mapping_ptr,  # [T] int64 cache slot of each new token, < 0 for padding (WRITE_KV only)
     num_reqs,
     num_q_heads,
-    num_splits,
-    split_len,  # keys per partition, a multiple of TILE_N (IS_SPLIT only)
+    num_splits,  # partitions of each request's context (IS_SPLIT only)
     scale,
     soft_cap,
     window,
@@ -166,6 +171,7 @@ def _paged_attention_kernel(
     stride_kb, stride_kp, stride_kh,
     stride_vb, stride_vp, stride_vh,
     stride_bt,
+    stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_P2: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
@@ -178,19 +184,28 @@ def _paged_attention_kernel(
     IS_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,  # every request has exactly one query token: program i serves request i
+    WRITE_KV: tl.constexpr,  # (DECODE_ONLY) also store the new token's K/V into the cache
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    req = _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q, SEARCH_BLOCK)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    q_tok0 = (pid - (q_start // BLOCK_Q + req)) * BLOCK_Q
-    # Surplus slots of the host-sized grid.
-    if q_tok0 >= q_len:
-        return
+    if DECODE_ONLY:
+        # Token i is request i: no lookup, and no dependent loads before the cache reads start.
+        req = pid
+        q_start = pid
+        q_len = 1
+        q_tok0 = 0
+    else:
+        req = _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q, SEARCH_BLOCK)
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        q_tok0 = (pid - (q_start // BLOCK_Q + req)) * BLOCK_Q
+        # Surplus slots of the host-sized grid.
+        if q_tok0 >= q_len:
+            return
     seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len
 
@@ -218,10 +233,26 @@ def _paged_attention_kernel(
     if USE_WINDOW:
         kv_lo = tl.maximum(ctx_len + q_tok0 - window + 1, 0)
     if IS_SPLIT:
-        kv_lo = tl.maximum(kv_lo, split * split_len)
-        kv_hi = tl.minimum(kv_hi, (split + 1) * split_len)
+        # This request's visible range, from its first tile, in num_splits pieces of whole tiles.
+        range_lo = (kv_lo // TILE_N) * TILE_N
+        split_len = tl.cdiv(tl.cdiv(kv_hi - range_lo, num_splits), TILE_N) * TILE_N
+        kv_lo = tl.maximum(kv_lo, range_lo + split * split_len)
+        kv_hi = tl.minimum(kv_hi, range_lo + (split + 1) * split_len)
     # Tiles start on TILE_N multiples, and split_len is one, so partitions never share a tile.
     tile_lo = (kv_lo // TILE_N) * TILE_N
+
+    if WRITE_KV:
+        # The new token's slot is read only by the program whose range holds the last position, so
+        # that program writes it first (saving the separate cache-write launch); the barrier makes the
+        # stores of all its threads visible to its own tile loads below.
+        slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)
+        if (slot >= 0) & (kv_lo <= seq_len - 1) & (seq_len - 1 < kv_hi):
+            dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kp + kv_head * stride_kh + dims
+            new_k = tl.load(new_k_ptr + q_start * stride_nkt + kv_head * stride_nkh + dims, mask=dim_valid)
+            new_v = tl.load(new_v_ptr + q_start * stride_nvt + kv_head * stride_nvh + dims, mask=dim_valid)
+            tl.store(k_cache_ptr + dst, new_k.to(k_cache_ptr.dtype.element_ty), mask=dim_valid)
+            tl.store(v_cache_ptr + dst, new_v.to(v_cache_ptr.dtype.element_ty), mask=dim_valid)
+        tl.debug_barrier()
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running denominator
@@ -326,10 +357,11 @@ def default_config(
 ) -> KernelConfig:
     """Tile shape from host-side batch facts only, so picking it never waits on the device.
 
-    Decode choices come from an H200 sweep (32q/8kv, D=128, bf16): decode is bandwidth-bound and its
-    rate follows the bytes in flight per SM, i.e. tile size x resident programs. Long contexts or
-    many (request, KV head) programs favour 128-key tiles (2 programs/SM, 96-100% of copy rate); few
-    short programs favour 32-key tiles (4 programs/SM, one wave); split-KV runs were tuned at 64.
+    Decode choices come from H200 sweeps (16q/8kv and 32q/8kv, D=128, bf16, contexts 640-1500) of the
+    one-program-per-request decode launch: decode is bandwidth-bound, and 64-key tiles beat 32 and 128
+    from 64 to 256 requests (87-98% of the copy rate at 256); 4 warps win when programs are many
+    (>= 12 per SM), 2 below that. The choice depends on no context length, so a CUDA graph captured
+    for the longest context launches what an eager step of the same batch would.
     Prefill: 64 rows x 64 keys, 4 warps, 2 stages beat 128-row tiles on a 4k-token prompt.
     """
     head_size_p2 = triton.next_power_of_2(head_size)
@@ -337,15 +369,9 @@ def default_config(
     if max_query_len == 1:
         # One token per request: the group's heads fill the rows, padded to the tensor-core minimum.
         block_m = max(16, group_p2)
-        if head_size_p2 > 128:
-            tile_n = 32
-        elif split:
-            tile_n = 64
-        elif max_seq_len >= 2048 or num_reqs * num_kv_heads >= 8 * num_sms:
-            tile_n = 128
-        else:
-            tile_n = 32
-        return KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=4, num_stages=2)
+        tile_n = 32 if head_size_p2 > 128 else 64
+        many = num_reqs * num_kv_heads >= 12 * num_sms
+        return KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=4 if split or many else 2, num_stages=2)
     # Enough rows for the longest query run of one request; tensor cores need M >= 16.
     block_m = max(min(max(triton.next_power_of_2(max_query_len) * group_p2, 16), 64), group_p2)
     tile_n = 64 if head_size_p2 <= 128 else 32
@@ -399,11 +425,15 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, Hq, D]
     num_splits: int | None = None,
     config: KernelConfig | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of every query token over its request's paged context (cached prefix + causal self).
 
     ``num_splits`` forces the split-KV path (> 1) or the single pass (1); ``None`` lets the heuristic
     decide. Everything the launch needs comes from host ints, so no device-to-host sync happens.
+    ``new_kv`` = (key [T, Hkv, D], value [T, Hkv, D], slot_mapping [T] int64): in a pure-decode batch
+    (``max_query_len == 1``) the kernel stores them into the cache itself before reading it; any other
+    batch must have written them already (``reshape_and_cache``), and passing them is an error.
     """
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -428,11 +458,8 @@ def paged_attention(
     assert cfg.block_m % group_p2 == 0 and cfg.block_m >= group_p2
     block_q = cfg.block_m // group_p2
 
-    split_len = 0
-    if num_splits > 1:
-        split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), cfg.tile_n) * cfg.tile_n
-        # Rounding split_len up can leave trailing partitions empty for every request; drop them.
-        num_splits = max(1, triton.cdiv(max_seq_len, split_len))
+    # No more partitions than tiles in the longest context: the rest would be empty for every request.
+    num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, cfg.tile_n)))
     is_split = num_splits > 1
 
     if is_split:
@@ -443,14 +470,25 @@ def paged_attention(
     else:
         part_acc = part_ml = out  # never touched by the single-pass specialisation
 
+    decode_only = max_query_len == 1
+    if decode_only:
+        assert num_tokens == num_reqs, "a pure-decode batch has one token per request"
+    if new_kv is not None:
+        assert decode_only, "the cache write is fused only into pure-decode launches"
+        new_k, new_v, slot_mapping = new_kv
+        assert new_k.stride(-1) == 1 and new_v.stride(-1) == 1 and slot_mapping.shape[0] >= num_tokens
+    else:
+        new_k = new_v = query
+        slot_mapping = seq_lens
     # fp32 inputs would otherwise go through TF32 tensor cores and miss fp32 parity.
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
+    grid = (num_reqs if decode_only else num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         out, part_acc, part_ml,
         query, k_cache, v_cache,
         block_table, seq_lens, query_start_loc,
-        num_reqs, num_q_heads, num_splits, split_len,
+        new_k, new_v, slot_mapping,
+        num_reqs, num_q_heads, num_splits,
         scale,
         soft_cap if soft_cap is not None else 1.0,
         sliding_window if sliding_window is not None else 0,
@@ -459,6 +497,7 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         HEAD_SIZE=head_size,
         HEAD_SIZE_P2=head_size_p2,
         GROUP=group,
@@ -471,6 +510,8 @@ def paged_attention(
         IS_SPLIT=is_split,
         DOT_PRECISION=dot_precision,
         SEARCH_BLOCK=_SEARCH_BLOCK,
+        DECODE_ONLY=decode_only,
+        WRITE_KV=new_kv is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -1,0 +1,63 @@
+"""Where a step's device time goes: per kernel class (matmul, attention, norm, ...) for decode and prefill steps.
+
+    python benchmarks/kernel_breakdown.py --model llama --decode 1:1000 --prefill 1000 --latency 1:1000:256
+    python benchmarks/kernel_breakdown.py --model qwen --decode 256:640,64:1000
+
+Random weights, bf16, CUDA graphs as served (``--eager`` for the eager path). ``B:CTX`` profiles 16
+decode steps of B requests with CTX-token prompts; ``L`` profiles the prefill of one L-token prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from gpu_measure import kernel_profile, make_llm, prefill_profile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODELS = {"qwen": os.path.join(HERE, "shapes", "qwen3-0.6b"), "llama": os.path.join(HERE, "shapes", "llama-3-8b")}
+
+
+def print_profile(title: str, prof: dict) -> None:
+    total = sum(prof["per_step_device_us"].values())
+    print(f"\n== {title}: {total:8.1f} us device per step, {sum(prof['per_step_kernels'].values()):.0f} kernels")
+    for cls, us in sorted(prof["per_step_device_us"].items(), key=lambda kv: -kv[1]):
+        print(f"   {cls:18s} {us:8.1f} us  {prof['per_step_kernels'][cls]:6.1f} kernels")
+    for name, us, count in prof["top"][:8]:
+        print(f"   . {name:60s} {us:8.1f} us x{count:.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama")
+    ap.add_argument("--decode", default="", help="comma-separated BATCH:CONTEXT")
+    ap.add_argument("--prefill", default="", help="comma-separated prompt lengths")
+    ap.add_argument("--latency", default="", help="comma-separated BATCH:IN:OUT, timed end to end (TTFT, TPOT)")
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    llm = make_llm(MODELS[args.model], smoke=False)
+    results: dict = {}
+    from pagedllm.benchmarks.latency import measure_latency
+
+    for spec in filter(None, args.latency.split(",")):
+        batch, in_len, out_len = (int(v) for v in spec.split(":"))
+        lat = measure_latency(llm, batch, in_len, out_len, num_iters=2, num_warmup=1)
+        results[f"latency {spec}"] = lat
+        print(f"== {args.model} latency batch {batch}, {in_len} in / {out_len} out: TTFT {lat['ttft_ms']:.2f} ms, "
+              f"TPOT {lat['tpot_ms']:.3f} ms", flush=True)
+    for spec in filter(None, args.decode.split(",")):
+        batch, ctx = (int(v) for v in spec.split(":"))
+        prof = kernel_profile(llm, batch, ctx, 16, args.eager)
+        results[f"decode {spec}"] = prof
+        print_profile(f"{args.model} decode batch {batch}, context {ctx}", prof)
+    for spec in filter(None, args.prefill.split(",")):
+        prof = prefill_profile(llm, int(spec))
+        results[f"prefill {spec}"] = prof
+        print_profile(f"{args.model} prefill of {spec} tokens", prof)
+    with open(os.path.join(args.out, f"kernel_breakdown_{args.model}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Times the linear layers of the benchmark model shapes on CUDA: cuBLAS, cuBLASLt and the Triton GEMV.
+
+For each (model, tokens) case every distinct weight shape of the model is timed as the model runs it:
+one product per layer, each layer with its own weight (so the 60 MB L2 holds none of them), all
+replayed from one CUDA graph. Batch-1 rows report the weight-read rate against the device copy rate;
+larger batches report TFLOP/s. Usage: ``python benchmarks/linear_shapes.py [--json PATH]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+# (model, layers, [(name, out_features, in_features)]), from benchmarks/shapes/*/config.json.
+MODELS = {
+    "llama-3-8b": (32, [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]),
+    "qwen3-0.6b": (28, [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)]),
+}
+HEADS = {"llama-3-8b": (128256, 4096), "qwen3-0.6b": (151936, 1024)}
+CASES = [("llama-3-8b", 1), ("llama-3-8b", 256), ("llama-3-8b", 1000), ("qwen3-0.6b", 1), ("qwen3-0.6b", 256)]
+
+
+def graph_time_us(fn, reps: int = 20) -> float:
+    """Median device time of one ``fn()`` replayed from a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_tbps() -> float:
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_time_us(lambda: dst.copy_(src))
+    return 2 * src.numel() * 2 / (us * 1e-6) / 1e12
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "linear_shapes.json"))
+    ap.add_argument("--sweep", action="store_true", help="also sweep the GEMV tile configs at batch 1")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("linear_shapes: no CUDA device; nothing to time")
+        return
+    from pagedllm.layers.kernels.gemv import GemvConfig, default_config, gemv
+
+    bw = copy_tbps()
+    print(f"device copy {bw:.2f} TB/s (read + write)")
+    dt = torch.bfloat16
+    rows = []
+    for model, tokens in CASES:
+        layers, shapes = MODELS[model]
+        vocab, hidden = HEADS[model]
+        shapes = shapes + [("lm_head", vocab, hidden)]
+        for name, n, k in shapes:
+            count = 1 if name == "lm_head" else layers
+            weights = [torch.empty(n, k, dtype=dt, device="cuda").normal_(std=0.02) for _ in range(count)]
+            x = torch.randn(tokens, k, dtype=dt, device="cuda")
+            nbytes = 2 * n * k * count
+            flops = 2 * tokens * n * k * count
+            res = {"model": model, "tokens": tokens, "name": name, "n": n, "k": k, "count": count}
+            for lib in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(lib)
+                res[lib] = graph_time_us(lambda: [F.linear(x, w) for w in weights])
+            torch.backends.cuda.preferred_blas_library("cublas")
+            if tokens == 1 and default_config(n, k) is not None:
+                res["gemv"] = graph_time_us(lambda: [gemv(x, w) for w in weights])
+                err = (gemv(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max().item()
+                res["gemv_max_abs_diff"] = err
+                if args.sweep:
+                    best = (res["gemv"], str(default_config(n, k)))
+                    for bn in (4, 8, 16):
+                        for bk in (256, 512, 1024):
+                            for warps in (4, 8):
+                                if n % bn or k % bk or bn * bk // (32 * warps) > 128:
+                                    continue
+                                cfg = GemvConfig(bn, bk, warps)
+                                t = graph_time_us(lambda: [gemv(x, w, config=cfg) for w in weights], reps=5)
+                                best = min(best, (t, str(cfg)))
+                    res["gemv_best"] = best
+            libs = [key for key in ("cublas", "cublaslt", "gemv") if key in res]
+            if tokens == 1:
+                rate = "  ".join(f"{key} {res[key]:8.1f} us {nbytes / (res[key] * 1e-6) / 1e12 / bw:6.1%}" for key in libs)
+            else:
+                rate = "  ".join(f"{key} {res[key]:8.1f} us {flops / (res[key] * 1e-6) / 1e12:6.0f} TF/s" for key in libs)
+            extra = f"  best {res['gemv_best'][0]:.1f} us {res['gemv_best'][1]}" if "gemv_best" in res else ""
+            print(f"{model:11s} T={tokens:4d} {name:8s} {n:6d}x{k:5d} x{count:2d}: {rate}{extra}", flush=True)
+            rows.append(res)
+            del weights
+        torch.cuda.empty_cache()
+    summary = {}
+    for model, tokens in CASES:
+        sel = [r for r in rows if r["model"] == model and r["tokens"] == tokens]
+        summary[f"{model} T={tokens}"] = {
+            key: sum(r.get(key, r["cublas"]) for r in sel) for key in ("cublas", "cublaslt", "gemv")
+        }
+    print("\nper forward pass, all linears (us; gemv falls back to cuBLAS where it does not apply):")
+    for key, val in summary.items():
+        print(f"  {key:20s} " + "  ".join(f"{k} {v:8.1f}" for k, v in val.items()))
+    try:
+        with open(args.json, "w") as f:
+            json.dump({"copy_tbps": bw, "rows": rows, "summary": summary}, f, indent=1)
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The batch-1 Triton GEMV against torch's product (interpreted on CPU in float16, compiled in bf16 on CUDA)."""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+_ON_GPU = torch.cuda.is_available()
+if not _ON_GPU:
+    # Must precede the kernel's import: @triton.jit picks interpreter or compiler when it decorates.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton", reason="triton is not importable; the GEMV kernel cannot be tested")
+
+from pagedllm.layers.kernels import gemv as gemv_k  # noqa: E402
+
+if not _ON_GPU:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(gemv_k._gemv_kernel, InterpretedFunction):
+        importlib.reload(gemv_k)
+
+pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
+
+DEVICE = "cuda" if _ON_GPU else "cpu"
+DTYPES = [torch.float16] + ([torch.bfloat16] if _ON_GPU else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k", "bias"), [(64, 512, False), (48, 1024, True), (96, 768, False), (32, 384, True)])
+def test_gemv_matches_fp32_product(n: int, k: int, bias: bool, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(n * k)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
+    assert gemv_k.usable(x, w) == _ON_GPU  # CUDA only in the engine; the kernel itself runs interpreted here
+    y = gemv_k.gemv(x, w, b)
+    ref = x.float() @ w.float().T + (b.float() if bias else 0.0)
+    assert y.shape == (1, n) and y.dtype == dtype
+    # fp32 accumulation, one rounding of the output: within one half-type ulp of |y| <= ~4.
+    atol = 4e-3 if dtype == torch.float16 else 3e-2
+    torch.testing.assert_close(y.float(), ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("config", [gemv_k.GemvConfig(4, 128, 4), gemv_k.GemvConfig(16, 256, 8)])
+def test_gemv_tile_shapes_agree(config: gemv_k.GemvConfig) -> None:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 1024, generator=gen).to(DEVICE, torch.float16)
+    w = (torch.randn(64, 1024, generator=gen) * 0.03).to(DEVICE, torch.float16)
+    ref = gemv_k.gemv(x, w)
+    torch.testing.assert_close(gemv_k.gemv(x, w, config=config).float(), ref.float(), atol=4e-3, rtol=0)
+
+
+def test_config_covers_model_shapes_and_refuses_odd_ones() -> None:
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (151936, 1024)]:
+        cfg = gemv_k.default_config(n, k)
+        assert cfg is not None and n % cfg.block_n == 0 and k % cfg.block_k == 0
+    assert gemv_k.default_config(4096, 100) is None  # no K tile divides 100
+    assert gemv_k.default_config(4098, 4096) is None  # no N tile divides 4098
+    x = torch.zeros(2, 512, dtype=torch.float16)
+    assert not gemv_k.usable(x, torch.zeros(64, 512, dtype=torch.float16))  # two tokens: not a GEMV
