@@ -110,7 +110,7 @@ def main() -> None:
         print("attention_kernels: no CUDA device; nothing to time")
         return
 
-    from pagedllm.attention.kernels.paged_attention import KernelConfig, choose_num_splits, default_config
+    from pagedllm.attention.kernels.launch_config import KernelConfig, choose_num_splits, default_config
 
     props = torch.cuda.get_device_properties(0)
     hq, hkv = (int(v) for v in args.heads.split(":"))

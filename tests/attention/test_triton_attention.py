@@ -16,6 +16,7 @@ if not _ON_GPU:
 triton = pytest.importorskip("triton", reason="triton is not importable; the Triton backend cannot be tested")
 
 from pagedllm.attention.backends import torch_ref  # noqa: E402
+from pagedllm.attention.kernels import launch_config as lc  # noqa: E402
 from pagedllm.attention.kernels import paged_attention as pa_mod  # noqa: E402
 from pagedllm.attention.kernels import reshape_and_cache as rc_mod  # noqa: E402
 from paged_batches import build_paged_batch  # noqa: E402
@@ -108,7 +109,7 @@ def test_many_requests_cross_search_block():
 def test_heuristic_split_path_matches():
     # A lone long decode: the heuristic alone must choose to split, and stay exact.
     reqs = [(1100, 1)]
-    assert pa_mod.choose_num_splits(1, 1, 1101, 1, num_sms=64) > 1
+    assert lc.choose_num_splits(1, 1, 1101, 1, num_sms=64) > 1
     _check(reqs, 4, 1, 64, 16, torch.float16, num_splits=None)
 
 
@@ -117,7 +118,7 @@ def test_split_decode_under_a_length_bound(window):
     # Launch facts from a bound far above every context (as under CUDA graphs): each request's own
     # context is cut into the partitions, from one tile up, and short ones leave partitions empty.
     reqs = [(4, 1), (129, 1), (700, 1), (63, 1)]
-    assert pa_mod.choose_num_splits(len(reqs), 1, 4096, 2, num_sms=64) > 8
+    assert lc.choose_num_splits(len(reqs), 1, 4096, 2, num_sms=64) > 8
     _check(reqs, 4, 2, 64, 16, torch.float16, window=window, num_splits=None, max_seq_len_bound=4096, seed=9)
 
 
@@ -139,11 +140,11 @@ def test_decode_kv_write_fused_or_separate_is_identical(num_splits):
 
 def test_choose_num_splits():
     kw = dict(num_sms=132)
-    assert pa_mod.choose_num_splits(4, 1, 32768, 8, **kw) > 1  # few long decodes: split
-    assert pa_mod.choose_num_splits(256, 1, 4096, 8, **kw) == 1  # GPU already full
-    assert pa_mod.choose_num_splits(2, 1, 100, 8, **kw) == 1  # too short to be worth a reduction
-    assert pa_mod.choose_num_splits(2, 512, 32768, 8, **kw) == 1  # prefill in the batch
-    assert pa_mod.choose_num_splits(1, 1, 10**6, 1, **kw) <= pa_mod._MAX_SPLITS
+    assert lc.choose_num_splits(4, 1, 32768, 8, **kw) > 1  # few long decodes: split
+    assert lc.choose_num_splits(256, 1, 4096, 8, **kw) == 1  # GPU already full
+    assert lc.choose_num_splits(2, 1, 100, 8, **kw) == 1  # too short to be worth a reduction
+    assert lc.choose_num_splits(2, 512, 32768, 8, **kw) == 1  # prefill in the batch
+    assert lc.choose_num_splits(1, 1, 10**6, 1, **kw) <= lc._MAX_SPLITS
 
 
 def test_reshape_and_cache_padding_and_cast():
@@ -162,7 +163,7 @@ def test_reshape_and_cache_padding_and_cast():
 def test_default_config_choices():
     # Decode: 64-key tiles whatever the context (a graph captured at the longest context launches the
     # same as an eager step), 4 warps for many programs, 2 for fewer; wide heads take 32-key tiles.
-    dc = pa_mod.default_config
+    dc = lc.default_config
     full = dc(128, 4, 1, max_seq_len=4096, num_reqs=256, num_kv_heads=8, num_sms=132)
     assert (full.tile_n, full.num_warps) == (64, 4)
     assert dc(128, 4, 1, max_seq_len=128, num_reqs=256, num_kv_heads=8, num_sms=132) == full
@@ -177,9 +178,9 @@ def test_default_config_choices():
 @pytest.mark.parametrize(
     "cfg",
     [
-        pa_mod.KernelConfig(block_m=16, tile_n=128, num_warps=4, num_stages=2),
-        pa_mod.KernelConfig(block_m=16, tile_n=32, num_warps=4, num_stages=2),
-        pa_mod.KernelConfig(block_m=64, tile_n=16, num_warps=4, num_stages=2),
+        lc.KernelConfig(block_m=16, tile_n=128, num_warps=4, num_stages=2),
+        lc.KernelConfig(block_m=16, tile_n=32, num_warps=4, num_stages=2),
+        lc.KernelConfig(block_m=64, tile_n=16, num_warps=4, num_stages=2),
     ],
     ids=lambda c: f"m{c.block_m}-n{c.tile_n}",
 )

@@ -101,7 +101,7 @@ def test_few_long_decodes(dtype, num_splits):
 
 
 def test_heuristic_splits_few_decodes_on_this_gpu():
-    from pagedllm.attention.kernels.paged_attention import choose_num_splits
+    from pagedllm.attention.kernels.launch_config import choose_num_splits
 
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     assert choose_num_splits(2, 1, 16384, 8, sms) > 1
