@@ -40,6 +40,14 @@ class AttentionImpl(ABC):
     ) -> torch.Tensor:  # [T, num_heads, head_size]
         ...
 
+    def fuses_decode_rotary(self, attn_metadata: AttentionMetadata, rotary) -> bool:
+        """Whether ``forward(..., rotary=rotary)`` may receive q and k unrotated for this step.
+
+        ``rotary`` is a RotaryEmbedding (inv_freq, attention_scaling, is_neox_style). A backend that says
+        yes rotates them itself, at each request's last position; the default backend never does.
+        """
+        return False
+
 
 class AttentionBackend(ABC):
     name: str

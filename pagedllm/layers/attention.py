@@ -40,16 +40,23 @@ class Attention(nn.Module):
         value: torch.Tensor,  # [T, Hkv*D]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
+        rotary=None,  # a RotaryEmbedding still to apply to query and key (only if fuses_decode_rotary)
     ) -> torch.Tensor:  # [T, Hq*D]
         num_tokens = query.shape[0]
+        extra = {} if rotary is None else {"rotary": rotary}
         out = self.impl.forward(
             query.view(num_tokens, self.num_heads, self.head_size),
             key.view(num_tokens, self.num_kv_heads, self.head_size),
             value.view(num_tokens, self.num_kv_heads, self.head_size),
             kv_cache,
             attn_metadata,
+            **extra,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_size)
+
+    def fuses_decode_rotary(self, attn_metadata: AttentionMetadata, rotary) -> bool:
+        """Whether the backend rotates q and k itself in this step (forward's ``rotary``)."""
+        return self.impl.fuses_decode_rotary(attn_metadata, rotary)
 
     def extra_repr(self) -> str:
         return (

@@ -106,14 +106,18 @@ class LlamaAttention(nn.Module):
             from pagedllm.layers.kernels import qk_norm_rotary as fused
 
             use_fused = fused.modules_usable(positions, q, k, self.q_norm, self.k_norm, self.rotary_emb)
+        rotary_in_attention = None
         if use_fused:
             q, k = fused.apply_(positions, q, k, self.q_norm, self.k_norm, self.rotary_emb)
+        elif self.q_norm is None and q.is_cuda and self.attn.fuses_decode_rotary(attn_metadata, self.rotary_emb):
+            # A decode step: the attention kernel rotates q and the new key itself (one launch less a layer).
+            rotary_in_attention = self.rotary_emb
         else:
             if self.q_norm is not None:
                 q = self.q_norm(q.unflatten(-1, (-1, self.head_size)))
                 k = self.k_norm(k.unflatten(-1, (-1, self.head_size)))
             q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.flatten(1), k.flatten(1), v, kv_cache, attn_metadata)
+        out = self.attn(q.flatten(1), k.flatten(1), v, kv_cache, attn_metadata, rotary=rotary_in_attention)
         return self.o_proj(out)
 
 

@@ -19,6 +19,9 @@ from pagedllm.attention.backends import torch_ref  # noqa: E402
 from pagedllm.attention.kernels import launch_config as lc  # noqa: E402
 from pagedllm.attention.kernels import paged_attention as pa_mod  # noqa: E402
 from pagedllm.attention.kernels import reshape_and_cache as rc_mod  # noqa: E402
+from pagedllm.attention.kernels import rope as rope_mod  # noqa: E402
+from pagedllm.layers.kernels import rotary as rot_k  # noqa: E402
+from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
 from paged_batches import build_paged_batch  # noqa: E402
 
 
@@ -31,7 +34,9 @@ def _backend_module():
 
         if not isinstance(pa_mod._paged_attention_kernel, InterpretedFunction):
             importlib.reload(rc_mod)
+            importlib.reload(rope_mod)
             importlib.reload(pa_mod)
+            importlib.reload(rot_k)
             backend_mod = importlib.reload(backend_mod)
     return backend_mod
 
@@ -136,6 +141,45 @@ def test_decode_kv_write_fused_or_separate_is_identical(num_splits):
         outs.append((impl.forward(query, key, value, cache, metadata()), cache))
     assert torch.equal(outs[0][0], outs[1][0])
     assert torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rotary_dim", "scaling", "num_splits"),
+    [(torch.float32, 64, 1.0, 1), (torch.float16, 32, 1.25, 4), (torch.float16, 64, 1.0, 1)],
+)
+def test_decode_rotary_in_attention_matches_rotary_kernel_first(dtype, rotary_dim, scaling, num_splits):
+    # A decode step may hand q and k over unrotated; the kernel must produce exactly what the rotary
+    # kernel followed by attention does, outputs and cache alike (partial rotary and scaling included).
+    reqs = [(33, 1), (0, 1), (70, 1), (16, 1), (130, 1)]
+    query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, dtype, 12, 1, device=DEVICE)
+    md = metadata()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    rotary = RotaryEmbedding(64, inv_freq, scaling).to(DEVICE)
+    impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
+    impl.num_splits = num_splits
+    assert impl.fuses_decode_rotary(md, rotary)
+
+    n = len(reqs)
+    positions = md.seq_lens.long() - 1
+    q_ref, k_ref = query.clone(), key.clone()
+    rot_k.rotary_neox_(positions, q_ref[:n], k_ref[:n], rotary.inv_freq, 64, scaling)
+    cache_ref = kv_cache.clone()
+    expected = impl.forward(q_ref, k_ref, value, cache_ref, metadata())
+
+    cache = kv_cache.clone()
+    out = impl.forward(query.clone(), key.clone(), value, cache, metadata(), rotary=rotary)
+    assert torch.equal(out, expected)
+    assert torch.equal(cache, cache_ref)
+
+
+def test_rotary_is_not_fused_outside_pure_decode():
+    _, _, _, _, _, metadata = build_paged_batch([(10, 3), (5, 1)], 4, 2, 64, 16, torch.float32, 1, device=DEVICE)
+    rotary = RotaryEmbedding(64, torch.ones(32)).to(DEVICE)
+    impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
+    assert not impl.fuses_decode_rotary(metadata(), rotary)
+    impl.fuse_decode_kv_write = False
+    _, _, _, _, _, decode_md = build_paged_batch([(10, 1)], 4, 2, 64, 16, torch.float32, 1, device=DEVICE)
+    assert not impl.fuses_decode_rotary(decode_md(), rotary)
 
 
 def test_choose_num_splits():

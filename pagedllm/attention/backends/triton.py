@@ -24,11 +24,17 @@ class TritonImpl(AttentionImpl):
         value: torch.Tensor,  # [T_padded, Hkv, D]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
+        rotary=None,  # a RotaryEmbedding when fuses_decode_rotary said yes
     ) -> torch.Tensor:  # [T_padded, Hq, D]
+        """``rotary``: query and key arrive unrotated and the kernel rotates them (see fuses_decode_rotary)."""
         md = attn_metadata
         num_tokens = md.num_actual_tokens
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        new_kv = None
+        new_kv = rope = None
+        if rotary is not None:
+            if not self.fuses_decode_rotary(md, rotary):
+                raise ValueError("the rotary embedding is fused only into pure-decode steps with the cache write")
+            rope = (rotary.inv_freq, rotary.attention_scaling)
         if md.max_query_len == 1 and self.fuse_decode_kv_write:
             new_kv = (key, value, md.slot_mapping)
         else:
@@ -57,8 +63,15 @@ class TritonImpl(AttentionImpl):
             out=out[:num_tokens],
             num_splits=self.num_splits,
             new_kv=new_kv,
+            rope=rope,
         )
         return out
+
+
+    def fuses_decode_rotary(self, md: AttentionMetadata, rotary) -> bool:
+        # A pure-decode step whose cache write is fused, and a neox-style rotary embedding: the kernel
+        # rotates q and the new key in registers, saving the rotary launch of every layer.
+        return md.max_query_len == 1 and self.fuse_decode_kv_write and rotary.is_neox_style
 
 
 class TritonBackend(AttentionBackend):

@@ -5,7 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.kernels.launch_config import KernelConfig, device_sm_count, choose_num_splits, default_config
+from pagedllm.attention.kernels.launch_config import KernelConfig, choose_num_splits, default_config, device_sm_count
+from pagedllm.attention.kernels.rope import rope_rotate, rope_tables
 
 # A constexpr global, because jitted code may only read constexpr globals.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -138,6 +139,8 @@ def _paged_attention_kernel(
     new_k_ptr,  # [T, Hkv, D] this step's keys, last dim contiguous (WRITE_KV only)
     new_v_ptr,  # [T, Hkv, D] this step's values (WRITE_KV only)
     slot_mapping_ptr,  # [T] int64 cache slot of each new token, < 0 for padding (WRITE_KV only)
+    inv_freq_ptr,  # [R/2] float32 rotary inverse frequencies (ROPE only)
+    rope_scaling,  # cos/sin factor (ROPE only)
     num_reqs,
     num_q_heads,
     num_splits,  # partitions of each request's context (IS_SPLIT only)
@@ -164,6 +167,8 @@ def _paged_attention_kernel(
     SEARCH_BLOCK: tl.constexpr,
     DECODE_ONLY: tl.constexpr,  # every request has exactly one query token: program i serves request i
     WRITE_KV: tl.constexpr,  # (DECODE_ONLY) also store the new token's K/V into the cache
+    ROPE: tl.constexpr,  # (WRITE_KV) q and the new k arrive unrotated: rotate them here (neox)
+    ROT_HALF: tl.constexpr,  # rotary channels / 2 (ROPE only)
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
     pid = tl.program_id(0)
@@ -198,11 +203,14 @@ def _paged_attention_kernel(
     dim_valid = dims < HEAD_SIZE
     tok = (q_start + row_tok).to(tl.int64)  # [BLOCK_M] flat token index
 
-    q = tl.load(  # [BLOCK_M, HEAD_SIZE_P2]
-        q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh + dims[None, :],
-        mask=row_valid[:, None] & dim_valid[None, :],
-        other=0.0,
-    )
+    q_rows = q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh  # [BLOCK_M, 1]
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_SIZE_P2]
+    if ROPE:
+        # Decode: the token sits at seq_len - 1. Every program of the request rotates its own copy of q.
+        cos, sin, partner = rope_tables(seq_len - 1, inv_freq_ptr, rope_scaling, dims, ROT_HALF, q.dtype)
+        q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
+        q = rope_rotate(q, q_partner, cos[None, :], sin[None, :])
 
     # Keys this program needs: up to its last token's position (causal), from its first token's
     # window start. Padded rows clamp to the request so no key beyond seq_len is touched.
@@ -226,7 +234,10 @@ def _paged_attention_kernel(
         slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)
         if (slot >= 0) & (kv_lo <= seq_len - 1) & (seq_len - 1 < kv_hi):
             dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kp + kv_head * stride_kh + dims
-            new_k = tl.load(new_k_ptr + q_start * stride_nkt + kv_head * stride_nkh + dims, mask=dim_valid)
+            k_row = new_k_ptr + q_start * stride_nkt + kv_head * stride_nkh
+            new_k = tl.load(k_row + dims, mask=dim_valid)
+            if ROPE:
+                new_k = rope_rotate(new_k, tl.load(k_row + partner, mask=dim_valid), cos, sin)
             new_v = tl.load(new_v_ptr + q_start * stride_nvt + kv_head * stride_nvh + dims, mask=dim_valid)
             tl.store(k_cache_ptr + dst, new_k.to(k_cache_ptr.dtype.element_ty), mask=dim_valid)
             tl.store(v_cache_ptr + dst, new_v.to(v_cache_ptr.dtype.element_ty), mask=dim_valid)
@@ -340,6 +351,7 @@ def paged_attention(
     num_splits: int | None = None,
     config: KernelConfig | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rope: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of every query token over its request's paged context (cached prefix + causal self).
 
@@ -348,6 +360,8 @@ def paged_attention(
     ``new_kv`` = (key [T, Hkv, D], value [T, Hkv, D], slot_mapping [T] int64): in a pure-decode batch
     (``max_query_len == 1``) the kernel stores them into the cache itself before reading it; any other
     batch must have written them already (``reshape_and_cache``), and passing them is an error.
+    ``rope`` = (inv_freq [R/2] float32, scaling), with ``new_kv`` only: q and the new keys come
+    unrotated and the kernel applies the neox rotary embedding at each request's last position.
     """
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -394,6 +408,12 @@ def paged_attention(
     else:
         new_k = new_v = query
         slot_mapping = seq_lens
+    if rope is not None:
+        assert new_kv is not None, "the rotary embedding is fused only with the decode cache write"
+        inv_freq, rope_scaling = rope
+        assert inv_freq.dtype == torch.float32 and 2 * inv_freq.numel() <= head_size
+    else:
+        inv_freq, rope_scaling = seq_lens, 1.0
     # fp32 inputs would otherwise go through TF32 tensor cores and miss fp32 parity.
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
     grid = (num_reqs if decode_only else num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
@@ -402,6 +422,7 @@ def paged_attention(
         query, k_cache, v_cache,
         block_table, seq_lens, query_start_loc,
         new_k, new_v, slot_mapping,
+        inv_freq, rope_scaling,
         num_reqs, num_q_heads, num_splits,
         scale,
         soft_cap if soft_cap is not None else 1.0,
@@ -426,6 +447,8 @@ def paged_attention(
         SEARCH_BLOCK=_SEARCH_BLOCK,
         DECODE_ONLY=decode_only,
         WRITE_KV=new_kv is not None,
+        ROPE=rope is not None,
+        ROT_HALF=inv_freq.numel() if rope is not None else 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
