@@ -21,6 +21,7 @@ import torch
 from pagedllm.attention import AttentionMetadata, get_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedllm.sample.argmax import argmax_rows
 from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagedllm.worker.gpu_buffers import DeviceInputs, StepBuffers
 from pagedllm.worker.input_batch import BatchInputs, InputBatch
@@ -240,7 +241,7 @@ class ModelRunner:
             if all(st.plain_greedy for st in states):
                 # What the sampler does for an all-greedy batch, minus building its metadata and the
                 # float32 copy of the logits ([S, vocab] in the model dtype; the argmax is the same).
-                token_ids, lp = self.model.compute_logits(last_hidden, float32=False).argmax(dim=-1), None
+                token_ids, lp = argmax_rows(self.model.compute_logits(last_hidden, float32=False)), None
             else:
                 token_ids, lp = self._sample(self.model.compute_logits(last_hidden), states)  # [S, vocab] float32
             step.rows, step.states, step.token_ids = rows, states, token_ids
