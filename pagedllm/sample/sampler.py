@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.sample.argmax import argmax_rows
 from pagedllm.sample.logprobs import LogprobsTensors, gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.penalties import needs_processing, process_logits_
@@ -57,14 +58,14 @@ class Sampler(torch.nn.Module):
     def _sample(logits: torch.Tensor, md: SamplingMetadata, owned: bool) -> torch.Tensor:
         """logits [B, V] processed -> [B] int64. Modifies logits only when owned is True."""
         if md.all_greedy:
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         if md.all_random:
             greedy = None
             rows = logits if owned else logits.clone()
             temperature, top_k, top_p, min_p = md.temperature, md.top_k, md.top_p, md.min_p
             key0, key1 = md.rng_key0, md.rng_key1
         else:
-            greedy = logits.argmax(dim=-1)
+            greedy = argmax_rows(logits)
             idx = md.random_indices
             rows = logits.index_select(0, idx)  # a copy, free to modify
             temperature = md.temperature.index_select(0, idx)
