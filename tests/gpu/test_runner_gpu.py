@@ -84,6 +84,24 @@ def test_fp32_gpu_greedy_matches_cpu_torch_ref(any_tiny_path):
     assert {s for s in sizes if s} >= {8, 4, 2, 1}, sizes  # graphs replayed, padding included
 
 
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+def test_programmatic_dependent_launch_changes_nothing(model, tmp_path, monkeypatch):
+    # PAGEDLLM_PDL=1 launches the Triton kernels with PDL (graphs included); every kernel waits for its
+    # predecessor before touching memory, so bf16 tokens and logprobs must be bit-identical to plain launches.
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    path = make_tiny_model(model, tmp_path / model)
+    prompts = _prompts(5, seed=4)
+    outs = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("PAGEDLLM_PDL", pdl)
+        llm = _llm(path, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=_KV_BYTES)
+        res = _generate(llm, prompts, [3, 17, 25, 30, 1], logprobs=2)
+        outs[pdl] = [(o.outputs[0].token_ids, [list(d.items()) for d in o.outputs[0].logprobs]) for o in res]
+        _free(llm)
+    assert outs["1"] == outs["0"]
+
+
 def test_async_scheduling_matches_sync_on_gpu(tiny_path):
     # Seeded sampling with penalties and logprobs reads each request's outputs on the host, and
     # stop tokens end requests that already have a step in flight.

@@ -7,6 +7,7 @@ import triton.language as tl
 
 from pagedllm.attention.kernels.launch_config import KernelConfig, choose_num_splits, default_config, device_sm_count
 from pagedllm.attention.kernels.rope import rope_rotate, rope_tables
+from pagedllm.kernel_launch import pdl_launch_args
 
 # A constexpr global, because jitted code may only read constexpr globals.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -169,7 +170,10 @@ def _paged_attention_kernel(
     WRITE_KV: tl.constexpr,  # (DECODE_ONLY) also store the new token's K/V into the cache
     ROPE: tl.constexpr,  # (WRITE_KV) q and the new k arrive unrotated: rotate them here (neox)
     ROT_HALF: tl.constexpr,  # rotary channels / 2 (ROPE only)
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -304,7 +308,10 @@ def _reduce_splits_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_P2: tl.constexpr,
     SPLITS_P2: tl.constexpr,
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P2)  # [SPLITS_P2]
@@ -414,6 +421,7 @@ def paged_attention(
         assert inv_freq.dtype == torch.float32 and 2 * inv_freq.numel() <= head_size
     else:
         inv_freq, rope_scaling = seq_lens, 1.0
+    pdl = pdl_launch_args(query)
     # fp32 inputs would otherwise go through TF32 tensor cores and miss fp32 parity.
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
     grid = (num_reqs if decode_only else num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
@@ -451,6 +459,7 @@ def paged_attention(
         ROT_HALF=inv_freq.numel() if rope is not None else 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl,
     )
     if is_split:
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
@@ -461,5 +470,6 @@ def paged_attention(
             HEAD_SIZE_P2=head_size_p2,
             SPLITS_P2=triton.next_power_of_2(num_splits),
             num_warps=4 if head_size_p2 >= 128 else 2,
+            **pdl,
         )
     return out

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernel_launch import pdl_launch_args
+
 # Elements one program moves per tensor; bounds registers while keeping each program's copy wide.
 _MAX_TILE_ELEMS = 4096
 
@@ -25,7 +27,10 @@ def _reshape_and_cache_kernel(
     HEAD_SIZE_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     tok = tl.program_id(0)
     head_block = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -78,4 +83,5 @@ def reshape_and_cache(
         BLOCK_SIZE=block_size,
         BLOCK_H=block_h,
         num_warps=4 if block_h * head_size_p2 >= 1024 else 1,
+        **pdl_launch_args(key),
     )

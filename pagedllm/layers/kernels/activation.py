@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernel_launch import pdl_launch_args
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -16,7 +18,10 @@ def _act_and_mul_kernel(
     stride_xt,
     ACT: tl.constexpr,  # 0 silu, 1 gelu tanh, 2 gelu erf
     BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     tok = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < n_cols
@@ -50,5 +55,5 @@ def act_and_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:  # x [T, 2F
     out = torch.empty((tokens, n_cols), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n_cols))
     grid = (tokens, triton.cdiv(n_cols, block))
-    _act_and_mul_kernel[grid](x, out, n_cols, x.stride(0), ACT=_ACTS[act], BLOCK=block, num_warps=4)
+    _act_and_mul_kernel[grid](x, out, n_cols, x.stride(0), ACT=_ACTS[act], BLOCK=block, num_warps=4, **pdl_launch_args(x))
     return out

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernel_launch import pdl_launch_args
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -34,7 +36,10 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]; N % BLOCK_N == 0 (host checks)
     cols = tl.arange(0, BLOCK_K)  # [BLOCK_K]; K % BLOCK_K == 0
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]  # [BLOCK_N, BLOCK_K]
@@ -94,5 +99,6 @@ def gemv(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
+        **pdl_launch_args(x),
     )
     return y

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernel_launch import pdl_launch_args
+
 from pagedllm.layers.kernels.rotary import _heads_view
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -112,7 +114,10 @@ def _qk_norm_rotary_kernel(
     HALF_P2: tl.constexpr,
     REST_P2: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     # int64: tok * stride_qt passes 2**31 for long prefills of wide models.
     tok = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -228,7 +233,7 @@ def qk_norm_rotary_(
         hq, hk, sqt, sqh, skt, skh,
         float(q_eps), float(k_eps), head_size, half, float(attention_scaling), num_q_blocks,
         GEMMA=gemma, HAS_REST=rest > 0, HALF_P2=half_p2, REST_P2=rest_p2, BLOCK_H=block_h,
-        num_warps=4,
+        num_warps=4, **pdl_launch_args(query),
     )
     return query, key
 

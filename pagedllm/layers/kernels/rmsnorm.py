@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernel_launch import pdl_launch_args
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -28,7 +30,10 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     GEMMA: tl.constexpr,
     BLOCK_H: tl.constexpr,  # next power of two >= hidden: the whole row is one tile
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     i0 = row // n_inner
     i1 = row % n_inner
@@ -106,5 +111,6 @@ def rms_norm(
         GEMMA=gemma,
         BLOCK_H=block,
         num_warps=num_warps,
+        **pdl_launch_args(x),
     )
     return out if residual is None else (out, res_out)

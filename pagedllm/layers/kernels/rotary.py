@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernel_launch import pdl_launch_args
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -56,7 +58,10 @@ def _rotary_kernel(
     scaling,
     HALF_P2: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     tok = tl.program_id(0)
     dims = tl.arange(0, HALF_P2)  # [HALF_P2]
     pos = tl.load(pos_ptr + tok).to(tl.float32)
@@ -111,6 +116,6 @@ def rotary_neox_(
         positions, inv_freq, query, key,
         hq, hk, sqt, sqh, skt, skh,
         half, attention_scaling,
-        HALF_P2=half_p2, BLOCK_H=block_h, num_warps=4,
+        HALF_P2=half_p2, BLOCK_H=block_h, num_warps=4, **pdl_launch_args(query),
     )
     return query, key

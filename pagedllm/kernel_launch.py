@@ -1,0 +1,33 @@
+"""Launch options shared by the engine's Triton kernels: programmatic dependent launch (PDL) on Hopper and later.
+
+A decode step is a few hundred short kernels, and at small batches the gaps between them are a visible
+share of the step. With PDL a kernel is launched while its predecessor on the stream is still running;
+each of our kernels then executes ``gdc_wait`` before its first memory access, which blocks until the
+predecessor has finished and its writes are visible. Results are those of serialized launches: only
+the launch latency overlaps. Opt in with ``PAGEDLLM_PDL=1`` (CUDA, compute capability >= 9.0).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def _device_supports_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Whether kernels reading or writing ``t`` launch with PDL (and so must wait on their predecessor)."""
+    if not t.is_cuda or os.environ.get("PAGEDLLM_PDL", "0") != "1":
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False  # the interpreter runs programs one by one and knows no grid dependency control
+    return _device_supports_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch_args(t: torch.Tensor) -> dict:
+    """Keyword arguments for a kernel launch: the ``USE_GDC`` constexpr, plus ``launch_pdl`` when on."""
+    return {"USE_GDC": True, "launch_pdl": True} if use_pdl(t) else {"USE_GDC": False}
