@@ -3,8 +3,11 @@
 A decode step is a few hundred short kernels, and at small batches the gaps between them are a visible
 share of the step. With PDL a kernel is launched while its predecessor on the stream is still running;
 each of our kernels then executes ``gdc_wait`` before its first memory access, which blocks until the
-predecessor has finished and its writes are visible. Results are those of serialized launches: only
-the launch latency overlaps. Opt in with ``PAGEDLLM_PDL=1`` (CUDA, compute capability >= 9.0).
+predecessor has finished and its writes are visible. Results are those of serialized launches; what
+overlaps is the launch itself, plus what a kernel does before its wait: small-grid kernels (norms,
+activations, rotary, the split reduction) let their successor launch at once, and the GEMV reads its
+first weight tile (weights are never written) before waiting. Opt in with ``PAGEDLLM_PDL=1`` (CUDA,
+compute capability >= 9.0).
 """
 from __future__ import annotations
 

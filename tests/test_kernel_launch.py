@@ -1,6 +1,13 @@
-"""Programmatic dependent launch stays off unless asked for, on a GPU that has it, outside the interpreter."""
+"""Programmatic dependent launch: off unless asked for on a GPU that has it; its kernel variants compile for sm_90."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from pagedllm.kernel_launch import pdl_launch_args, use_pdl
@@ -23,3 +30,26 @@ def test_pdl_is_opt_in(monkeypatch):
         assert pdl_launch_args(torch.zeros(1, device="cuda")) == (
             {"USE_GDC": True, "launch_pdl": True} if on else {"USE_GDC": False}
         )
+
+
+def test_pdl_kernels_compile_for_hopper():
+    # The PDL variants never run on a CPU; compiling them for sm_90 checks that each kernel waits on its
+    # predecessor (griddepcontrol.wait) and that the small ones let their successor launch early.
+    triton = pytest.importorskip("triton")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("triton has no bundled ptxas")
+    tests_dir = Path(__file__).parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tests_dir.parent), str(tests_dir), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(tests_dir / "hopper_compile.py")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    seen = {r["kernel"] for r in rows}
+    assert seen == {"_gemv_kernel", "_rmsnorm_kernel", "_act_and_mul_kernel", "_rotary_kernel",
+                    "_qk_norm_rotary_kernel", "_paged_attention_kernel", "_reduce_splits_kernel",
+                    "_reshape_and_cache_kernel"}
+    assert all(r["pdl"] and r["wait"] >= 1 for r in rows), rows
+    small = {"_rmsnorm_kernel", "_act_and_mul_kernel", "_rotary_kernel", "_qk_norm_rotary_kernel",
+             "_reduce_splits_kernel", "_reshape_and_cache_kernel"}
+    assert all(r["trigger"] >= 1 for r in rows if r["kernel"] in small), rows

@@ -312,6 +312,8 @@ def _reduce_splits_kernel(
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+        # A small grid: let the next kernel launch now; it waits for this one before reading anything.
+        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P2)  # [SPLITS_P2]

@@ -31,6 +31,8 @@ def _reshape_and_cache_kernel(
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+        # A small grid: let the next kernel launch now; it waits for this one before reading anything.
+        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0)
     head_block = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)

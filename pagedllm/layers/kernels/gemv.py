@@ -38,13 +38,19 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]; N % BLOCK_N == 0 (host checks)
     cols = tl.arange(0, BLOCK_K)  # [BLOCK_K]; K % BLOCK_K == 0
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]  # [BLOCK_N, BLOCK_K]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_first = 0
+    if USE_GDC:
+        # No kernel ever writes the weights, so the first tile is read before waiting for the previous
+        # kernel (which writes x): that read overlaps the wait.
+        w0 = tl.load(w_ptrs).to(tl.float32)
+        tl.extra.cuda.gdc_wait()
+        acc += w0 * tl.load(x_ptr + cols).to(tl.float32)[None, :]
+        k_first = BLOCK_K
+    for k0 in range(k_first, K, BLOCK_K):
         x = tl.load(x_ptr + k0 + cols).to(tl.float32)  # [BLOCK_K]
         w = tl.load(w_ptrs + k0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
         acc += w * x[None, :]

@@ -118,6 +118,8 @@ def _qk_norm_rotary_kernel(
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+        # A small grid: let the next kernel launch now; it waits for this one before reading anything.
+        tl.extra.cuda.gdc_launch_dependents()
     # int64: tok * stride_qt passes 2**31 for long prefills of wide models.
     tok = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)

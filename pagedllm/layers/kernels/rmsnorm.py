@@ -34,6 +34,8 @@ def _rmsnorm_kernel(
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+        # A small grid: let the next kernel launch now; it waits for this one before reading anything.
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     i0 = row // n_inner
     i1 = row % n_inner

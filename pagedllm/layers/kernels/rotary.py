@@ -62,6 +62,8 @@ def _rotary_kernel(
 ):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+        # A small grid: let the next kernel launch now; it waits for this one before reading anything.
+        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0)
     dims = tl.arange(0, HALF_P2)  # [HALF_P2]
     pos = tl.load(pos_ptr + tok).to(tl.float32)

@@ -1,0 +1,94 @@
+"""Compiles the engine's Triton kernels for Hopper (sm_90) on any machine, as launched with PDL on.
+
+Run as a script in a process without TRITON_INTERPRET: each host wrapper is called with small CPU
+tensors while the kernels' ``run`` is replaced by a recorder, and every recorded launch is compiled to
+PTX for compute capability 9.0 with Triton's bundled ptxas. Prints one JSON line per launch:
+{"kernel", "wait", "trigger"} with the number of griddepcontrol.wait / launch_dependents in the PTX.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.int64: "i64"}
+_OPTIONS = {"num_warps", "num_stages", "num_ctas", "launch_pdl", "maxnreg"}
+
+
+def _record(kernel, launches: list) -> None:
+    def run(*args, grid, warmup, **kwargs):
+        launches.append((kernel, args, kwargs))
+
+    kernel.run = run
+
+
+def _compile(kernel, args, kwargs) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs = {}, {}
+    values = dict(zip(kernel.arg_names, args))
+    values.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
+    for i, name in enumerate(kernel.arg_names):
+        value = values[name]
+        if i in kernel.constexprs:
+            signature[name], constexprs[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _DTYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if abs(value) < 2**31 else "i64"
+        else:
+            signature[name] = "fp32"
+    options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                              options=options)
+    return compiled.asm["ptx"]
+
+
+def main() -> None:
+    import pagedllm.kernel_launch as kl
+
+    kl.use_pdl = lambda t: True  # as on an H200 with PAGEDLLM_PDL=1
+    from paged_batches import build_paged_batch
+    from pagedllm.attention.backends.triton import TritonImpl
+    from pagedllm.attention.kernels import paged_attention as pa
+    from pagedllm.attention.kernels import reshape_and_cache as rc
+    from pagedllm.layers.kernels import activation, gemv, qk_norm_rotary, rmsnorm, rotary
+    from pagedllm.layers.norm import RMSNorm
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    launches: list = []
+    for kernel in (gemv._gemv_kernel, rmsnorm._rmsnorm_kernel, activation._act_and_mul_kernel, rotary._rotary_kernel,
+                   qk_norm_rotary._qk_norm_rotary_kernel, rc._reshape_and_cache_kernel, pa._paged_attention_kernel,
+                   pa._reduce_splits_kernel):
+        _record(kernel, launches)
+    bf = torch.bfloat16
+    gemv.gemv(torch.zeros(1, 1024, dtype=bf), torch.zeros(64, 1024, dtype=bf))
+    rmsnorm.rms_norm(torch.zeros(1, 1024, dtype=bf), torch.ones(1024, dtype=bf), 1e-6, torch.zeros(1, 1024, dtype=bf))
+    activation.act_and_mul(torch.zeros(1, 2048, dtype=bf), "silu")
+    pos = torch.zeros(2, dtype=torch.int64)
+    q, k = torch.zeros(2, 4 * 64, dtype=bf), torch.zeros(2, 2 * 64, dtype=bf)
+    rotary.rotary_neox_(pos, q, k, torch.ones(32), 64)
+    norm = RMSNorm(64, params_dtype=bf)
+    qk_norm_rotary.apply_(pos, q, k, norm, norm, RotaryEmbedding(64, torch.ones(32)))
+    # A pure-decode batch (fused write, rotary, split) and a mixed one (separate cache write).
+    for reqs, splits, rope in (([(200, 1), (70, 1)], 4, True), ([(5, 6), (3, 1)], 1, False)):
+        query, key, value, cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, bf, 0)
+        impl = TritonImpl(4, 64, 0.125, 2, None, None)
+        impl.num_splits = splits
+        extra = {"rotary": RotaryEmbedding(64, torch.ones(32))} if rope else {}
+        impl.forward(query, key, value, cache, metadata(), **extra)
+    for kernel, args, kwargs in launches:
+        ptx = _compile(kernel, args, kwargs)
+        print(json.dumps({"kernel": kernel.__name__, "pdl": bool(kwargs.get("launch_pdl")),
+                          "wait": ptx.count("griddepcontrol.wait"),
+                          "trigger": ptx.count("griddepcontrol.launch_dependents")}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
