@@ -1,4 +1,4 @@
-"""Times the linear layers of the benchmark model shapes on CUDA: cuBLAS, cuBLASLt and the Triton GEMV.
+"""Times the linear layers of the benchmark model shapes on CUDA: cuBLAS, cuBLASLt, the Triton GEMV and skinny GEMM.
 
 For each (model, tokens) case every distinct weight shape of the model is timed as the model runs it:
 one product per layer, each layer with its own weight (so the 60 MB L2 holds none of them), all
@@ -8,6 +8,7 @@ larger batches report TFLOP/s. Usage: ``python benchmarks/linear_shapes.py [--js
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
@@ -20,7 +21,8 @@ MODELS = {
     "qwen3-0.6b": (28, [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)]),
 }
 HEADS = {"llama-3-8b": (128256, 4096), "qwen3-0.6b": (151936, 1024)}
-CASES = [("llama-3-8b", 1), ("llama-3-8b", 256), ("llama-3-8b", 1000), ("qwen3-0.6b", 1), ("qwen3-0.6b", 256)]
+CASES = [("llama-3-8b", 1), ("llama-3-8b", 16), ("llama-3-8b", 256), ("llama-3-8b", 1000), ("qwen3-0.6b", 1),
+         ("qwen3-0.6b", 16), ("qwen3-0.6b", 64), ("qwen3-0.6b", 256)]
 
 
 def graph_time_us(fn, reps: int = 20) -> float:
@@ -56,6 +58,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("linear_shapes: no CUDA device; nothing to time")
         return
+    from pagedllm.layers.kernels import skinny_gemm as sg
     from pagedllm.layers.kernels.gemv import GemvConfig, default_config, gemv
 
     bw = copy_tbps()
@@ -91,13 +94,30 @@ def main() -> None:
                                 cfg = GemvConfig(bn, bk, warps)
                                 t = graph_time_us(lambda: [gemv(x, w, config=cfg) for w in weights], reps=5)
                                 best = min(best, (t, str(cfg)))
-                    res["gemv_best"] = best
-            libs = [key for key in ("cublas", "cublaslt", "gemv") if key in res]
+                    res["best"] = best
+            if 1 < tokens <= sg.MAX_ROWS and sg.default_config(tokens, n, k) is not None:
+                res["triton"] = graph_time_us(lambda: [sg.skinny_gemm(x, w) for w in weights])
+                err = (sg.skinny_gemm(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max().item()
+                res["triton_max_abs_diff"] = err
+                if args.sweep:
+                    best = (res["triton"], str(sg.default_config(tokens, n, k)))
+                    for bm, bn, bk, stages in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (3, 4)):
+                        if bm > 2 * max(16, tokens) or n % bn or k % bk:
+                            continue
+                        cfg = sg.GemmConfig(bm, bn, bk, 4, stages)
+                        try:
+                            t = graph_time_us(lambda: [sg.skinny_gemm(x, w, config=cfg) for w in weights], reps=5)
+                        except Exception as exc:  # noqa: BLE001 - a tile that does not fit is skipped
+                            print(f"   {cfg}: {type(exc).__name__}")
+                            continue
+                        best = min(best, (t, str(cfg)))
+                    res["best"] = best
+            libs = [key for key in ("cublas", "cublaslt", "gemv", "triton") if key in res]
             if tokens == 1:
                 rate = "  ".join(f"{key} {res[key]:8.1f} us {nbytes / (res[key] * 1e-6) / 1e12 / bw:6.1%}" for key in libs)
             else:
                 rate = "  ".join(f"{key} {res[key]:8.1f} us {flops / (res[key] * 1e-6) / 1e12:6.0f} TF/s" for key in libs)
-            extra = f"  best {res['gemv_best'][0]:.1f} us {res['gemv_best'][1]}" if "gemv_best" in res else ""
+            extra = f"  best {res['best'][0]:.1f} us {res['best'][1]}" if "best" in res else ""
             print(f"{model:11s} T={tokens:4d} {name:8s} {n:6d}x{k:5d} x{count:2d}: {rate}{extra}", flush=True)
             rows.append(res)
             del weights
@@ -106,9 +126,9 @@ def main() -> None:
     for model, tokens in CASES:
         sel = [r for r in rows if r["model"] == model and r["tokens"] == tokens]
         summary[f"{model} T={tokens}"] = {
-            key: sum(r.get(key, r["cublas"]) for r in sel) for key in ("cublas", "cublaslt", "gemv")
+            key: sum(r.get(key, r["cublas"]) for r in sel) for key in ("cublas", "cublaslt", "gemv", "triton")
         }
-    print("\nper forward pass, all linears (us; gemv falls back to cuBLAS where it does not apply):")
+    print("\nper forward pass, all linears (us; gemv and triton fall back to cuBLAS where they do not apply):")
     for key, val in summary.items():
         print(f"  {key:20s} " + "  ".join(f"{k} {v:8.1f}" for k, v in val.items()))
     try:

@@ -58,17 +58,18 @@ def main() -> None:
     from pagedllm.attention.backends.triton import TritonImpl
     from pagedllm.attention.kernels import paged_attention as pa
     from pagedllm.attention.kernels import reshape_and_cache as rc
-    from pagedllm.layers.kernels import activation, gemv, qk_norm_rotary, rmsnorm, rotary
+    from pagedllm.layers.kernels import activation, gemv, qk_norm_rotary, rmsnorm, rotary, skinny_gemm
     from pagedllm.layers.norm import RMSNorm
     from pagedllm.layers.rotary import RotaryEmbedding
 
     launches: list = []
-    for kernel in (gemv._gemv_kernel, rmsnorm._rmsnorm_kernel, activation._act_and_mul_kernel, rotary._rotary_kernel,
+    for kernel in (gemv._gemv_kernel, skinny_gemm._skinny_gemm_kernel, rmsnorm._rmsnorm_kernel, activation._act_and_mul_kernel, rotary._rotary_kernel,
                    qk_norm_rotary._qk_norm_rotary_kernel, rc._reshape_and_cache_kernel, pa._paged_attention_kernel,
                    pa._reduce_splits_kernel):
         _record(kernel, launches)
     bf = torch.bfloat16
     gemv.gemv(torch.zeros(1, 1024, dtype=bf), torch.zeros(64, 1024, dtype=bf))
+    skinny_gemm.skinny_gemm(torch.zeros(40, 1024, dtype=bf), torch.zeros(1024, 1024, dtype=bf))
     rmsnorm.rms_norm(torch.zeros(1, 1024, dtype=bf), torch.ones(1024, dtype=bf), 1e-6, torch.zeros(1, 1024, dtype=bf))
     activation.act_and_mul(torch.zeros(1, 2048, dtype=bf), "silu")
     pos = torch.zeros(2, dtype=torch.int64)

@@ -46,7 +46,7 @@ def test_pdl_kernels_compile_for_hopper():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     seen = {r["kernel"] for r in rows}
-    assert seen == {"_gemv_kernel", "_rmsnorm_kernel", "_act_and_mul_kernel", "_rotary_kernel",
+    assert seen == {"_gemv_kernel", "_skinny_gemm_kernel", "_rmsnorm_kernel", "_act_and_mul_kernel", "_rotary_kernel",
                     "_qk_norm_rotary_kernel", "_paged_attention_kernel", "_reduce_splits_kernel",
                     "_reshape_and_cache_kernel"}
     assert all(r["pdl"] and r["wait"] >= 1 for r in rows), rows

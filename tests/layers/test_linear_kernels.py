@@ -1,4 +1,4 @@
-"""The batch-1 Triton GEMV against torch's product (interpreted on CPU in float16, compiled in bf16 on CUDA)."""
+"""The Triton GEMV (one token) and skinny GEMM (a few to 256 tokens) against torch's product, interpreted on CPU in fp16."""
 from __future__ import annotations
 
 import importlib
@@ -15,12 +15,15 @@ if not _ON_GPU:
 triton = pytest.importorskip("triton", reason="triton is not importable; the GEMV kernel cannot be tested")
 
 from pagedllm.layers.kernels import gemv as gemv_k  # noqa: E402
+from pagedllm.layers.kernels import skinny_gemm as sg_k  # noqa: E402
 
 if not _ON_GPU:
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(gemv_k._gemv_kernel, InterpretedFunction):
         importlib.reload(gemv_k)
+    if not isinstance(sg_k._skinny_gemm_kernel, InterpretedFunction):
+        importlib.reload(sg_k)
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
 
@@ -61,3 +64,37 @@ def test_config_covers_model_shapes_and_refuses_odd_ones() -> None:
     assert gemv_k.default_config(4098, 4096) is None  # no N tile divides 4098
     x = torch.zeros(2, 512, dtype=torch.float16)
     assert not gemv_k.usable(x, torch.zeros(64, 512, dtype=torch.float16))  # two tokens: not a GEMV
+
+
+@pytest.mark.parametrize("m", [2, 5, 16, 33, 70])
+@pytest.mark.parametrize(("n", "k", "bias"), [(64, 256, False), (96, 128, True)])
+def test_skinny_gemm_matches_fp32_product(m: int, n: int, k: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, torch.float16)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEVICE, torch.float16)
+    b = torch.randn(n, generator=gen).to(DEVICE, torch.float16) if bias else None
+    cfg = sg_k.default_config(m, n, k)
+    assert cfg is not None
+    y = sg_k.skinny_gemm(x, w, b)
+    ref = x.float() @ w.float().T + (b.float() if bias else 0.0)
+    assert y.shape == (m, n) and y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), ref, atol=4e-3, rtol=0)
+
+
+@pytest.mark.parametrize("config", [sg_k.GemmConfig(16, 32, 32, 4, 2), sg_k.GemmConfig(32, 64, 64, 4, 3)])
+def test_skinny_gemm_tiles_agree(config) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 256, generator=gen).to(DEVICE, torch.float16)
+    w = (torch.randn(128, 256, generator=gen) * 0.06).to(DEVICE, torch.float16)
+    torch.testing.assert_close(sg_k.skinny_gemm(x, w, config=config).float(), (x.float() @ w.float().T),
+                               atol=4e-3, rtol=0)
+
+
+def test_skinny_gemm_configs_and_limits() -> None:
+    assert sg_k.default_config(300, 1024, 1024) is None  # past MAX_ROWS: cuBLAS
+    assert sg_k.default_config(64, 1024, 100) is None  # no K step divides 100
+    for m, n, k in [(256, 1024, 2048), (64, 4096, 1024), (16, 6144, 1024), (128, 1024, 3072)]:
+        cfg = sg_k.default_config(m, n, k)
+        assert cfg is not None and n % cfg.block_n == 0 and k % cfg.block_k == 0 and cfg.block_m >= 16
+    x = torch.zeros(1, 256, dtype=torch.float16)
+    assert not sg_k.usable(x, torch.zeros(64, 256, dtype=torch.float16))  # one token: the GEMV's case
