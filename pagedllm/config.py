@@ -101,6 +101,9 @@ class SchedulerConfig:
     # Schedule step N+1 while the device runs step N (the runner feeds step N's sampled ids, still on
     # the device, as step N+1's inputs); outputs then arrive one step later.
     async_scheduling: bool = False
+    # (Asynchronous mode, serving) Schedule step N+1 shortly before the device finishes step N instead of
+    # as soon as N is launched, so a request that arrives meanwhile joins N+1 rather than N+2.
+    submit_just_in_time: bool = False
 
 
 @dataclass(frozen=True)

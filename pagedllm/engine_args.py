@@ -48,6 +48,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     # None: on for CUDA (it hides the engine's CPU work behind the device's), off on CPU (nothing to hide).
     async_scheduling: bool | None = None
+    submit_just_in_time: bool = False
 
     # ---- CLI -----------------------------------------------------------------------------------
     @staticmethod
@@ -78,6 +79,11 @@ class EngineArgs:
         parser.add_argument(
             "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
             help="overlap scheduling of the next step with the device's current one (default: on for CUDA)",
+        )
+        parser.add_argument(
+            "--submit-just-in-time", action=argparse.BooleanOptionalAction, default=False,
+            help="with asynchronous scheduling, schedule each decode step just before the device finishes the "
+            "previous one, so that new requests join it sooner (lower time to first token under light load)",
         )
         return parser
 
@@ -152,6 +158,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 async_scheduling=device == "cuda" if self.async_scheduling is None else self.async_scheduling,
+                submit_just_in_time=self.submit_just_in_time,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device_config=DeviceConfig(device=device),

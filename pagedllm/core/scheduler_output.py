@@ -58,6 +58,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # The step's time on the device, when the runner measured it (CUDA with submit_just_in_time).
+    device_time_s: float | None = None
 
 
 @dataclass

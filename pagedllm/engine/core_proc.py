@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -20,6 +21,8 @@ logger = logging.getLogger("pagedllm")
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping")
 # Idle wake-up period (ms) to notice an orphaned core whose front-end was killed.
 _IDLE_POLL_MS = 500
+# Never wait longer than this for the device, whatever a step's measured duration says.
+_MAX_JIT_WAIT_S = 0.05
 
 
 def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: str, parent_pid: int) -> None:
@@ -110,6 +113,11 @@ class _BusyLoop:
             busy = self.core.has_unfinished_requests()
             if not busy and not self.inp.poll(_IDLE_POLL_MS, zmq.POLLIN):
                 continue
+            delay = self.core.submit_delay_s()
+            if delay > 0:
+                # Just-in-time submission: let the device get near the end of its step; requests that
+                # arrive meanwhile are taken in below and join the next step.
+                time.sleep(min(delay, _MAX_JIT_WAIT_S))
             handled = self._drain_inputs()
             outputs = self.core.step() if self.core.has_unfinished_requests() else []
             if outputs or handled or busy:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
@@ -10,6 +11,12 @@ from pagedllm.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from pagedllm.executor.base import Executor
 
 logger = logging.getLogger("pagedllm")
+
+# Just-in-time submission: the next step is scheduled this long plus twice the usual host time of
+# scheduling and submitting before the device is expected to finish the current one.
+_JIT_SAFETY_S = 0.0005
+# Weight of the newest sample in the running averages of device and host times.
+_EMA = 0.3
 
 
 class EngineCore:
@@ -24,6 +31,13 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Asynchronous mode: the step submitted to the executor whose output has not been applied yet.
         self._in_flight: SchedulerOutput | None = None
+        # Just-in-time submission (asynchronous mode): device seconds of a pure-decode step by batch size,
+        # host seconds to schedule and submit a step, and when the last step's output arrived (which is
+        # when the device moved on to the step in flight).
+        self._jit = self.async_scheduling and config.scheduler_config.submit_just_in_time
+        self._decode_device_s: dict[int, float] = {}
+        self._submit_host_s = 0.0
+        self._output_at: float | None = None
 
     def _check_cache_fits(self, num_blocks: int) -> None:
         bs = self.config.cache_config.block_size
@@ -71,17 +85,52 @@ class EngineCore:
         """
         submitted: SchedulerOutput | None = None
         if self.scheduler.has_unfinished_requests():
+            t0 = time.perf_counter()
             submitted = self.scheduler.schedule()
             # Submitted even when empty: the runner must still forget finished requests.
             self.executor.submit(submitted)
+            self._submit_host_s += _EMA * (time.perf_counter() - t0 - self._submit_host_s)
             if submitted.is_empty:
                 submitted = None
         outputs: list[EngineCoreOutput] = []
         if self._in_flight is not None:
             runner_output = self.executor.take_output()
+            self._output_at = time.perf_counter()
+            if self._jit:
+                self._record_device_time(self._in_flight, runner_output.device_time_s)
             outputs = self.scheduler.update_from_output(self._in_flight, runner_output)
         self._in_flight = submitted
         return outputs
+
+    @staticmethod
+    def _decode_batch(so: SchedulerOutput) -> int | None:
+        """The number of requests of a pure-decode step (one token each), else None."""
+        n = len(so.num_scheduled_tokens)
+        return n if n and so.total_num_scheduled_tokens == n else None
+
+    def _record_device_time(self, so: SchedulerOutput, device_time_s: float | None) -> None:
+        batch = self._decode_batch(so)
+        if batch is None or device_time_s is None:
+            return
+        old = self._decode_device_s.get(batch)
+        self._decode_device_s[batch] = device_time_s if old is None else old + _EMA * (device_time_s - old)
+
+    def submit_delay_s(self) -> float:
+        """How long the caller may wait (taking in new requests) before the next ``step`` loses nothing.
+
+        Non-zero only with just-in-time submission, while a pure-decode step whose duration has been
+        measured for its batch size runs and nobody is waiting: then the next step is best scheduled
+        just before the device finishes this one, so that requests arriving meanwhile join it.
+        """
+        so = self._in_flight
+        if not self._jit or so is None or self._output_at is None or self.scheduler.waiting:
+            return 0.0
+        batch = self._decode_batch(so)
+        expected = self._decode_device_s.get(batch) if batch is not None else None
+        if expected is None:
+            return 0.0
+        margin = 2.0 * self._submit_host_s + _JIT_SAFETY_S
+        return max(0.0, self._output_at + expected - margin - time.perf_counter())
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

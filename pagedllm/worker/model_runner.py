@@ -73,6 +73,7 @@ class _StepInFlight:
     host_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     want: list[int | None] = field(default_factory=list)  # logprobs asked for, per sampled request
     event: torch.cuda.Event | None = None
+    start_event: torch.cuda.Event | None = None  # recorded before the step's first kernel (timed steps)
 
 
 class ModelRunner:
@@ -107,6 +108,8 @@ class ModelRunner:
         # The last submitted step while its output is not resolved, and resolved outputs not yet taken.
         self._in_flight: _StepInFlight | None = None
         self._done: deque[ModelRunnerOutput] = deque()
+        # Device time of each step, for the engine core's just-in-time submission (two timed events a step).
+        self.time_steps = device.type == "cuda" and sc.submit_just_in_time
 
     def load_model(self) -> None:
         from pagedllm.model_loader.loader import get_model
@@ -219,6 +222,10 @@ class ModelRunner:
             if prev is None:
                 raise RuntimeError(f"requests {b.pending_req_ids} wait for tokens that no step is sampling")
             b.pending_src = np.array([prev.sampled_row[rid] for rid in b.pending_req_ids], dtype=np.int64)
+        start_event = None
+        if self.time_steps:
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
         hidden, dev, graph_size = self._forward(b, prev)  # [>= T, H]; the GPU is busy from here on
         self.last_step = StepInfo(b.num_reqs, b.num_tokens, int(b.seq_lens.sum()), graph_size)
 
@@ -228,7 +235,7 @@ class ModelRunner:
             self._done.append(self._resolve(prev))
             self._in_flight = None
         prompt_logprobs = self._prompt_logprobs(b, hidden)
-        step = _StepInFlight(b.req_ids, prompt_logprobs)
+        step = _StepInFlight(b.req_ids, prompt_logprobs, start_event=start_event)
         num_sampled = len(b.logits_indices)
         if num_sampled:
             rows = np.flatnonzero(np.asarray(b.sampling_mask)).tolist()
@@ -256,7 +263,7 @@ class ModelRunner:
                 )
                 step.want = [st.sampling_params.logprobs for st in states]
             if self.device.type == "cuda":
-                step.event = torch.cuda.Event()
+                step.event = torch.cuda.Event(enable_timing=start_event is not None)
                 step.event.record()
         self._in_flight = step
 
@@ -273,9 +280,12 @@ class ModelRunner:
         """Waits for a step's sampled ids on the host and turns them into the step's output."""
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
+        device_time_s = None
         if step.rows:
             if step.event is not None:
                 step.event.synchronize()
+                if step.start_event is not None:
+                    device_time_s = step.start_event.elapsed_time(step.event) / 1e3
             token_ids = step.host_token_ids.tolist()
             lp_lists = None
             if step.host_logprobs is not None:
@@ -286,7 +296,8 @@ class ModelRunner:
                 if lp_lists is not None and step.want[j] is not None:
                     logprobs[st.req_id] = lp_lists[j]
         return ModelRunnerOutput(
-            req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs
+            req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs,
+            device_time_s=device_time_s,
         )
 
     def _sample(self, logits: torch.Tensor, states: list) -> tuple[torch.Tensor, object]:  # ids [S]

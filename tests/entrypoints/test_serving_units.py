@@ -76,6 +76,9 @@ class _FakeCore:
     def has_unfinished_requests(self):
         return bool(self.requests)
 
+    def submit_delay_s(self):
+        return 0.0
+
     def step(self):
         outs = []
         for rid, req in list(self.requests.items()):

@@ -112,13 +112,17 @@ def test_async_scheduling_matches_sync_on_gpu(tiny_path):
         for i in range(7)
     ]
     outs = {}
-    for async_scheduling in (False, True):
+    for mode in ("sync", "async", "async+jit"):
         llm = _llm(tiny_path, device="cuda", dtype="float32", kv_cache_memory_bytes=_KV_BYTES,
-                   async_scheduling=async_scheduling)
+                   async_scheduling=mode != "sync", submit_just_in_time=mode == "async+jit")
         res = llm.generate(prompts, params, use_tqdm=False)
-        outs[async_scheduling] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in res]
+        outs[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in res]
+        if mode == "async+jit":
+            # The runner timed its steps on the device, and the core kept their durations per batch size.
+            times = llm.llm_engine.engine_core._decode_device_s
+            assert times and all(0.0 < t < 1.0 for t in times.values()), times
         _free(llm)
-    assert outs[True] == outs[False]
+    assert outs["async"] == outs["sync"] == outs["async+jit"]
 
 
 def test_cuda_graph_and_eager_identical_bf16(tiny_path):
