@@ -1,0 +1,109 @@
+"""A/B of the engine's opt-in GPU switches on the issue's workloads, each variant in a fresh process.
+
+    PYTHONPATH=$PWD python3 benchmarks/engine_switches.py --out $OUT [--variants base,pdl,gemm,pdl+gemm]
+
+Variants set environment switches: ``pdl`` is PAGEDLLM_PDL=1 (programmatic dependent launch),
+``gemm`` is PAGEDLLM_TRITON_GEMM=1 (the skinny GEMM for 2-256-token products). Each variant runs
+(1) workload 3, Llama-3-8B batch 1, 1000-token prompt, time per output token, and (2) workload 1,
+Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s. Random weights, bf16, greedy. Prints a
+table of both figures per variant and their ratio to ``base``; writes one JSON file.
+``--smoke`` runs the same code with a tiny model on the CPU (switches are then inert).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+QWEN = os.path.join(HERE, "shapes", "qwen3-0.6b")
+LLAMA = os.path.join(HERE, "shapes", "llama-3-8b")
+VARIANTS = {
+    "base": {},
+    "pdl": {"PAGEDLLM_PDL": "1"},
+    "gemm": {"PAGEDLLM_TRITON_GEMM": "1"},
+    "pdl+gemm": {"PAGEDLLM_PDL": "1", "PAGEDLLM_TRITON_GEMM": "1"},
+}
+
+
+def run_variant(args) -> dict:
+    """In the child process: both workloads under this process's environment."""
+    sys.path.insert(0, HERE)
+    from gpu_measure import make_llm, run_generate, warm_up, workload_qwen
+
+    from pagedllm.benchmarks.latency import measure_latency
+
+    out: dict = {}
+    llama = make_llm(args.smoke_model or LLAMA, args.smoke)
+    in_len, out_len = (1000, 256) if not args.smoke else (20, 8)
+    out["batch1"] = measure_latency(llama, 1, in_len, out_len, num_iters=2, num_warmup=1)
+    llama.llm_engine.engine_core.shutdown()
+    del llama
+    import gc
+
+    gc.collect()
+    if not args.smoke:
+        import torch
+
+        torch.cuda.empty_cache()
+    qwen = make_llm(args.smoke_model or QWEN, args.smoke)
+    vocab = qwen.llm_engine.config.model_config.vocab_size
+    n, hi = (256, 1024) if not args.smoke else (12, 60)
+    warm_up(qwen)
+    out["workload1"] = run_generate(qwen, workload_qwen(vocab, n=n, lo=min(100, hi // 2), hi=hi))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--variants", default="base,pdl,gemm,pdl+gemm")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script itself")
+    ap.add_argument("--smoke-model", default=None)
+    ap.add_argument("--timeout-s", type=float, default=240.0, help="per variant")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.child:
+        with open(args.child, "w") as f:
+            json.dump(run_variant(args), f, indent=1, default=str)
+        return
+
+    results: dict = {}
+    for name in [v for v in args.variants.split(",") if v]:
+        env = {k: v for k, v in os.environ.items() if k not in ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM")}
+        env.update(VARIANTS[name])
+        path = os.path.join(args.out, f"switch_{name}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", path]
+        if args.smoke:
+            cmd += ["--smoke", "--smoke-model", args.smoke_model]
+        t0 = time.time()
+        try:
+            proc = subprocess.run(cmd, env=env, timeout=args.timeout_s, capture_output=True, text=True)
+            results[name] = json.load(open(path)) if proc.returncode == 0 else {"error": proc.stderr[-2000:]}
+        except subprocess.TimeoutExpired:
+            results[name] = {"error": f"timed out after {args.timeout_s:.0f} s"}
+        results[name]["wall_s"] = time.time() - t0
+        if os.path.exists(path):
+            os.remove(path)  # one output file in all
+        print(f"== {name}: {results[name].get('error', 'ok')[:300]} ({results[name]['wall_s']:.0f} s)", flush=True)
+    with open(os.path.join(args.out, "engine_switches.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+    base = results.get("base", {})
+    print(f"\n{'variant':10s} {'8B batch-1 ms/token':>20s} {'vs base':>8s} {'Qwen wl1 tok/s':>15s} {'vs base':>8s}")
+    for name, res in results.items():
+        if "error" in res:
+            print(f"{name:10s} {'failed':>20s}")
+            continue
+        tpot, tps = res["batch1"]["tpot_ms"], res["workload1"]["output_tok_per_s"]
+        r1 = base["batch1"]["tpot_ms"] / tpot if "batch1" in base else float("nan")
+        r2 = tps / base["workload1"]["output_tok_per_s"] if "workload1" in base else float("nan")
+        print(f"{name:10s} {tpot:20.3f} {r1:8.3f} {tps:15.0f} {r2:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
