@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--heads", default="32:8", help="query heads:KV heads (head size 128)")
     parser.add_argument("--decode-cases", default="64:1024,64:4096,256:1024,256:4096", help="BATCH:CONTEXT,...")
     parser.add_argument("--decode-only", action="store_true", help="skip the split-KV and prefill sections")
+    parser.add_argument("--prefill-tokens", type=int, default=4096, help="prompt length of the prefill section")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -186,8 +187,8 @@ def main() -> None:
         del tensors
         torch.cuda.empty_cache()
 
-    print("\n== prefill: one 4096-token prompt, 32q/8kv, D=128, bf16 (causal FLOPs) vs torch SDPA (dense, not paged)")
-    n = 4096
+    print(f"\n== prefill: one {args.prefill_tokens}-token prompt, {hq}q/{hkv}kv, D=128, bf16 (causal FLOPs) vs torch SDPA (dense, not paged)")
+    n = args.prefill_tokens
     tensors = make_batch([n], n, hq, hkv, d, bs, dtype)
     flops = 4 * hq * d * n * n / 2
     tflops = lambda ms: flops / ms / 1e9  # noqa: E731
