@@ -78,11 +78,16 @@ def main() -> None:
     norm = RMSNorm(64, params_dtype=bf)
     qk_norm_rotary.apply_(pos, q, k, norm, norm, RotaryEmbedding(64, torch.ones(32)))
     # A pure-decode batch (fused write, rotary, split) and a mixed one (separate cache write).
-    for reqs, splits, rope in (([(200, 1), (70, 1)], 4, True), ([(5, 6), (3, 1)], 1, False)):
+    # Pure-decode batches (fused write and rotary, split; then with the q/k norm too) and a mixed one.
+    for reqs, splits, rope, norm in (([(200, 1), (70, 1)], 4, True, False), ([(9, 1), (3, 1)], 1, True, True),
+                                     ([(5, 6), (3, 1)], 1, False, False)):
         query, key, value, cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, bf, 0)
         impl = TritonImpl(4, 64, 0.125, 2, None, None)
         impl.num_splits = splits
+        impl.fuse_decode_qk_norm = norm
         extra = {"rotary": RotaryEmbedding(64, torch.ones(32))} if rope else {}
+        if norm:
+            extra["qk_norm"] = (torch.ones(64, dtype=bf), torch.ones(64, dtype=bf), 1e-6, 1e-6, False)
         impl.forward(query, key, value, cache, metadata(), **extra)
     for kernel, args, kwargs in launches:
         ptx = _compile(kernel, args, kwargs)

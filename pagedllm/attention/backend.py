@@ -48,6 +48,11 @@ class AttentionImpl(ABC):
         """
         return False
 
+    def fuses_decode_qk_norm(self, attn_metadata: AttentionMetadata) -> bool:
+        """Whether ``forward(..., rotary=..., qk_norm=...)`` may also receive q and k before their per-head
+        RMSNorm in this step (asked only when ``fuses_decode_rotary`` said yes)."""
+        return False
+
 
 class AttentionBackend(ABC):
     name: str

@@ -41,9 +41,12 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
         rotary=None,  # a RotaryEmbedding still to apply to query and key (only if fuses_decode_rotary)
+        qk_norm: tuple | None = None,  # (q weight, k weight, q eps, k eps, gemma) still to apply before it
     ) -> torch.Tensor:  # [T, Hq*D]
         num_tokens = query.shape[0]
         extra = {} if rotary is None else {"rotary": rotary}
+        if qk_norm is not None:
+            extra["qk_norm"] = qk_norm
         out = self.impl.forward(
             query.view(num_tokens, self.num_heads, self.head_size),
             key.view(num_tokens, self.num_kv_heads, self.head_size),
@@ -57,6 +60,10 @@ class Attention(nn.Module):
     def fuses_decode_rotary(self, attn_metadata: AttentionMetadata, rotary) -> bool:
         """Whether the backend rotates q and k itself in this step (forward's ``rotary``)."""
         return self.impl.fuses_decode_rotary(attn_metadata, rotary)
+
+    def fuses_decode_qk_norm(self, attn_metadata: AttentionMetadata) -> bool:
+        """Whether the backend also applies the per-head q/k RMSNorm itself in this step (forward's ``qk_norm``)."""
+        return self.impl.fuses_decode_qk_norm(attn_metadata)
 
     def extra_repr(self) -> str:
         return (

@@ -19,7 +19,8 @@ from pagedllm.attention.backends import torch_ref  # noqa: E402
 from pagedllm.attention.kernels import launch_config as lc  # noqa: E402
 from pagedllm.attention.kernels import paged_attention as pa_mod  # noqa: E402
 from pagedllm.attention.kernels import reshape_and_cache as rc_mod  # noqa: E402
-from pagedllm.attention.kernels import rope as rope_mod  # noqa: E402
+from pagedllm.attention.kernels import decode_qk as qk_mod  # noqa: E402
+from pagedllm.layers.kernels import qk_norm_rotary as qkr_k  # noqa: E402
 from pagedllm.layers.kernels import rotary as rot_k  # noqa: E402
 from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
 from paged_batches import build_paged_batch  # noqa: E402
@@ -34,9 +35,10 @@ def _backend_module():
 
         if not isinstance(pa_mod._paged_attention_kernel, InterpretedFunction):
             importlib.reload(rc_mod)
-            importlib.reload(rope_mod)
+            importlib.reload(qk_mod)
             importlib.reload(pa_mod)
             importlib.reload(rot_k)
+            importlib.reload(qkr_k)
             backend_mod = importlib.reload(backend_mod)
     return backend_mod
 
@@ -170,6 +172,42 @@ def test_decode_rotary_in_attention_matches_rotary_kernel_first(dtype, rotary_di
     out = impl.forward(query.clone(), key.clone(), value, cache, metadata(), rotary=rotary)
     assert torch.equal(out, expected)
     assert torch.equal(cache, cache_ref)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "gemma", "rotary_dim", "num_splits"),
+    [(torch.float32, False, 64, 1), (torch.float16, True, 64, 4), (torch.float16, False, 32, 1)],
+)
+def test_decode_qk_norm_in_attention_matches_qk_norm_rotary_kernel(dtype, gemma, rotary_dim, num_splits):
+    # Qwen3 / Gemma 3 decode: q and k may arrive before their per-head RMSNorm as well. Against the
+    # q/k-norm + rotary kernel then attention: the same math, summed in another order (a few ulps).
+    reqs = [(33, 1), (0, 1), (70, 1), (16, 1), (130, 1)]
+    query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, dtype, 21, 1, device=DEVICE)
+    md = metadata()
+    gen = torch.Generator().manual_seed(5)
+    q_w = (torch.randn(64, generator=gen) * 0.2 + (0.0 if gemma else 1.0)).to(DEVICE, dtype)
+    k_w = (torch.randn(64, generator=gen) * 0.2 + (0.0 if gemma else 1.0)).to(DEVICE, dtype)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    rotary = RotaryEmbedding(64, inv_freq, 1.0).to(DEVICE)
+    impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
+    impl.num_splits = num_splits
+    assert not impl.fuses_decode_qk_norm(md)  # off by default
+    impl.fuse_decode_qk_norm = True
+    assert impl.fuses_decode_rotary(md, rotary) and impl.fuses_decode_qk_norm(md)
+
+    n = len(reqs)
+    q_ref, k_ref = query.clone(), key.clone()
+    qkr_k.qk_norm_rotary_(md.seq_lens.long() - 1, q_ref[:n], k_ref[:n], q_w, k_w, 1e-6, 1e-6, rotary.inv_freq, 64,
+                          gemma=gemma)
+    cache_ref = kv_cache.clone()
+    expected = impl.forward(q_ref, k_ref, value, cache_ref, metadata())
+
+    cache = kv_cache.clone()
+    out = impl.forward(query.clone(), key.clone(), value, cache, metadata(), rotary=rotary,
+                       qk_norm=(q_w, k_w, 1e-6, 1e-6, gemma))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out.float(), expected.float(), **tol)
+    torch.testing.assert_close(cache.float(), cache_ref.float(), **tol)
 
 
 def test_rotary_is_not_fused_outside_pure_decode():

@@ -84,6 +84,24 @@ def test_fp32_gpu_greedy_matches_cpu_torch_ref(any_tiny_path):
     assert {s for s in sizes if s} >= {8, 4, 2, 1}, sizes  # graphs replayed, padding included
 
 
+@pytest.mark.parametrize("model", ["qwen3", "gemma3"])
+def test_fp32_gpu_greedy_with_qk_norm_in_decode_attention(model, tmp_path, monkeypatch):
+    # The opt-in fusion of the per-head q/k RMSNorm into the decode attention kernel, against the CPU path.
+    from pagedllm.attention.backends.triton import TritonImpl
+
+    monkeypatch.setattr(TritonImpl, "fuse_decode_qk_norm", True)
+    path = make_tiny_model(model, tmp_path / model)
+    prompts = _prompts(5, seed=6)
+    max_tokens = [5, 9, 14, 20, 26]
+    cpu = _llm(path, device="cpu", attention_backend="torch_ref", dtype="float32")
+    ref = [o.outputs[0].token_ids for o in _generate(cpu, prompts, max_tokens)]
+    _free(cpu)
+    gpu = _llm(path, device="cuda", dtype="float32", kv_cache_memory_bytes=_KV_BYTES)
+    got = [o.outputs[0].token_ids for o in _generate(gpu, prompts, max_tokens)]
+    _free(gpu)
+    assert got == ref
+
+
 @pytest.mark.parametrize("model", ["llama", "qwen3"])
 def test_programmatic_dependent_launch_changes_nothing(model, tmp_path, monkeypatch):
     # PAGEDLLM_PDL=1 launches the Triton kernels with PDL (graphs included); every kernel waits for its

@@ -16,6 +16,8 @@ class TritonImpl(AttentionImpl):
     num_splits: int | None = None
     # Pure-decode steps store the new K/V inside the attention launch instead of a separate one.
     fuse_decode_kv_write: bool = True
+    # ... and may apply the per-head q/k RMSNorm there too (Qwen3, Gemma 3); off until measured on a GPU.
+    fuse_decode_qk_norm: bool = False
 
     def forward(
         self,
@@ -25,8 +27,11 @@ class TritonImpl(AttentionImpl):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
         rotary=None,  # a RotaryEmbedding when fuses_decode_rotary said yes
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float, float, bool] | None = None,
     ) -> torch.Tensor:  # [T_padded, Hq, D]
-        """``rotary``: query and key arrive unrotated and the kernel rotates them (see fuses_decode_rotary)."""
+        """``rotary``: query and key arrive unrotated and the kernel rotates them (see fuses_decode_rotary).
+        ``qk_norm`` = (q weight [D], k weight [D], q eps, k eps, gemma style): they also arrive before their
+        per-head RMSNorm (see fuses_decode_qk_norm)."""
         md = attn_metadata
         num_tokens = md.num_actual_tokens
         k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -35,6 +40,8 @@ class TritonImpl(AttentionImpl):
             if not self.fuses_decode_rotary(md, rotary):
                 raise ValueError("the rotary embedding is fused only into pure-decode steps with the cache write")
             rope = (rotary.inv_freq, rotary.attention_scaling)
+        if qk_norm is not None and (rotary is None or not self.fuses_decode_qk_norm(md)):
+            raise ValueError("the q/k norm is fused only together with the rotary embedding, in pure-decode steps")
         if md.max_query_len == 1 and self.fuse_decode_kv_write:
             new_kv = (key, value, md.slot_mapping)
         else:
@@ -64,6 +71,7 @@ class TritonImpl(AttentionImpl):
             num_splits=self.num_splits,
             new_kv=new_kv,
             rope=rope,
+            qk_norm=qk_norm,
         )
         return out
 
@@ -72,6 +80,9 @@ class TritonImpl(AttentionImpl):
         # A pure-decode step whose cache write is fused, and a neox-style rotary embedding: the kernel
         # rotates q and the new key in registers, saving the rotary launch of every layer.
         return md.max_query_len == 1 and self.fuse_decode_kv_write and rotary.is_neox_style
+
+    def fuses_decode_qk_norm(self, md: AttentionMetadata) -> bool:
+        return md.max_query_len == 1 and self.fuse_decode_kv_write and self.fuse_decode_qk_norm
 
 
 class TritonBackend(AttentionBackend):

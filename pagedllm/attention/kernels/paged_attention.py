@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.kernels.launch_config import KernelConfig, choose_num_splits, default_config, device_sm_count
-from pagedllm.attention.kernels.rope import rope_rotate, rope_tables
+from pagedllm.attention.kernels.decode_qk import transform_new_k, transform_q
 from pagedllm.kernel_launch import pdl_launch_args
 
 # A constexpr global, because jitted code may only read constexpr globals.
@@ -142,6 +142,10 @@ def _paged_attention_kernel(
     slot_mapping_ptr,  # [T] int64 cache slot of each new token, < 0 for padding (WRITE_KV only)
     inv_freq_ptr,  # [R/2] float32 rotary inverse frequencies (ROPE only)
     rope_scaling,  # cos/sin factor (ROPE only)
+    qw_ptr,  # [D] q_norm weight (QK_NORM only)
+    kw_ptr,  # [D] k_norm weight (QK_NORM only)
+    q_eps,
+    k_eps,
     num_reqs,
     num_q_heads,
     num_splits,  # partitions of each request's context (IS_SPLIT only)
@@ -170,6 +174,8 @@ def _paged_attention_kernel(
     WRITE_KV: tl.constexpr,  # (DECODE_ONLY) also store the new token's K/V into the cache
     ROPE: tl.constexpr,  # (WRITE_KV) q and the new k arrive unrotated: rotate them here (neox)
     ROT_HALF: tl.constexpr,  # rotary channels / 2 (ROPE only)
+    QK_NORM: tl.constexpr,  # (WRITE_KV) q and the new k arrive before their per-head RMSNorm: apply it here
+    GEMMA_NORM: tl.constexpr,  # that norm's weight is an offset from 1
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
     if USE_GDC:
@@ -210,11 +216,10 @@ def _paged_attention_kernel(
     q_rows = q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh  # [BLOCK_M, 1]
     q_mask = row_valid[:, None] & dim_valid[None, :]
     q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_SIZE_P2]
-    if ROPE:
-        # Decode: the token sits at seq_len - 1. Every program of the request rotates its own copy of q.
-        cos, sin, partner = rope_tables(seq_len - 1, inv_freq_ptr, rope_scaling, dims, ROT_HALF, q.dtype)
-        q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
-        q = rope_rotate(q, q_partner, cos[None, :], sin[None, :])
+    if ROPE or QK_NORM:
+        # Decode: the token sits at seq_len - 1. Every program of the request transforms its own copy of q.
+        q = transform_q(q, q_rows, q_mask, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, qw_ptr, q_eps,
+                        HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM)
 
     # Keys this program needs: up to its last token's position (causal), from its first token's
     # window start. Padded rows clamp to the request so no key beyond seq_len is touched.
@@ -239,9 +244,8 @@ def _paged_attention_kernel(
         if (slot >= 0) & (kv_lo <= seq_len - 1) & (seq_len - 1 < kv_hi):
             dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kp + kv_head * stride_kh + dims
             k_row = new_k_ptr + q_start * stride_nkt + kv_head * stride_nkh
-            new_k = tl.load(k_row + dims, mask=dim_valid)
-            if ROPE:
-                new_k = rope_rotate(new_k, tl.load(k_row + partner, mask=dim_valid), cos, sin)
+            new_k = transform_new_k(k_row, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, kw_ptr, k_eps,
+                                    HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM)
             new_v = tl.load(new_v_ptr + q_start * stride_nvt + kv_head * stride_nvh + dims, mask=dim_valid)
             tl.store(k_cache_ptr + dst, new_k.to(k_cache_ptr.dtype.element_ty), mask=dim_valid)
             tl.store(v_cache_ptr + dst, new_v.to(v_cache_ptr.dtype.element_ty), mask=dim_valid)
@@ -361,6 +365,7 @@ def paged_attention(
     config: KernelConfig | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     rope: tuple[torch.Tensor, float] | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float, bool] | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of every query token over its request's paged context (cached prefix + causal self).
 
@@ -371,6 +376,8 @@ def paged_attention(
     batch must have written them already (``reshape_and_cache``), and passing them is an error.
     ``rope`` = (inv_freq [R/2] float32, scaling), with ``new_kv`` only: q and the new keys come
     unrotated and the kernel applies the neox rotary embedding at each request's last position.
+    ``qk_norm`` = (q weight [D], k weight [D], q eps, k eps, gemma style), with ``new_kv`` only: q and
+    the new keys come before their per-head RMSNorm (applied before the rotary embedding).
     """
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -423,6 +430,14 @@ def paged_attention(
         assert inv_freq.dtype == torch.float32 and 2 * inv_freq.numel() <= head_size
     else:
         inv_freq, rope_scaling = seq_lens, 1.0
+    if qk_norm is not None:
+        assert new_kv is not None, "the q/k norm is fused only with the decode cache write"
+        q_w, k_w, q_eps, k_eps, gemma_norm = qk_norm
+        assert q_w.numel() == head_size == k_w.numel() and q_w.is_contiguous() and k_w.is_contiguous()
+    else:
+        q_w = k_w = query
+        q_eps = k_eps = 0.0
+        gemma_norm = False
     pdl = pdl_launch_args(query)
     # fp32 inputs would otherwise go through TF32 tensor cores and miss fp32 parity.
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
@@ -433,6 +448,7 @@ def paged_attention(
         block_table, seq_lens, query_start_loc,
         new_k, new_v, slot_mapping,
         inv_freq, rope_scaling,
+        q_w, k_w, float(q_eps), float(k_eps),
         num_reqs, num_q_heads, num_splits,
         scale,
         soft_cap if soft_cap is not None else 1.0,
@@ -459,6 +475,8 @@ def paged_attention(
         WRITE_KV=new_kv is not None,
         ROPE=rope is not None,
         ROT_HALF=inv_freq.numel() if rope is not None else 1,
+        QK_NORM=qk_norm is not None,
+        GEMMA_NORM=bool(gemma_norm),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl,
