@@ -3,7 +3,8 @@
     PYTHONPATH=$PWD python3 benchmarks/engine_switches.py --out $OUT [--variants base,pdl,gemm,pdl+gemm]
 
 Variants set environment switches: ``pdl`` is PAGEDLLM_PDL=1 (programmatic dependent launch),
-``gemm`` is PAGEDLLM_TRITON_GEMM=1 (the skinny GEMM for 2-256-token products). Each variant runs
+``gemm`` is PAGEDLLM_TRITON_GEMM=1 (the skinny GEMM for 2-256-token products), and ``qknorm`` turns on
+the Qwen3 q/k RMSNorm inside the decode attention kernel (``TritonImpl.fuse_decode_qk_norm``). Each variant runs
 (1) workload 3, Llama-3-8B batch 1, 1000-token prompt, time per output token, and (2) workload 1,
 Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s. Random weights, bf16, greedy. Prints a
 table of both figures per variant and their ratio to ``base``; writes one JSON file.
@@ -26,6 +27,8 @@ VARIANTS = {
     "pdl": {"PAGEDLLM_PDL": "1"},
     "gemm": {"PAGEDLLM_TRITON_GEMM": "1"},
     "pdl+gemm": {"PAGEDLLM_PDL": "1", "PAGEDLLM_TRITON_GEMM": "1"},
+    # Not an environment switch of the engine: this script's child turns on TritonImpl.fuse_decode_qk_norm.
+    "qknorm": {"BENCH_FUSE_DECODE_QK_NORM": "1"},
 }
 
 
@@ -36,6 +39,10 @@ def run_variant(args) -> dict:
 
     from pagedllm.benchmarks.latency import measure_latency
 
+    if os.environ.get("BENCH_FUSE_DECODE_QK_NORM") == "1":
+        from pagedllm.attention.backends.triton import TritonImpl
+
+        TritonImpl.fuse_decode_qk_norm = True
     out: dict = {}
     llama = make_llm(args.smoke_model or LLAMA, args.smoke)
     in_len, out_len = (1000, 256) if not args.smoke else (20, 8)
@@ -74,7 +81,8 @@ def main() -> None:
 
     results: dict = {}
     for name in [v for v in args.variants.split(",") if v]:
-        env = {k: v for k, v in os.environ.items() if k not in ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM")}
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK_NORM")}
         env.update(VARIANTS[name])
         path = os.path.join(args.out, f"switch_{name}.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", path]
