@@ -1,6 +1,6 @@
 """A/B of the engine's opt-in GPU switches on the issue's workloads, each variant in a fresh process.
 
-    PYTHONPATH=$PWD python3 benchmarks/engine_switches.py --out $OUT [--variants base,pdl,gemm,pdl+gemm]
+    PYTHONPATH=$PWD python3 benchmarks/engine_switches.py --out $OUT [--variants base,pdl,gemm,qknorm,all]
 
 Variants set environment switches: ``pdl`` is PAGEDLLM_PDL=1 (programmatic dependent launch),
 ``gemm`` is PAGEDLLM_TRITON_GEMM=1 (the skinny GEMM for 2-256-token products), and ``qknorm`` turns on
@@ -29,6 +29,7 @@ VARIANTS = {
     "pdl+gemm": {"PAGEDLLM_PDL": "1", "PAGEDLLM_TRITON_GEMM": "1"},
     # Not an environment switch of the engine: this script's child turns on TritonImpl.fuse_decode_qk_norm.
     "qknorm": {"BENCH_FUSE_DECODE_QK_NORM": "1"},
+    "all": {"PAGEDLLM_PDL": "1", "PAGEDLLM_TRITON_GEMM": "1", "BENCH_FUSE_DECODE_QK_NORM": "1"},
 }
 
 
@@ -67,7 +68,7 @@ def run_variant(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--variants", default="base,pdl,gemm,pdl+gemm")
+    ap.add_argument("--variants", default="base,pdl,gemm,qknorm,all")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script itself")
     ap.add_argument("--smoke-model", default=None)
     ap.add_argument("--timeout-s", type=float, default=240.0, help="per variant")
