@@ -15,6 +15,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 
 @functools.cache
@@ -34,3 +36,13 @@ def use_pdl(t: torch.Tensor) -> bool:
 def pdl_launch_args(t: torch.Tensor) -> dict:
     """Keyword arguments for a kernel launch: the ``USE_GDC`` constexpr, plus ``launch_pdl`` when on."""
     return {"USE_GDC": True, "launch_pdl": True} if use_pdl(t) else {"USE_GDC": False}
+
+
+@triton.jit
+def wait_for_previous_kernel(USE_GDC: tl.constexpr, SMALL_GRID: tl.constexpr):
+    """A kernel's first statement: under PDL, block until the previous kernel's writes are visible; a
+    small grid then lets the next kernel launch at once (it waits for this one in the same way)."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        if SMALL_GRID:
+            tl.extra.cuda.gdc_launch_dependents()

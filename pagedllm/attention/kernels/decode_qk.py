@@ -56,38 +56,38 @@ def rope_rotate(x, x_partner, cos, sin):
 
 
 @triton.jit
-def transform_q(
-    q,  # [BLOCK_M, HEAD_SIZE_P2] as loaded
-    q_rows,  # [BLOCK_M, 1] pointers to each row's head
-    q_mask,  # [BLOCK_M, HEAD_SIZE_P2]
+def transform_heads(
+    x,  # [ROWS, HEAD_SIZE_P2] heads as loaded
+    rows_ptr,  # [ROWS, 1] pointers to each row's head (or one pointer for one row)
+    mask,  # [ROWS, HEAD_SIZE_P2]
     dims,  # [HEAD_SIZE_P2]
     dim_valid,  # [HEAD_SIZE_P2]
     pos,  # scalar: the token's position
-    inv_freq_ptr, rope_scaling, qw_ptr, q_eps,
+    inv_freq_ptr, rope_scaling, w_ptr, eps,
     HEAD_SIZE: tl.constexpr,
     ROT_HALF: tl.constexpr,
     ROPE: tl.constexpr,
     QK_NORM: tl.constexpr,
     GEMMA_NORM: tl.constexpr,
 ):
-    """q after its RMSNorm (QK_NORM) and rotary embedding (ROPE), in q's dtype."""
-    dt = q.dtype
+    """Heads of q or k after their RMSNorm (QK_NORM, weight ``w_ptr``) and rotary embedding (ROPE), in x's dtype."""
+    dt = x.dtype
     if QK_NORM:
-        q_f = q.to(tl.float32)
-        rstd = (1.0 / tl.sqrt(tl.sum(q_f * q_f, axis=1) / HEAD_SIZE + q_eps))[:, None]  # [BLOCK_M, 1]
-        w = tl.load(qw_ptr + dims, mask=dim_valid, other=0.0).to(tl.float32)[None, :]
-        normed = rms_weighted(q_f, rstd, w, GEMMA_NORM, dt).to(dt)
+        x_f = x.to(tl.float32)
+        rstd = (1.0 / tl.sqrt(tl.sum(x_f * x_f, axis=1) / HEAD_SIZE + eps))[:, None]  # [ROWS, 1]
+        w = tl.load(w_ptr + dims, mask=dim_valid, other=0.0).to(tl.float32)[None, :]
+        normed = rms_weighted(x_f, rstd, w, GEMMA_NORM, dt).to(dt)
     if ROPE:
         cos, sin, partner = rope_tables(pos, inv_freq_ptr, rope_scaling, dims, ROT_HALF, dt)
-        q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
+        x_partner = tl.load(rows_ptr + partner[None, :], mask=mask, other=0.0)
         if QK_NORM:
-            w_partner = tl.load(qw_ptr + partner, mask=dim_valid, other=0.0).to(tl.float32)[None, :]
-            q_partner = rms_weighted(q_partner.to(tl.float32), rstd, w_partner, GEMMA_NORM, dt).to(dt)
-            q = normed
-        q = rope_rotate(q, q_partner, cos[None, :], sin[None, :])
+            w_partner = tl.load(w_ptr + partner, mask=dim_valid, other=0.0).to(tl.float32)[None, :]
+            x_partner = rms_weighted(x_partner.to(tl.float32), rstd, w_partner, GEMMA_NORM, dt).to(dt)
+            x = normed
+        x = rope_rotate(x, x_partner, cos[None, :], sin[None, :])
     elif QK_NORM:
-        q = normed
-    return q
+        x = normed
+    return x
 
 
 @triton.jit
@@ -98,27 +98,15 @@ def transform_new_k(
     pos,  # scalar: the token's position
     inv_freq_ptr, rope_scaling, kw_ptr, k_eps,
     HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_P2: tl.constexpr,
     ROT_HALF: tl.constexpr,
     ROPE: tl.constexpr,
     QK_NORM: tl.constexpr,
     GEMMA_NORM: tl.constexpr,
 ):
-    """The new key's head [HEAD_SIZE_P2] after its RMSNorm (QK_NORM) and rotary embedding (ROPE)."""
-    k = tl.load(k_row + dims, mask=dim_valid, other=0.0)
-    dt = k.dtype
-    if QK_NORM:
-        k_f = k.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(k_f * k_f, axis=0) / HEAD_SIZE + k_eps)
-        w = tl.load(kw_ptr + dims, mask=dim_valid, other=0.0).to(tl.float32)
-        normed = rms_weighted(k_f, rstd, w, GEMMA_NORM, dt).to(dt)
-    if ROPE:
-        cos, sin, partner = rope_tables(pos, inv_freq_ptr, rope_scaling, dims, ROT_HALF, dt)
-        k_partner = tl.load(k_row + partner, mask=dim_valid, other=0.0)
-        if QK_NORM:
-            w_partner = tl.load(kw_ptr + partner, mask=dim_valid, other=0.0).to(tl.float32)
-            k_partner = rms_weighted(k_partner.to(tl.float32), rstd, w_partner, GEMMA_NORM, dt).to(dt)
-            k = normed
-        k = rope_rotate(k, k_partner, cos, sin)
-    elif QK_NORM:
-        k = normed
-    return k
+    """The new key's head [HEAD_SIZE_P2], loaded and transformed as a one-row ``transform_heads``."""
+    mask = dim_valid[None, :]  # [1, HEAD_SIZE_P2]
+    k = tl.load(k_row + dims[None, :], mask=mask, other=0.0)
+    k = transform_heads(k, k_row, mask, dims, dim_valid, pos, inv_freq_ptr, rope_scaling, kw_ptr, k_eps,
+                        HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM)
+    return tl.reshape(k, [HEAD_SIZE_P2])

@@ -6,8 +6,8 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.kernels.launch_config import KernelConfig, choose_num_splits, default_config, device_sm_count
-from pagedllm.attention.kernels.decode_qk import transform_new_k, transform_q
-from pagedllm.kernel_launch import pdl_launch_args
+from pagedllm.attention.kernels.decode_qk import transform_heads, transform_new_k
+from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 
 # A constexpr global, because jitted code may only read constexpr globals.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -178,8 +178,7 @@ def _paged_attention_kernel(
     GEMMA_NORM: tl.constexpr,  # that norm's weight is an offset from 1
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
+    wait_for_previous_kernel(USE_GDC, False)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -218,8 +217,8 @@ def _paged_attention_kernel(
     q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_SIZE_P2]
     if ROPE or QK_NORM:
         # Decode: the token sits at seq_len - 1. Every program of the request transforms its own copy of q.
-        q = transform_q(q, q_rows, q_mask, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, qw_ptr, q_eps,
-                        HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM)
+        q = transform_heads(q, q_rows, q_mask, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, qw_ptr, q_eps,
+                            HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM)
 
     # Keys this program needs: up to its last token's position (causal), from its first token's
     # window start. Padded rows clamp to the request so no key beyond seq_len is touched.
@@ -245,7 +244,7 @@ def _paged_attention_kernel(
             dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kp + kv_head * stride_kh + dims
             k_row = new_k_ptr + q_start * stride_nkt + kv_head * stride_nkh
             new_k = transform_new_k(k_row, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, kw_ptr, k_eps,
-                                    HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM)
+                                    HEAD_SIZE, HEAD_SIZE_P2, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM)
             new_v = tl.load(new_v_ptr + q_start * stride_nvt + kv_head * stride_nvh + dims, mask=dim_valid)
             tl.store(k_cache_ptr + dst, new_k.to(k_cache_ptr.dtype.element_ty), mask=dim_valid)
             tl.store(v_cache_ptr + dst, new_v.to(v_cache_ptr.dtype.element_ty), mask=dim_valid)
@@ -314,10 +313,7 @@ def _reduce_splits_kernel(
     SPLITS_P2: tl.constexpr,
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        # A small grid: let the next kernel launch now; it waits for this one before reading anything.
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_GDC, True)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P2)  # [SPLITS_P2]

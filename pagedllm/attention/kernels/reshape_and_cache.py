@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import pdl_launch_args
+from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 
 # Elements one program moves per tensor; bounds registers while keeping each program's copy wide.
 _MAX_TILE_ELEMS = 4096
@@ -29,10 +29,7 @@ def _reshape_and_cache_kernel(
     BLOCK_H: tl.constexpr,
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        # A small grid: let the next kernel launch now; it waits for this one before reading anything.
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_GDC, True)
     tok = tl.program_id(0)
     head_block = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)

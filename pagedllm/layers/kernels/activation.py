@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import pdl_launch_args
+from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -20,10 +20,7 @@ def _act_and_mul_kernel(
     BLOCK: tl.constexpr,
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        # A small grid: let the next kernel launch now; it waits for this one before reading anything.
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_GDC, True)
     tok = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < n_cols

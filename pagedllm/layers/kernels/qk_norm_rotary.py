@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import pdl_launch_args
+from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 
 from pagedllm.layers.kernels.rotary import _heads_view
 
@@ -116,10 +116,7 @@ def _qk_norm_rotary_kernel(
     BLOCK_H: tl.constexpr,
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        # A small grid: let the next kernel launch now; it waits for this one before reading anything.
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_GDC, True)
     # int64: tok * stride_qt passes 2**31 for long prefills of wide models.
     tok = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)

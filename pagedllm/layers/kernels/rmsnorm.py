@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import pdl_launch_args
+from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -32,10 +32,7 @@ def _rmsnorm_kernel(
     BLOCK_H: tl.constexpr,  # next power of two >= hidden: the whole row is one tile
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        # A small grid: let the next kernel launch now; it waits for this one before reading anything.
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_GDC, True)
     row = tl.program_id(0)
     i0 = row // n_inner
     i1 = row % n_inner

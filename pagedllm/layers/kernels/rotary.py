@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import pdl_launch_args
+from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -60,10 +60,7 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        # A small grid: let the next kernel launch now; it waits for this one before reading anything.
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_kernel(USE_GDC, True)
     tok = tl.program_id(0)
     dims = tl.arange(0, HALF_P2)  # [HALF_P2]
     pos = tl.load(pos_ptr + tok).to(tl.float32)

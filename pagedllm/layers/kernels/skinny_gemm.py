@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import pdl_launch_args
+from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Rows above this go to cuBLAS, whose large tiles are the right ones there.
@@ -47,8 +47,7 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
+    wait_for_previous_kernel(USE_GDC, False)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]; N % BLOCK_N == 0 (host checks)
     ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]; K % BLOCK_K == 0
