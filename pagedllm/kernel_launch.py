@@ -6,8 +6,8 @@ each of our kernels then executes ``gdc_wait`` before its first memory access, w
 predecessor has finished and its writes are visible. Results are those of serialized launches; what
 overlaps is the launch itself, plus what a kernel does before its wait: small-grid kernels (norms,
 activations, rotary, the split reduction) let their successor launch at once, and the GEMV reads its
-first weight tile (weights are never written) before waiting. Opt in with ``PAGEDLLM_PDL=1`` (CUDA,
-compute capability >= 9.0).
+first weight tile (weights are never written) before waiting. On by default on CUDA devices of compute
+capability >= 9.0, where it took 4% off a batch-1 8B decode step; ``PAGEDLLM_PDL=0`` turns it off.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _device_supports_pdl(index: int) -> bool:
 
 def use_pdl(t: torch.Tensor) -> bool:
     """Whether kernels reading or writing ``t`` launch with PDL (and so must wait on their predecessor)."""
-    if not t.is_cuda or os.environ.get("PAGEDLLM_PDL", "0") != "1":
+    if not t.is_cuda or os.environ.get("PAGEDLLM_PDL", "1") == "0":
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False  # the interpreter runs programs one by one and knows no grid dependency control

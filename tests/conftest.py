@@ -1,7 +1,15 @@
-"""Makes the test helpers in this directory (e.g. tiny_models) importable from any test module."""
+"""Makes the test helpers in this directory (e.g. tiny_models) importable from any test module, and runs
+the Triton kernels in Triton's interpreter on machines without a GPU."""
 from __future__ import annotations
 
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Before anything imports triton: @triton.jit (triton.language's own helpers included) picks
+    # interpreter or compiler when it decorates, so the choice must hold for the whole session.
+    os.environ["TRITON_INTERPRET"] = "1"

@@ -3,7 +3,8 @@
 Run as a script in a process without TRITON_INTERPRET: each host wrapper is called with small CPU
 tensors while the kernels' ``run`` is replaced by a recorder, and every recorded launch is compiled to
 PTX for compute capability 9.0 with Triton's bundled ptxas. Prints one JSON line per launch:
-{"kernel", "wait", "trigger"} with the number of griddepcontrol.wait / launch_dependents in the PTX.
+{"kernel", "wait", "trigger", "half_fma"} with the number of griddepcontrol.wait / launch_dependents
+and of half-precision fused multiply-adds in the PTX.
 """
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ def main() -> None:
     import pagedllm.kernel_launch as kl
 
     kl.use_pdl = lambda t: True  # as on an H200 with PAGEDLLM_PDL=1
+    import pagedllm.kernel_math as km
+
+    km._compiled_for_nvidia = lambda t: True  # the explicitly rounded variants that run there
     from paged_batches import build_paged_batch
     from pagedllm.attention.backends.triton import TritonImpl
     from pagedllm.attention.kernels import paged_attention as pa
@@ -93,7 +97,8 @@ def main() -> None:
         ptx = _compile(kernel, args, kwargs)
         print(json.dumps({"kernel": kernel.__name__, "pdl": bool(kwargs.get("launch_pdl")),
                           "wait": ptx.count("griddepcontrol.wait"),
-                          "trigger": ptx.count("griddepcontrol.launch_dependents")}), flush=True)
+                          "trigger": ptx.count("griddepcontrol.launch_dependents"),
+                          "half_fma": ptx.count("fma.rn.f16") + ptx.count("fma.rn.bf16")}), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
 
 import pytest
 import torch
 
-_ON_GPU = torch.cuda.is_available()
-if not _ON_GPU:
-    # Must precede the kernels' import: @triton.jit picks interpreter or compiler when it decorates.
-    os.environ["TRITON_INTERPRET"] = "1"
+_ON_GPU = torch.cuda.is_available()  # without a GPU, conftest.py runs the kernels interpreted
 
 triton = pytest.importorskip("triton", reason="triton is not importable; the Triton backend cannot be tested")
 
@@ -19,35 +14,17 @@ from pagedllm.attention.backends import torch_ref  # noqa: E402
 from pagedllm.attention.kernels import launch_config as lc  # noqa: E402
 from pagedllm.attention.kernels import paged_attention as pa_mod  # noqa: E402
 from pagedllm.attention.kernels import reshape_and_cache as rc_mod  # noqa: E402
-from pagedllm.attention.kernels import decode_qk as qk_mod  # noqa: E402
 from pagedllm.layers.kernels import qk_norm_rotary as qkr_k  # noqa: E402
 from pagedllm.layers.kernels import rotary as rot_k  # noqa: E402
 from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
+from pagedllm.attention.backends import triton as _BACKEND  # noqa: E402
 from paged_batches import build_paged_batch  # noqa: E402
-
-
-def _backend_module():
-    """The backend module, re-imported if something loaded the kernels before TRITON_INTERPRET was set."""
-    import pagedllm.attention.backends.triton as backend_mod
-
-    if not _ON_GPU:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(pa_mod._paged_attention_kernel, InterpretedFunction):
-            importlib.reload(rc_mod)
-            importlib.reload(qk_mod)
-            importlib.reload(pa_mod)
-            importlib.reload(rot_k)
-            importlib.reload(qkr_k)
-            backend_mod = importlib.reload(backend_mod)
-    return backend_mod
 
 
 # The interpreter itself trips a NumPy deprecation on every scalar index; it says nothing about our code.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 DEVICE = torch.device("cuda" if _ON_GPU else "cpu")
-_BACKEND = _backend_module()
 
 
 def _tol(dtype):

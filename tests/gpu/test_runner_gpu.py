@@ -104,8 +104,9 @@ def test_fp32_gpu_greedy_with_qk_norm_in_decode_attention(model, tmp_path, monke
 
 @pytest.mark.parametrize("model", ["llama", "qwen3"])
 def test_programmatic_dependent_launch_changes_nothing(model, tmp_path, monkeypatch):
-    # PAGEDLLM_PDL=1 launches the Triton kernels with PDL (graphs included); every kernel waits for its
-    # predecessor before touching memory, so bf16 tokens and logprobs must be bit-identical to plain launches.
+    # PDL (the default on sm90; PAGEDLLM_PDL=0 turns it off) launches the Triton kernels early (graphs
+    # included); every kernel waits for its predecessor before touching memory, so bf16 tokens and
+    # logprobs must be bit-identical to plain launches.
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     path = make_tiny_model(model, tmp_path / model)

@@ -2,16 +2,11 @@
 from __future__ import annotations
 
 import copy
-import importlib
-import os
 
 import pytest
 import torch
 
-_ON_GPU = torch.cuda.is_available()
-if not _ON_GPU:
-    # Must precede the kernels' import: @triton.jit picks interpreter or compiler when it decorates.
-    os.environ["TRITON_INTERPRET"] = "1"
+_ON_GPU = torch.cuda.is_available()  # without a GPU, conftest.py runs the kernels interpreted
 
 triton = pytest.importorskip("triton", reason="triton is not importable; the fused kernels cannot be tested")
 
@@ -22,13 +17,6 @@ from pagedllm.layers.kernels import rotary as rot_k  # noqa: E402
 from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm  # noqa: E402
 from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
 
-if not _ON_GPU:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    # Something imported the kernels before TRITON_INTERPRET was set: decorate them again.
-    for _mod in (act_k, norm_k, rot_k):
-        if not any(isinstance(v, InterpretedFunction) for v in vars(_mod).values()):
-            importlib.reload(_mod)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),

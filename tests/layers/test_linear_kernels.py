@@ -1,29 +1,17 @@
 """The Triton GEMV (one token) and skinny GEMM (a few to 256 tokens) against torch's product, interpreted on CPU in fp16."""
 from __future__ import annotations
 
-import importlib
-import os
 
 import pytest
 import torch
 
-_ON_GPU = torch.cuda.is_available()
-if not _ON_GPU:
-    # Must precede the kernel's import: @triton.jit picks interpreter or compiler when it decorates.
-    os.environ["TRITON_INTERPRET"] = "1"
+_ON_GPU = torch.cuda.is_available()  # without a GPU, conftest.py runs the kernels interpreted
 
 triton = pytest.importorskip("triton", reason="triton is not importable; the GEMV kernel cannot be tested")
 
 from pagedllm.layers.kernels import gemv as gemv_k  # noqa: E402
 from pagedllm.layers.kernels import skinny_gemm as sg_k  # noqa: E402
 
-if not _ON_GPU:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(gemv_k._gemv_kernel, InterpretedFunction):
-        importlib.reload(gemv_k)
-    if not isinstance(sg_k._skinny_gemm_kernel, InterpretedFunction):
-        importlib.reload(sg_k)
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
 

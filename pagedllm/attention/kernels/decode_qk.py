@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedllm.kernel_math import rope_combine
+
 
 @triton.jit
 def rope_tables(
@@ -47,15 +49,6 @@ def rms_weighted(x, rstd, w, GEMMA: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def rope_rotate(x, x_partner, cos, sin):
-    """x * cos + partner * sin in x's dtype, rounding each product and the sum like torch's half ops."""
-    dt = x.dtype
-    a = (x.to(tl.float32) * cos).to(dt).to(tl.float32)
-    b = (x_partner.to(tl.float32) * sin).to(dt).to(tl.float32)
-    return (a + b).to(dt)
-
-
-@triton.jit
 def transform_heads(
     x,  # [ROWS, HEAD_SIZE_P2] heads as loaded
     rows_ptr,  # [ROWS, 1] pointers to each row's head (or one pointer for one row)
@@ -69,6 +62,7 @@ def transform_heads(
     ROPE: tl.constexpr,
     QK_NORM: tl.constexpr,
     GEMMA_NORM: tl.constexpr,
+    EXACT: tl.constexpr,  # kernel_math.exact_rounding
 ):
     """Heads of q or k after their RMSNorm (QK_NORM, weight ``w_ptr``) and rotary embedding (ROPE), in x's dtype."""
     dt = x.dtype
@@ -84,7 +78,7 @@ def transform_heads(
             w_partner = tl.load(w_ptr + partner, mask=dim_valid, other=0.0).to(tl.float32)[None, :]
             x_partner = rms_weighted(x_partner.to(tl.float32), rstd, w_partner, GEMMA_NORM, dt).to(dt)
             x = normed
-        x = rope_rotate(x, x_partner, cos[None, :], sin[None, :])
+        x = rope_combine(x.to(tl.float32), x_partner.to(tl.float32), cos[None, :], sin[None, :], dt, EXACT)
     elif QK_NORM:
         x = normed
     return x
@@ -103,10 +97,11 @@ def transform_new_k(
     ROPE: tl.constexpr,
     QK_NORM: tl.constexpr,
     GEMMA_NORM: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     """The new key's head [HEAD_SIZE_P2], loaded and transformed as a one-row ``transform_heads``."""
     mask = dim_valid[None, :]  # [1, HEAD_SIZE_P2]
     k = tl.load(k_row + dims[None, :], mask=mask, other=0.0)
     k = transform_heads(k, k_row, mask, dims, dim_valid, pos, inv_freq_ptr, rope_scaling, kw_ptr, k_eps,
-                        HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM)
+                        HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
     return tl.reshape(k, [HEAD_SIZE_P2])

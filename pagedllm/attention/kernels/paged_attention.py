@@ -8,6 +8,7 @@ import triton.language as tl
 from pagedllm.attention.kernels.launch_config import KernelConfig, choose_num_splits, default_config, device_sm_count
 from pagedllm.attention.kernels.decode_qk import transform_heads, transform_new_k
 from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.kernel_math import exact_rounding
 
 # A constexpr global, because jitted code may only read constexpr globals.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -176,6 +177,7 @@ def _paged_attention_kernel(
     ROT_HALF: tl.constexpr,  # rotary channels / 2 (ROPE only)
     QK_NORM: tl.constexpr,  # (WRITE_KV) q and the new k arrive before their per-head RMSNorm: apply it here
     GEMMA_NORM: tl.constexpr,  # that norm's weight is an offset from 1
+    EXACT: tl.constexpr,  # (ROPE) kernel_math.exact_rounding
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
     wait_for_previous_kernel(USE_GDC, False)
@@ -218,7 +220,7 @@ def _paged_attention_kernel(
     if ROPE or QK_NORM:
         # Decode: the token sits at seq_len - 1. Every program of the request transforms its own copy of q.
         q = transform_heads(q, q_rows, q_mask, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, qw_ptr, q_eps,
-                            HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM)
+                            HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
 
     # Keys this program needs: up to its last token's position (causal), from its first token's
     # window start. Padded rows clamp to the request so no key beyond seq_len is touched.
@@ -244,7 +246,7 @@ def _paged_attention_kernel(
             dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kp + kv_head * stride_kh + dims
             k_row = new_k_ptr + q_start * stride_nkt + kv_head * stride_nkh
             new_k = transform_new_k(k_row, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, kw_ptr, k_eps,
-                                    HEAD_SIZE, HEAD_SIZE_P2, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM)
+                                    HEAD_SIZE, HEAD_SIZE_P2, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
             new_v = tl.load(new_v_ptr + q_start * stride_nvt + kv_head * stride_nvh + dims, mask=dim_valid)
             tl.store(k_cache_ptr + dst, new_k.to(k_cache_ptr.dtype.element_ty), mask=dim_valid)
             tl.store(v_cache_ptr + dst, new_v.to(v_cache_ptr.dtype.element_ty), mask=dim_valid)
@@ -473,6 +475,7 @@ def paged_attention(
         ROT_HALF=inv_freq.numel() if rope is not None else 1,
         QK_NORM=qk_norm is not None,
         GEMMA_NORM=bool(gemma_norm),
+        EXACT=rope is not None and exact_rounding(query),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl,

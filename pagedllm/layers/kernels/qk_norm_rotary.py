@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
-
+from pagedllm.kernel_math import exact_rounding, rope_combine
 from pagedllm.layers.kernels.rotary import _heads_view
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -54,6 +54,7 @@ def _norm_rotate_heads(
     HALF_P2: tl.constexpr,
     REST_P2: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    EXACT: tl.constexpr,  # kernel_math.exact_rounding
 ):
     dims = tl.arange(0, HALF_P2)[None, :]  # [1, HALF_P2]
     heads = h0 + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
@@ -82,12 +83,8 @@ def _norm_rotate_heads(
     n1 = _weighted(x1 * rstd, w1, base_ptr, GEMMA)  # [BLOCK_H, HALF_P2], dt-rounded values in float32
     n2 = _weighted(x2 * rstd, w2, base_ptr, GEMMA)
     # rot*cos + cat(-x2, x1)*sin, each product and the sum rounded like torch's half ops (kernels/rotary.py).
-    a1 = (n1 * cos).to(dt).to(tl.float32)
-    b1 = (-n2 * sin).to(dt).to(tl.float32)
-    a2 = (n2 * cos).to(dt).to(tl.float32)
-    b2 = (n1 * sin).to(dt).to(tl.float32)
-    tl.store(p1, (a1 + b1).to(dt), mask=mask)
-    tl.store(p1 + half, (a2 + b2).to(dt), mask=mask)
+    tl.store(p1, rope_combine(n1, -n2, cos, sin, dt, EXACT), mask=mask)
+    tl.store(p1 + half, rope_combine(n2, n1, cos, sin, dt, EXACT), mask=mask)
     if HAS_REST:
         wr = tl.load(w_ptr + 2 * half + rdims, mask=rdims < head_size - 2 * half, other=0.0).to(tl.float32)
         tl.store(pr, _weighted(xr * rstd, wr, base_ptr, GEMMA).to(dt), mask=rmask)
@@ -114,6 +111,7 @@ def _qk_norm_rotary_kernel(
     HALF_P2: tl.constexpr,
     REST_P2: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    EXACT: tl.constexpr,  # kernel_math.exact_rounding
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
     wait_for_previous_kernel(USE_GDC, True)
@@ -131,12 +129,12 @@ def _qk_norm_rotary_kernel(
     if blk < num_q_blocks:
         _norm_rotate_heads(
             q_ptr + tok * stride_qt, qw_ptr, blk * BLOCK_H, num_q_heads, stride_qh, q_eps, head_size, half,
-            cos, sin, GEMMA, HAS_REST, HALF_P2, REST_P2, BLOCK_H,
+            cos, sin, GEMMA, HAS_REST, HALF_P2, REST_P2, BLOCK_H, EXACT,
         )
     else:
         _norm_rotate_heads(
             k_ptr + tok * stride_kt, kw_ptr, (blk - num_q_blocks) * BLOCK_H, num_k_heads, stride_kh, k_eps,
-            head_size, half, cos, sin, GEMMA, HAS_REST, HALF_P2, REST_P2, BLOCK_H,
+            head_size, half, cos, sin, GEMMA, HAS_REST, HALF_P2, REST_P2, BLOCK_H, EXACT,
         )
 
 
@@ -231,7 +229,7 @@ def qk_norm_rotary_(
         positions, inv_freq, query, key, q_weight, k_weight,
         hq, hk, sqt, sqh, skt, skh,
         float(q_eps), float(k_eps), head_size, half, float(attention_scaling), num_q_blocks,
-        GEMMA=gemma, HAS_REST=rest > 0, HALF_P2=half_p2, REST_P2=rest_p2, BLOCK_H=block_h,
+        GEMMA=gemma, HAS_REST=rest > 0, HALF_P2=half_p2, REST_P2=rest_p2, BLOCK_H=block_h, EXACT=exact_rounding(query),
         num_warps=4, **pdl_launch_args(query),
     )
     return query, key

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.kernel_math import exact_rounding, rope_combine
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -25,6 +26,7 @@ def _rotate_heads(
     half,
     HALF_P2: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    EXACT: tl.constexpr,  # kernel_math.exact_rounding
 ):
     dims = tl.arange(0, HALF_P2)[None, :]  # [1, HALF_P2]
     for h0 in range(0, num_heads, BLOCK_H):
@@ -37,12 +39,8 @@ def _rotate_heads(
         x1 = x1_raw.to(tl.float32)
         x2 = x2_raw.to(tl.float32)
         # rot*cos + cat(-x2, x1)*sin, each product and the sum rounded like torch's half ops.
-        a1 = (x1 * cos).to(dt).to(tl.float32)
-        b1 = (-x2 * sin).to(dt).to(tl.float32)
-        a2 = (x2 * cos).to(dt).to(tl.float32)
-        b2 = (x1 * sin).to(dt).to(tl.float32)
-        tl.store(p1, (a1 + b1).to(dt), mask=mask)
-        tl.store(p1 + half, (a2 + b2).to(dt), mask=mask)
+        tl.store(p1, rope_combine(x1, -x2, cos, sin, dt, EXACT), mask=mask)
+        tl.store(p1 + half, rope_combine(x2, x1, cos, sin, dt, EXACT), mask=mask)
 
 
 @triton.jit
@@ -58,6 +56,7 @@ def _rotary_kernel(
     scaling,
     HALF_P2: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    EXACT: tl.constexpr,  # kernel_math.exact_rounding
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
     wait_for_previous_kernel(USE_GDC, True)
@@ -69,8 +68,8 @@ def _rotary_kernel(
     dt = q_ptr.dtype.element_ty
     cos = (tl.cos(freqs) * scaling).to(dt).to(tl.float32)[None, :]  # [1, HALF_P2]
     sin = (tl.sin(freqs) * scaling).to(dt).to(tl.float32)[None, :]
-    _rotate_heads(q_ptr + tok * stride_qt, num_q_heads, stride_qh, cos, sin, half, HALF_P2, BLOCK_H)
-    _rotate_heads(k_ptr + tok * stride_kt, num_k_heads, stride_kh, cos, sin, half, HALF_P2, BLOCK_H)
+    _rotate_heads(q_ptr + tok * stride_qt, num_q_heads, stride_qh, cos, sin, half, HALF_P2, BLOCK_H, EXACT)
+    _rotate_heads(k_ptr + tok * stride_kt, num_k_heads, stride_kh, cos, sin, half, HALF_P2, BLOCK_H, EXACT)
 
 
 def _heads_view(t: torch.Tensor, head_size: int) -> tuple[int, int, int] | None:
@@ -115,6 +114,6 @@ def rotary_neox_(
         positions, inv_freq, query, key,
         hq, hk, sqt, sqh, skt, skh,
         half, attention_scaling,
-        HALF_P2=half_p2, BLOCK_H=block_h, num_warps=4, **pdl_launch_args(query),
+        HALF_P2=half_p2, BLOCK_H=block_h, EXACT=exact_rounding(query), num_warps=4, **pdl_launch_args(query),
     )
     return query, key
