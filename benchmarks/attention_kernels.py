@@ -104,9 +104,11 @@ def main() -> None:
     parser.add_argument("--heads", default="32:8", help="query heads:KV heads (head size 128)")
     parser.add_argument("--decode-cases", default="64:1024,64:4096,256:1024,256:4096", help="BATCH:CONTEXT,...")
     parser.add_argument("--decode-only", action="store_true", help="skip the split-KV and prefill sections")
+    parser.add_argument("--sections", default="decode,split,prefill", help="which sections to run, comma-separated")
     parser.add_argument("--prefill-tokens", type=int, default=4096, help="prompt length of the prefill section")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"))
     args = parser.parse_args()
+    sections = {"decode"} if args.decode_only else set(args.sections.split(","))
     if not torch.cuda.is_available():
         print("attention_kernels: no CUDA device; nothing to time")
         return
@@ -124,7 +126,8 @@ def main() -> None:
     print(f"\n== decode, {hq}q/{hkv}kv heads, D=128, bf16, block 16; device time from CUDA-graph replay, L2 flushed;")
     print("   KV read bandwidth and its fraction of the copy rate; eager = do_bench wall time incl. launch cost")
     results["decode"] = []
-    for batch, ctx in [tuple(int(v) for v in c.split(":")) for c in args.decode_cases.split(",")]:
+    decode_cases = args.decode_cases.split(",") if "decode" in sections else []
+    for batch, ctx in [tuple(int(v) for v in c.split(":")) for c in decode_cases]:
         seq_lens = [ctx] * batch
         tensors = make_batch(seq_lens, 1, hq, hkv, d, bs, dtype)
         nbytes = kv_read_bytes(seq_lens, hkv, d, dtype)
@@ -157,10 +160,17 @@ def main() -> None:
         results["decode"].append(row)
         del tensors
         torch.cuda.empty_cache()
-    if args.decode_only:
-        _write(args.json, results)
-        return
+    if "split" in sections:
+        split_section(results, hq, hkv, d, bs, dtype, copy_bw)
+    if "prefill" in sections:
+        prefill_section(results, args, hq, hkv, d, bs, dtype)
+    _write(args.json, results)
 
+
+def split_section(results, hq, hkv, d, bs, dtype, copy_bw: float) -> None:
+    from pagedllm.attention.kernels.launch_config import choose_num_splits
+
+    props = torch.cuda.get_device_properties(0)
     print("\n== split-KV: few long decodes (same heads), single pass vs heuristic vs forced partitions")
     results["split"] = []
     for batch, ctx in [(1, 8192), (1, 32768), (2, 16384), (4, 8192), (4, 32768)]:
@@ -187,6 +197,11 @@ def main() -> None:
         del tensors
         torch.cuda.empty_cache()
 
+
+
+def prefill_section(results, args, hq, hkv, d, bs, dtype) -> None:
+    from pagedllm.attention.kernels.launch_config import KernelConfig, default_config
+
     print(f"\n== prefill: one {args.prefill_tokens}-token prompt, {hq}q/{hkv}kv, D=128, bf16 (causal FLOPs) vs torch SDPA (dense, not paged)")
     n = args.prefill_tokens
     tensors = make_batch([n], n, hq, hkv, d, bs, dtype)
@@ -204,19 +219,18 @@ def main() -> None:
     results["prefill"] = {"tokens": n, "us": ms * 1e3, "sdpa_us": sdpa * 1e3}
     if args.sweep:
         best = (ms, "default")
-        for block_m, tile_n, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)):
+        for block_m, tile_n, warps, stages in itertools.product((32, 64, 128, 256), (32, 64, 128), (4, 8), (2, 3)):
             cfg = KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
             try:
                 t = time_attention(*tensors, n, n, config=cfg)
             except Exception as exc:  # out of shared memory or registers
                 print(f"   {cfg}: {type(exc).__name__}")
                 continue
+            print(f"   bm {block_m:3d} tn {tile_n:3d} w {warps} s {stages}: {t * 1e3:7.1f} us {tflops(t):6.1f} TFLOP/s")
             best = min(best, (t, str(cfg)), key=lambda x: x[0])
         print(f"   prefill sweep best: {best[0] * 1e3:8.1f} us {tflops(best[0]):6.1f} TFLOP/s with {best[1]}")
         results["prefill"]["best"] = {"us": best[0] * 1e3, "cfg": best[1]}
-    del tensors, q, k, v
-
-    _write(args.json, results)
+    del tensors
 
 
 def _write(path: str, results: dict) -> None:
