@@ -105,8 +105,13 @@ def run_client(args, url: str, reqs, rate: float, seed: int, max_concurrency: in
     prompts = [bench_serve.BenchPrompt(r.prompt_token_ids, r.output_len) for r in reqs]
     cargs = client_args(args, url, rate, seed, max_concurrency, len(prompts))
     # The whole phase is bounded by what is left of --budget-s, so a stuck server cannot eat the run.
-    summary, _ = asyncio.run(asyncio.wait_for(bench_serve.benchmark(cargs, prompts), time_left(args)))
+    summary, results = asyncio.run(asyncio.wait_for(bench_serve.benchmark(cargs, prompts), time_left(args)))
     bench_serve._print(summary)
+    # The TTFT distribution, not just its median: queueing shows in its spread.
+    ttfts = sorted(r.ttft * 1e3 for r in results if r.ok)
+    if ttfts:
+        summary["ttft_ms_quantiles"] = {f"p{q}": ttfts[min(len(ttfts) - 1, q * len(ttfts) // 100)]
+                                        for q in (0, 10, 25, 50, 75, 90)}
     summary["requested_output_tokens"] = sum(r.output_len for r in reqs)
     summary["requested_input_tokens"] = sum(len(r.prompt_token_ids) for r in reqs)
     return summary
@@ -121,6 +126,33 @@ def warm_up(args, url: str, vocab: int) -> dict:
         s = run_client(args, url, reqs, float("inf"), args.seed + 1000 + i)
         failed += s["failed"]
     return {"warmup_s": time.perf_counter() - t0, "failed": failed}
+
+
+# Server-side histograms whose means split a client TTFT: the core's queue, and arrival to first token.
+SERVER_HISTOGRAMS = ("pagedllm:request_queue_time_seconds", "pagedllm:time_to_first_token_seconds")
+
+
+def scrape_histograms(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of SERVER_HISTOGRAMS, summed over label sets, from the server's /metrics."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10.0).text
+    out = {name: [0.0, 0.0] for name in SERVER_HISTOGRAMS}
+    for line in text.splitlines():
+        for name in SERVER_HISTOGRAMS:
+            for i, suffix in enumerate(("_sum", "_count")):
+                if line.startswith(name + suffix + "{") or line.startswith(name + suffix + " "):
+                    out[name][i] += float(line.rsplit(" ", 1)[1])
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def histogram_means_ms(before: dict, after: dict) -> dict[str, float | None]:
+    """Mean of each histogram over the observations made between two scrapes, in ms."""
+    means = {}
+    for name in SERVER_HISTOGRAMS:
+        n = after[name][1] - before[name][1]
+        means[name.split(":", 1)[1] + "_mean_ms"] = (after[name][0] - before[name][0]) / n * 1e3 if n else None
+    return means
 
 
 # ---- offline ---------------------------------------------------------------------------------------------
@@ -245,6 +277,8 @@ def make_summary(args, res: dict) -> dict:
         s["a_p99_ttft_ms"] = a["ttft_ms"]["p99"]
         s["a_p99_itl_ms"] = a["itl_ms"]["p99"]
         s["a_failed"] = a["failed"]
+        s["a_ttft_ms_quantiles"] = a.get("ttft_ms_quantiles")
+        s["a_server_side"] = a.get("server_side")
         s["a_ttft_ok"] = a["failed"] == 0 and s["a_median_ttft_ms"] <= args.ttft_target_ms
         s["a_itl_ok"] = a["failed"] == 0 and s["a_median_itl_ms"] <= args.itl_target_ms
     if b:
@@ -285,6 +319,11 @@ def print_table(args, res: dict, s: dict) -> None:
         (f"{a_name}: median ITL ms", _f(s.get("a_median_itl_ms")), f"<= {args.itl_target_ms:g}",
          verdict(s.get("a_itl_ok"))),
         ("    p99 TTFT / p99 ITL ms", f"{_f(s.get('a_p99_ttft_ms'))} / {_f(s.get('a_p99_itl_ms'))}", "", ""),
+        ("    TTFT p0 / p25 / p75 ms", " / ".join(_f((s.get("a_ttft_ms_quantiles") or {}).get(k), ".1f")
+                                                for k in ("p0", "p25", "p75")), "", ""),
+        ("    server: core queue / TTFT mean ms", " / ".join(
+            _f((s.get("a_server_side") or {}).get(k), ".1f")
+            for k in ("request_queue_time_seconds_mean_ms", "time_to_first_token_seconds_mean_ms")), "", ""),
         (f"{b_name}: served out tok/s", _f(s.get("b_served_output_tok_per_s"), ".1f"), "", ""),
         ("    bench throughput (offline, same prompts) out tok/s", _f(s.get("b_offline_output_tok_per_s"), ".1f"),
          "", ""),
@@ -397,7 +436,9 @@ def main(argv=None) -> int:
             timings["warmup"] = res["warmup"]["warmup_s"]
         log(f"(a) {len(lat_reqs)} requests at {args.request_rate:g} req/s (Poisson)")
         t0 = time.perf_counter()
+        before = scrape_histograms(server.url)
         res["latency"] = run_client(args, server.url, lat_reqs, args.request_rate, args.seed + 1)
+        res["latency"]["server_side"] = histogram_means_ms(before, scrape_histograms(server.url))
         timings["a_latency"] = time.perf_counter() - t0
         save()
         log(f"(b) {len(thr_reqs)} requests at once ({len(thr_reqs)} streams)")
