@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm.kernel_launch import pdl_launch_args, use_pdl
+from pagedllm.kernel_launch import PDL_MAX_TOKENS, pdl_launch_args, use_pdl
 
 
 def test_pdl_is_off_on_cpu_even_when_asked(monkeypatch):
@@ -28,6 +28,9 @@ def test_pdl_is_on_by_default_where_the_gpu_has_it(monkeypatch):
         assert pdl_launch_args(torch.zeros(1, device="cuda")) == (
             {"USE_GDC": True, "launch_pdl": True} if on else {"USE_GDC": False}
         )
+        # A long prefill launches without it.
+        assert not use_pdl(torch.zeros(PDL_MAX_TOKENS + 1, 8, device="cuda"))
+        assert use_pdl(torch.zeros(PDL_MAX_TOKENS, 8, device="cuda")) == on
         monkeypatch.setenv("PAGEDLLM_PDL", "0")
         assert not use_pdl(torch.zeros(1, device="cuda"))
 
