@@ -290,4 +290,40 @@ def prefill_profile(llm, input_len: int, reps: int = 3) -> dict:
         for p in prompts:
             llm.generate([p], params, use_tqdm=False)
         torch.cuda.synchronize()
-    return {"input_len": input_len, **_profile_table(prof, reps)}
+    return {"input_len": input_len, **_profile_table(prof, reps), **prefill_host_time(llm, prompts, params)}
+
+
+def prefill_host_time(llm, prompts: list, params) -> dict:
+    """Host time to enqueue one prefill forward (launches are asynchronous) and wall time per prompt.
+
+    When the enqueue time nears the step's device time, the prefill is host-bound: faster launches,
+    not faster kernels, would shorten it.
+    """
+    import time
+
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    model, enqueue = runner.model, []
+
+    class Timed:
+        """The model, with its forward call timed on the host; every other attribute passes through."""
+
+        def __call__(self, *a, **kw):
+            t0 = time.perf_counter()
+            out = model(*a, **kw)
+            enqueue.append(time.perf_counter() - t0)
+            return out
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    walls = []
+    runner.model = Timed()
+    try:
+        for p in prompts:
+            llm.llm_engine.engine_core.reset_prefix_cache()
+            t0 = time.perf_counter()
+            llm.generate([p], params, use_tqdm=False)
+            walls.append(time.perf_counter() - t0)
+    finally:
+        runner.model = model
+    return {"host_forward_ms": [e * 1e3 for e in enqueue], "wall_ms": [w * 1e3 for w in walls]}
