@@ -293,6 +293,42 @@ def prefill_profile(llm, input_len: int, reps: int = 3) -> dict:
     return {"input_len": input_len, **_profile_table(prof, reps), **prefill_host_time(llm, prompts, params)}
 
 
+def launch_overhead_us(calls: int = 2000) -> dict[str, float]:
+    """Host microseconds per eager call on tiny CUDA tensors: a torch op, cuBLAS, and two Triton kernels.
+
+    The device work is negligible, so this is what each launch costs the host; an eager forward pays it
+    for every kernel it launches.
+    """
+    import time
+
+    import torch
+
+    from pagedllm.layers.kernels.activation import act_and_mul
+    from pagedllm.layers.kernels.rmsnorm import rms_norm
+
+    x = torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    nw = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
+    cases = {
+        "torch add": lambda: torch.add(x, x),
+        "cuBLAS linear": lambda: torch.nn.functional.linear(x, w),
+        "Triton rms_norm": lambda: rms_norm(x, nw, 1e-6),
+        "Triton rms_norm + residual": lambda: rms_norm(x, nw, 1e-6, residual=x),
+        "Triton act_and_mul": lambda: act_and_mul(x, "silu"),
+    }
+    out = {}
+    for name, fn in cases.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out[name] = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+    return out
+
+
 def prefill_host_time(llm, prompts: list, params) -> dict:
     """Host time to enqueue one prefill forward (launches are asynchronous) and wall time per prompt.
 

@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 
-from gpu_measure import kernel_profile, make_llm, prefill_profile
+from gpu_measure import kernel_profile, launch_overhead_us, make_llm, prefill_profile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {"qwen": os.path.join(HERE, "shapes", "qwen3-0.6b"), "llama": os.path.join(HERE, "shapes", "llama-3-8b")}
@@ -58,6 +58,9 @@ def main() -> None:
         print_profile(f"{args.model} prefill of {spec} tokens", prof)
         print(f"   host time to enqueue the forward: {', '.join(f'{v:.1f}' for v in prof['host_forward_ms'])} ms; "
               f"wall per prompt: {', '.join(f'{v:.1f}' for v in prof['wall_ms'])} ms", flush=True)
+    if args.prefill:
+        results["launch_overhead_us"] = launch_overhead_us()
+        print("== host us per eager launch: " + ", ".join(f"{k} {v:.1f}" for k, v in results["launch_overhead_us"].items()))
     with open(os.path.join(args.out, f"kernel_breakdown_{args.model}.json"), "w") as f:
         json.dump(results, f, indent=1)
 
