@@ -52,3 +52,17 @@ def rope_combine(x, partner, cos, sin, DT: tl.constexpr, EXACT: tl.constexpr):
     a = _mul(x, cos, EXACT).to(DT).to(tl.float32)
     b = _mul(partner, sin, EXACT).to(DT).to(tl.float32)
     return _add(a, b, EXACT).to(DT)
+
+
+@triton.jit
+def norm_weight(normed, w, GEMMA: tl.constexpr, DT: tl.constexpr):
+    """An RMSNorm's weighting of float32 ``normed`` by float32 ``w`` in torch's order, as float32 holding a DT value.
+
+    Llama style casts the normalized value to DT, then multiplies by the weight (one rounding each);
+    Gemma style multiplies by ``1 + w`` in float32 and casts once.
+    """
+    if GEMMA:
+        out = normed * (1.0 + w)
+    else:
+        out = w * normed.to(DT).to(tl.float32)
+    return out.to(DT).to(tl.float32)

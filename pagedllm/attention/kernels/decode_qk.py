@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_math import rope_combine
+from pagedllm.kernel_math import norm_weight, rope_combine
 
 
 @triton.jit
@@ -38,17 +38,6 @@ def rope_tables(
 
 
 @triton.jit
-def rms_weighted(x, rstd, w, GEMMA: tl.constexpr, DT: tl.constexpr):
-    """RMSNorm output of float32 ``x`` given its ``rstd`` and float32 weight ``w``, as float32 holding a DT value."""
-    normed = x * rstd
-    if GEMMA:
-        out = normed * (1.0 + w)
-    else:
-        out = w * normed.to(DT).to(tl.float32)
-    return out.to(DT).to(tl.float32)
-
-
-@triton.jit
 def transform_heads(
     x,  # [ROWS, HEAD_SIZE_P2] heads as loaded
     rows_ptr,  # [ROWS, 1] pointers to each row's head (or one pointer for one row)
@@ -70,13 +59,13 @@ def transform_heads(
         x_f = x.to(tl.float32)
         rstd = (1.0 / tl.sqrt(tl.sum(x_f * x_f, axis=1) / HEAD_SIZE + eps))[:, None]  # [ROWS, 1]
         w = tl.load(w_ptr + dims, mask=dim_valid, other=0.0).to(tl.float32)[None, :]
-        normed = rms_weighted(x_f, rstd, w, GEMMA_NORM, dt).to(dt)
+        normed = norm_weight(x_f * rstd, w, GEMMA_NORM, dt).to(dt)
     if ROPE:
         cos, sin, partner = rope_tables(pos, inv_freq_ptr, rope_scaling, dims, ROT_HALF, dt)
         x_partner = tl.load(rows_ptr + partner[None, :], mask=mask, other=0.0)
         if QK_NORM:
             w_partner = tl.load(w_ptr + partner, mask=dim_valid, other=0.0).to(tl.float32)[None, :]
-            x_partner = rms_weighted(x_partner.to(tl.float32), rstd, w_partner, GEMMA_NORM, dt).to(dt)
+            x_partner = norm_weight(x_partner.to(tl.float32) * rstd, w_partner, GEMMA_NORM, dt).to(dt)
             x = normed
         x = rope_combine(x.to(tl.float32), x_partner.to(tl.float32), cos[None, :], sin[None, :], dt, EXACT)
     elif QK_NORM:

@@ -19,23 +19,10 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
-from pagedllm.kernel_math import exact_rounding, rope_combine
+from pagedllm.kernel_math import exact_rounding, norm_weight, rope_combine
 from pagedllm.layers.kernels.rotary import _heads_view
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@triton.jit
-def _weighted(normed, w, x_ptr, GEMMA: tl.constexpr):
-    # normed, w: float32 tiles; x_ptr only names the activation dtype (a pointer, not a dtype object,
-    # is what a nested jit call takes portably). Returns float32 holding the torch path's dt-rounded value.
-    dt = x_ptr.dtype.element_ty
-    if GEMMA:
-        out = normed * (1.0 + w)
-    else:
-        # Llama: normalized values are cast first, then multiplied in the activation dtype (one rounding each).
-        out = w * normed.to(dt).to(tl.float32)
-    return out.to(dt).to(tl.float32)
 
 
 @triton.jit
@@ -80,14 +67,14 @@ def _norm_rotate_heads(
 
     w1 = tl.load(w_ptr + dims, mask=dmask, other=0.0).to(tl.float32)  # [1, HALF_P2]
     w2 = tl.load(w_ptr + half + dims, mask=dmask, other=0.0).to(tl.float32)
-    n1 = _weighted(x1 * rstd, w1, base_ptr, GEMMA)  # [BLOCK_H, HALF_P2], dt-rounded values in float32
-    n2 = _weighted(x2 * rstd, w2, base_ptr, GEMMA)
+    n1 = norm_weight(x1 * rstd, w1, GEMMA, dt)  # [BLOCK_H, HALF_P2], dt-rounded values in float32
+    n2 = norm_weight(x2 * rstd, w2, GEMMA, dt)
     # rot*cos + cat(-x2, x1)*sin, each product and the sum rounded like torch's half ops (kernels/rotary.py).
     tl.store(p1, rope_combine(n1, -n2, cos, sin, dt, EXACT), mask=mask)
     tl.store(p1 + half, rope_combine(n2, n1, cos, sin, dt, EXACT), mask=mask)
     if HAS_REST:
         wr = tl.load(w_ptr + 2 * half + rdims, mask=rdims < head_size - 2 * half, other=0.0).to(tl.float32)
-        tl.store(pr, _weighted(xr * rstd, wr, base_ptr, GEMMA).to(dt), mask=rmask)
+        tl.store(pr, norm_weight(xr * rstd, wr, GEMMA, dt).to(dt), mask=rmask)
 
 
 @triton.jit
