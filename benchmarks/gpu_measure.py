@@ -73,7 +73,7 @@ class StepRecorder:
             if self.enabled and info is not None:
                 self.steps.append(
                     dict(reqs=info.num_reqs, tokens=info.num_tokens, ctx=info.context_tokens,
-                         graph=info.graph_size, runner_s=runner_s, step_s=step_s)
+                         graph=info.graph_size, graph_tokens=info.graph_tokens, runner_s=runner_s, step_s=step_s)
                 )
 
         def timed_step():
@@ -208,6 +208,8 @@ def startup_report(llm) -> dict:
         "kv_blocks": blocks,
         "max_len_sequences_fit": blocks * cfg.cache_config.block_size / cfg.model_config.max_model_len,
         "graph_sizes": list(worker.model_runner.graph_runner.sizes) if worker.model_runner.graph_runner else [],
+        "mixed_graph_tokens": (list(worker.model_runner.mixed_graph_runner.sizes)
+                               if worker.model_runner.mixed_graph_runner else []),
     }
 
 
@@ -330,7 +332,7 @@ def launch_overhead_us(calls: int = 2000) -> dict[str, float]:
 
 
 def prefill_host_time(llm, prompts: list, params) -> dict:
-    """Host time to enqueue one prefill forward (launches are asynchronous) and wall time per prompt.
+    """Host time to launch one prefill forward (graph replay or eager launches) and wall time per prompt.
 
     When the enqueue time nears the step's device time, the prefill is host-bound: faster launches,
     not faster kernels, would shorten it.
@@ -338,22 +340,17 @@ def prefill_host_time(llm, prompts: list, params) -> dict:
     import time
 
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
-    model, enqueue = runner.model, []
+    forward, enqueue = runner._forward, []
 
-    class Timed:
-        """The model, with its forward call timed on the host; every other attribute passes through."""
-
-        def __call__(self, *a, **kw):
-            t0 = time.perf_counter()
-            out = model(*a, **kw)
-            enqueue.append(time.perf_counter() - t0)
-            return out
-
-        def __getattr__(self, name):
-            return getattr(model, name)
+    def timed_forward(*a, **kw):
+        # The step's forward pass as launched: a graph replay (with its input upload) or eager launches.
+        t0 = time.perf_counter()
+        out = forward(*a, **kw)
+        enqueue.append(time.perf_counter() - t0)
+        return out
 
     walls = []
-    runner.model = Timed()
+    runner._forward = timed_forward
     try:
         for p in prompts:
             llm.llm_engine.engine_core.reset_prefix_cache()
@@ -361,5 +358,5 @@ def prefill_host_time(llm, prompts: list, params) -> dict:
             llm.generate([p], params, use_tqdm=False)
             walls.append(time.perf_counter() - t0)
     finally:
-        runner.model = model
+        del runner._forward
     return {"host_forward_ms": [e * 1e3 for e in enqueue], "wall_ms": [w * 1e3 for w in walls]}

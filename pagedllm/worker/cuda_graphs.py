@@ -1,10 +1,14 @@
-"""CUDA graphs of pure-decode forward passes at padded batch-size buckets: capture once, replay every step.
+"""CUDA graphs of forward passes at padded sizes: capture once, replay every step.
 
-A decode step of a small model is hundreds of tiny kernels; launched one by one from Python the CPU,
-not the GPU, sets the pace. Replaying a captured graph launches them all at once. A graph fixes its
-inputs' addresses and every launch parameter, so the runner (a) feeds it through the fixed decode views
-of StepBuffers and (b) builds the captured attention metadata from upper bounds (max_model_len) rather
-than from the step's own lengths: the kernels then read the actual lengths from device memory.
+A forward pass is hundreds of kernels, and launched one by one from Python the CPU often sets the
+pace: an eager 8B forward takes ~46 ms of host time on a slow host, against 21 ms of device work for a
+1000-token prompt. Replaying a captured graph launches them all at once. Two families exist:
+pure-decode batches, keyed by the padded request count, and mixed batches (prompt chunks, with or
+without decode tokens), keyed by the padded token count with a fixed request count. A graph fixes its
+inputs' addresses and every launch parameter, so the runner (a) feeds it through the fixed views of
+StepBuffers and (b) builds the captured attention metadata from upper bounds (max_model_len, the
+padded token count) rather than from the step's own lengths: the kernels then read the actual lengths
+from device memory.
 """
 from __future__ import annotations
 
@@ -21,6 +25,28 @@ logger = logging.getLogger("pagedllm")
 MAX_CAPTURE_SIZE = 512
 
 
+# Mixed-batch graphs: powers of two up to this, then four sizes per octave (at most 25% padding, and
+# less in practice: cuBLAS tiles are 128-256 rows, so padding inside a tile costs nothing).
+_TOKEN_FINE_FROM = 256
+_MIN_TOKEN_SIZE = 16
+
+
+def token_capture_sizes(max_tokens: int) -> list[int]:
+    """Token counts of the mixed-batch graphs: 16, 32, ..., 256, then 320, 384, 448, 512, 640, ...,
+    up to ``max_tokens`` (max_num_batched_tokens), which always has its own graph."""
+    sizes = []
+    s = _MIN_TOKEN_SIZE
+    while s < min(max_tokens, _TOKEN_FINE_FROM):
+        sizes.append(s)
+        s *= 2
+    octave = _TOKEN_FINE_FROM
+    while octave < max_tokens:
+        sizes.extend(x for x in range(octave, 2 * octave, octave // 4) if x < max_tokens)
+        octave *= 2
+    sizes.append(max_tokens)
+    return sorted(set(sizes))
+
+
 def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> list[int]:
     """Powers of two (1, 2, 4, ..., 256) below the cap min(max_num_seqs, max_size), then the cap itself,
     so every decode batch the scheduler can form has a graph."""
@@ -35,9 +61,9 @@ def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> list[i
 
 
 class CudaGraphRunner:
-    """Graphs of ``forward(padded_batch_size) -> hidden [size, H]``, one per bucket.
+    """Graphs of ``forward(size) -> hidden [tokens, H]``, one per bucket (a padded batch or token count).
 
-    ``forward`` must read its inputs only from buffers whose addresses never change (the decode views),
+    ``forward`` must read its inputs only from buffers whose addresses never change (the static views),
     and the caller must have written a step's inputs there before ``replay``. With ``capture=False``
     nothing is captured and ``replay`` runs ``forward`` eagerly over the same padded static inputs: the
     padded path can then be tested where CUDA graphs do not exist (the CPU, Triton's interpreter).
@@ -49,32 +75,37 @@ class CudaGraphRunner:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._forward: Callable[[int], torch.Tensor] | None = None
+        self.pool = None
         self.pool_bytes = 0
 
     @property
     def max_size(self) -> int:
         return self.sizes[-1]
 
-    def bucket_for(self, num_reqs: int) -> int | None:
-        """The smallest bucket holding ``num_reqs`` requests, or None when the batch is too large."""
-        i = bisect.bisect_left(self.sizes, num_reqs)
+    def bucket_for(self, n: int) -> int | None:
+        """The smallest bucket holding ``n`` (requests or tokens), or None when ``n`` is too large."""
+        i = bisect.bisect_left(self.sizes, n)
         return self.sizes[i] if i < len(self.sizes) else None
 
     def capture(
         self,
         forward: Callable[[int], torch.Tensor],
         prepare_inputs: Callable[[int], None],
+        pool=None,
     ) -> float:
         """Warms up and captures every bucket, largest first so the smaller ones reuse its memory pool.
 
-        ``prepare_inputs(size)`` writes a harmless padded batch into the decode views. Returns seconds.
+        ``prepare_inputs(size)`` writes a harmless padded batch into the static views. ``pool``: a memory
+        pool shared with other runners' graphs (they never replay at once); a new one by default.
+        Returns seconds.
         """
         self._forward = forward
         t0 = time.perf_counter()
         if not self.capture_enabled:
             return 0.0
         reserved0 = torch.cuda.memory_reserved()
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        self.pool = pool
         for size in reversed(self.sizes):
             prepare_inputs(size)
             # Eager warm-up first: Triton compiles its specialisations and cuBLAS picks its kernels
@@ -90,7 +121,7 @@ class CudaGraphRunner:
         self.pool_bytes = torch.cuda.memory_reserved() - reserved0
         return time.perf_counter() - t0
 
-    def replay(self, size: int) -> torch.Tensor:  # -> [size, H], valid until the next replay
+    def replay(self, size: int) -> torch.Tensor:  # -> [tokens, H], valid until the next replay
         if not self.capture_enabled:
             assert self._forward is not None, "capture() was never called"
             return self._forward(size)

@@ -4,8 +4,8 @@ Every array a step needs (token ids, positions, slot mapping, query starts, sequ
 block table, the rows to sample, where to copy tokens the previous step is still sampling) is packed
 back to back into one host buffer and sent to the device in a single non-blocking copy. The packing
 depends only on (tokens, requests, block-table width, sampled rows, pending tokens), and the last two
-come last, so a padded decode batch of a given size always lands at the same device addresses: that
-is what lets a CUDA graph captured once read every later step.
+come last, so a batch padded to a given (tokens, requests) shape always lands at the same device
+addresses: that is what lets a CUDA graph captured once read every later step.
 """
 from __future__ import annotations
 
@@ -107,28 +107,42 @@ class StepBuffers:
         views["block_table"] = views["block_table"].view(num_reqs, block_width)
         return DeviceInputs(**views)
 
-    def decode_views(self, num_reqs: int) -> DeviceInputs:
-        """Where a pure-decode batch padded to ``num_reqs`` lands (full-width block table, no sampled rows):
-        the fixed addresses a CUDA graph of that size reads."""
-        layout, _ = step_layout(num_reqs, num_reqs, self.max_blocks_per_req, 0)
+    def static_views(self, num_tokens: int, num_reqs: int) -> DeviceInputs:
+        """Where a batch padded to ``num_tokens`` tokens and ``num_reqs`` requests lands (full-width block
+        table, no sampled rows): the fixed addresses a CUDA graph of that shape reads."""
+        layout, _ = step_layout(num_tokens, num_reqs, self.max_blocks_per_req, 0)
         return self._device_views(layout, num_reqs, self.max_blocks_per_req)
 
-    def upload(
-        self, b: BatchInputs, num_reqs_padded: int | None = None, block_width: int | None = None
-    ) -> DeviceInputs:
-        """Packs ``b`` (padded to ``num_reqs_padded`` one-token requests) and sends it in one copy.
+    def decode_views(self, num_reqs: int) -> DeviceInputs:
+        """The static views of a pure-decode batch padded to ``num_reqs`` one-token requests."""
+        return self.static_views(num_reqs, num_reqs)
 
-        Padding requests own one token each with slot -1 (the cache write skips it) and sequence length
-        0 (attention reads no key and writes zeros), so they cannot disturb the real rows.
+    def upload(
+        self,
+        b: BatchInputs,
+        num_reqs_padded: int | None = None,
+        block_width: int | None = None,
+        num_tokens_padded: int | None = None,
+    ) -> DeviceInputs:
+        """Packs ``b``, padded to ``num_reqs_padded`` requests and ``num_tokens_padded`` tokens, in one copy.
+
+        Padding tokens have slot -1 (the cache write skips them) and padding requests sequence length 0
+        (attention reads no key and writes zeros), so neither can disturb the real rows. With as many
+        padding tokens as padding requests (a decode graph's batch) each padding request owns one token;
+        otherwise the first one owns them all and the others none (a mixed graph's batch, whose request
+        count is fixed while its token count is not).
         """
         num_reqs, num_tokens = b.num_reqs, b.num_tokens
         padded_reqs = num_reqs if num_reqs_padded is None else num_reqs_padded
         pad = padded_reqs - num_reqs
-        padded_tokens = num_tokens + pad
+        padded_tokens = num_tokens + pad if num_tokens_padded is None else num_tokens_padded
         width = b.block_table.shape[1] if block_width is None else block_width
         num_logits = 0 if b.logits_indices is None else len(b.logits_indices)
         num_pending = 0 if b.pending_dst is None else len(b.pending_dst)
-        if pad < 0 or padded_tokens > self.max_tokens or padded_reqs > self.max_reqs or width > self.max_blocks_per_req:
+        if padded_tokens > num_tokens and pad == 0:
+            raise ValueError(f"{padded_tokens - num_tokens} padding tokens need a padding request to own them")
+        if (pad < 0 or padded_tokens < num_tokens or padded_tokens > self.max_tokens or padded_reqs > self.max_reqs
+                or width > self.max_blocks_per_req):
             raise ValueError(
                 f"step of {padded_tokens} tokens, {padded_reqs} requests, {width} blocks per request exceeds "
                 f"the input buffers ({self.max_tokens}, {self.max_reqs}, {self.max_blocks_per_req})"
@@ -151,7 +165,10 @@ class StepBuffers:
             dst[num_tokens:] = fill
         qsl = view("query_start_loc", i32)
         qsl[: num_reqs + 1] = b.query_start_loc
-        qsl[num_reqs + 1 :] = np.arange(num_tokens + 1, padded_tokens + 1, dtype=np.int32)
+        if padded_tokens - num_tokens == pad:
+            qsl[num_reqs + 1 :] = np.arange(num_tokens + 1, padded_tokens + 1, dtype=np.int32)
+        else:
+            qsl[num_reqs + 1 :] = padded_tokens
         seq_lens = view("seq_lens", i32)
         seq_lens[:num_reqs] = b.seq_lens
         seq_lens[num_reqs:] = 0
@@ -171,8 +188,8 @@ class StepBuffers:
             self._copy_done.record()
         return self._device_views(layout, padded_reqs, width)
 
-    def upload_dummy_decode(self, num_reqs: int) -> DeviceInputs:
-        """Fills the decode views of ``num_reqs`` with padding only (for graph warm-up and capture)."""
+    def upload_dummy(self, num_tokens: int, num_reqs: int) -> DeviceInputs:
+        """Fills the static views of (``num_tokens``, ``num_reqs``) with padding only (graph warm-up, capture)."""
         empty = BatchInputs(
             req_ids=[],
             input_ids=np.zeros(0, dtype=np.int64),
@@ -184,4 +201,4 @@ class StepBuffers:
             logits_indices=np.zeros(0, dtype=np.int64),
             max_query_len=1,
         )
-        return self.upload(empty, num_reqs, self.max_blocks_per_req)
+        return self.upload(empty, num_reqs, self.max_blocks_per_req, num_tokens)

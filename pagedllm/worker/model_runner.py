@@ -2,7 +2,8 @@
 
 Per step: InputBatch flattens the scheduled requests into host arrays; StepBuffers packs them into
 pinned memory and sends them to the device in one non-blocking copy; a pure-decode batch replays the
-CUDA graph of its padded size (cuda_graphs.py), any other step runs eagerly; then logits, sampling on
+CUDA graph of its padded size and a mixed batch the graph of its padded token count (cuda_graphs.py),
+anything larger runs eagerly; then logits, sampling on
 the device, and a non-blocking copy of the sampled ids to the host behind an event, the step's only
 wait for the GPU. ``submit`` launches a step and ``take_output`` waits for it, so the engine core can
 schedule step N+1 while step N runs: tokens that step N is still sampling reach step N+1's inputs by
@@ -22,7 +23,7 @@ from pagedllm.attention import AttentionMetadata, get_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.argmax import argmax_rows
-from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes, token_capture_sizes
 from pagedllm.worker.gpu_buffers import DeviceInputs, StepBuffers
 from pagedllm.worker.input_batch import BatchInputs, InputBatch
 
@@ -31,6 +32,10 @@ logger = logging.getLogger("pagedllm")
 # Attention backends whose forward launches no host synchronisation and reads every per-step value
 # from device tensors, so it can be captured into a CUDA graph.
 _GRAPH_SAFE_BACKENDS = frozenset({"triton"})
+# Mixed steps of a graph-safe backend launch attention as for at least this longest query run, which
+# fixes its tile at the 64-row maximum: a mixed graph (captured for its padded token count) and an
+# eager step of the same batch then launch the same kernel and compute bit-identical results.
+MIXED_QUERY_LEN_BOUND = 64
 
 
 def _to_lists(lp, ks: list[int] | None = None) -> list[LogprobsLists]:
@@ -50,7 +55,15 @@ class StepInfo:
     num_reqs: int
     num_tokens: int
     context_tokens: int  # sum of sequence lengths: the cached K/V entries attention read
-    graph_size: int  # padded batch size of the replayed CUDA graph; 0 when the step ran eagerly
+    graph_size: int  # padded batch size of the replayed decode graph; 0 when none was replayed
+    graph_tokens: int = 0  # padded token count of the replayed mixed-batch graph; 0 when none was
+
+
+class ForwardPass(NamedTuple):
+    hidden: torch.Tensor  # [>= T, H]
+    dev: DeviceInputs
+    graph_size: int  # see StepInfo
+    graph_tokens: int
 
 
 class LogprobsTensorsOnHost(NamedTuple):
@@ -94,13 +107,18 @@ class ModelRunner:
         # eager or not: graphs must (a graph keeps the launch it was captured with), and eager decode
         # doing the same makes graph and eager runs compute bit-identical results.
         self.decode_len_bound = self.max_model_len if graph_safe else None
+        self.mixed_query_len_bound = MIXED_QUERY_LEN_BOUND if graph_safe else None
+        # A mixed graph's batch always has this many requests: every request the scheduler may run,
+        # plus one padding request that owns the padding tokens.
+        self.mixed_graph_reqs = self.max_num_seqs + 1
         self.buffers = StepBuffers(
             device,
             max_tokens=max(sc.max_num_batched_tokens, self.max_num_seqs),
-            max_reqs=self.max_num_seqs,
+            max_reqs=self.mixed_graph_reqs,
             max_blocks_per_req=self.max_blocks_per_req,
         )
-        self.graph_runner: CudaGraphRunner | None = None
+        self.graph_runner: CudaGraphRunner | None = None  # pure-decode batches, by padded request count
+        self.mixed_graph_runner: CudaGraphRunner | None = None  # other batches, by padded token count
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = None
@@ -145,30 +163,57 @@ class ModelRunner:
         md = self._decode_metadata(num_reqs, dev)
         return self.model(dev.input_ids, dev.positions, self.kv_caches, md)
 
+    def _static_mixed_forward(self, num_tokens: int) -> torch.Tensor:  # -> [num_tokens, H]
+        """A mixed batch padded to ``num_tokens`` tokens and ``mixed_graph_reqs`` requests; host values are bounds."""
+        reqs = self.mixed_graph_reqs
+        dev = self.buffers.static_views(num_tokens, reqs)
+        md = AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            num_reqs=reqs,
+            max_query_len=max(num_tokens, self.mixed_query_len_bound),
+            max_seq_len=self.max_model_len,
+            query_start_loc=dev.query_start_loc,
+            seq_lens=dev.seq_lens,
+            block_table=dev.block_table,
+            slot_mapping=dev.slot_mapping,
+            query_start_loc_cpu=[0] * (reqs + 1),
+            seq_lens_cpu=[0] * reqs,
+        )
+        return self.model(dev.input_ids, dev.positions, self.kv_caches, md)
+
     @torch.inference_mode()
     def capture_cuda_graphs(self, capture: bool | None = None) -> float:
-        """Captures the decode graphs (needs the model and the KV cache). Returns seconds spent.
+        """Captures the mixed-batch and decode graphs (needs the model and the KV cache). Returns seconds.
 
-        ``capture=False`` sets up the same padded static-input path without graphs, for tests on CPU.
+        ``capture=False`` sets up the same padded static-input paths without graphs, for tests on CPU.
         """
         if not self.use_cuda_graphs:
             return 0.0
         if capture is None:
             capture = self.device.type == "cuda"
-        runner = CudaGraphRunner(capture_sizes(self.max_num_seqs), capture=capture)
-        seconds = runner.capture(self._static_decode_forward, self.buffers.upload_dummy_decode)
-        self.graph_runner = runner
+        # The mixed graphs first: the largest of them sets the shared pool's size for all the others.
+        mixed = CudaGraphRunner(token_capture_sizes(self.config.scheduler_config.max_num_batched_tokens), capture)
+        seconds = mixed.capture(
+            self._static_mixed_forward, lambda n: self.buffers.upload_dummy(n, self.mixed_graph_reqs)
+        )
+        decode = CudaGraphRunner(capture_sizes(self.max_num_seqs), capture=capture)
+        seconds += decode.capture(
+            self._static_decode_forward, lambda n: self.buffers.upload_dummy(n, n), pool=mixed.pool
+        )
+        self.mixed_graph_runner, self.graph_runner = mixed, decode
         return seconds
 
     # ---- one step ----------------------------------------------------------------------------------
     def _attn_metadata(self, b: BatchInputs, dev: DeviceInputs) -> AttentionMetadata:
-        max_seq_len = b.max_seq_len
+        max_seq_len, max_query_len = b.max_seq_len, b.max_query_len
         if b.is_pure_decode and self.decode_len_bound is not None:
             max_seq_len = self.decode_len_bound
+        elif not b.is_pure_decode and self.mixed_query_len_bound is not None:
+            max_query_len = max(max_query_len, self.mixed_query_len_bound)
         return AttentionMetadata(
             num_actual_tokens=b.num_tokens,
             num_reqs=b.num_reqs,
-            max_query_len=b.max_query_len,
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             query_start_loc=dev.query_start_loc,
             seq_lens=dev.seq_lens,
@@ -184,19 +229,25 @@ class ModelRunner:
         if dev.pending_dst.numel():
             dev.input_ids.index_copy_(0, dev.pending_dst, prev.token_ids.index_select(0, dev.pending_src))
 
-    def _forward(self, b: BatchInputs, prev: _StepInFlight | None) -> tuple[torch.Tensor, DeviceInputs, int]:
-        """Launches the step's forward pass; returns (hidden [>= T, H], device inputs, graph size or 0)."""
-        graph_size = 0
-        if self.graph_runner is not None and self.use_cuda_graphs and b.is_pure_decode:
-            graph_size = self.graph_runner.bucket_for(b.num_reqs) or 0
-        if graph_size:
-            dev = self.buffers.upload(b, graph_size, self.max_blocks_per_req)
-            self._fill_pending(dev, prev)
-            return self.graph_runner.replay(graph_size), dev, graph_size
+    def _forward(self, b: BatchInputs, prev: _StepInFlight | None) -> ForwardPass:
+        """Launches the step's forward pass: a graph's replay where one fits the batch, else eagerly."""
+        width = self.max_blocks_per_req
+        if self.use_cuda_graphs and b.is_pure_decode and self.graph_runner is not None:
+            size = self.graph_runner.bucket_for(b.num_reqs)
+            if size:
+                dev = self.buffers.upload(b, size, width)
+                self._fill_pending(dev, prev)
+                return ForwardPass(self.graph_runner.replay(size), dev, size, 0)
+        if self.use_cuda_graphs and not b.is_pure_decode and self.mixed_graph_runner is not None:
+            tokens = self.mixed_graph_runner.bucket_for(b.num_tokens)
+            if tokens:
+                dev = self.buffers.upload(b, self.mixed_graph_reqs, width, num_tokens_padded=tokens)
+                self._fill_pending(dev, prev)
+                return ForwardPass(self.mixed_graph_runner.replay(tokens), dev, 0, tokens)
         dev = self.buffers.upload(b)
         self._fill_pending(dev, prev)
         hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, self._attn_metadata(b, dev))
-        return hidden, dev, 0
+        return ForwardPass(hidden, dev, 0, 0)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step to completion."""
@@ -226,8 +277,8 @@ class ModelRunner:
         if self.time_steps:
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
-        hidden, dev, graph_size = self._forward(b, prev)  # [>= T, H]; the GPU is busy from here on
-        self.last_step = StepInfo(b.num_reqs, b.num_tokens, int(b.seq_lens.sum()), graph_size)
+        hidden, dev, graph_size, graph_tokens = self._forward(b, prev)  # [>= T, H]; the GPU is busy from here on
+        self.last_step = StepInfo(b.num_reqs, b.num_tokens, int(b.seq_lens.sum()), graph_size, graph_tokens)
 
         if prev is not None:
             # The previous step's tokens are needed on the host before this step samples (penalties,
@@ -364,7 +415,7 @@ class ModelRunner:
                 max_seq_len=q_len,
                 pending_dst=np.zeros(0, dtype=np.int64),
             )
-            hidden, _, _ = self._forward(b, None)
+            hidden = self._forward(b, None).hidden
             self.model.compute_logits(hidden[q_len - 1 : q_len]).argmax(dim=-1)
         if self.device.type == "cuda":
             torch.cuda.synchronize()

@@ -10,7 +10,6 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.worker.cuda_graphs import capture_sizes
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -111,11 +110,12 @@ class Worker:
         return int(num_blocks)
 
     def _graph_pool_estimate(self, activations: int, profile_tokens: int) -> int:
-        """A decode graph's activations scale with its batch; the largest graph sets the shared pool."""
+        """A graph's activations scale with its token count, and the largest graph (the mixed one of
+        max_num_batched_tokens) sets the shared pool: about the profiled forward's activations."""
         if not self.model_runner.use_cuda_graphs:
             return 0
-        largest = capture_sizes(self.config.scheduler_config.max_num_seqs)[-1]
-        share = min(1.0, 2.0 * largest / max(profile_tokens, 1))
+        largest = max(self.config.scheduler_config.max_num_batched_tokens, self.config.scheduler_config.max_num_seqs)
+        share = min(1.0, largest / max(profile_tokens, 1))
         return int(activations * share) + _GRAPH_POOL_BASE_BYTES
 
     def _profile_cuda_blocks(self, block_bytes: int) -> int:
@@ -173,12 +173,12 @@ class Worker:
             t0 = time.perf_counter()
             self.model_runner.capture_cuda_graphs()
             self.startup.add("graph_capture", time.perf_counter() - t0)
-            runner = self.model_runner.graph_runner
-            self.memory.graph_pool = runner.pool_bytes
+            decode, mixed = self.model_runner.graph_runner, self.model_runner.mixed_graph_runner
+            self.memory.graph_pool = decode.pool_bytes + mixed.pool_bytes
             logger.info(
-                "captured %d CUDA graphs (decode batches %s) in %.2f s, pool %.3f GiB",
-                len(runner.sizes), ",".join(map(str, runner.sizes)), self.startup.phases["graph_capture"],
-                runner.pool_bytes / _GiB,
+                "captured %d CUDA graphs (decode batches %s; mixed batches of %s tokens) in %.2f s, pool %.3f GiB",
+                len(decode.sizes) + len(mixed.sizes), ",".join(map(str, decode.sizes)),
+                ",".join(map(str, mixed.sizes)), self.startup.phases["graph_capture"], self.memory.graph_pool / _GiB,
             )
         logger.info("worker start-up: %s", self.startup.summary())
 

@@ -187,6 +187,45 @@ def test_decode_qk_norm_in_attention_matches_qk_norm_rotary_kernel(dtype, gemma,
     torch.testing.assert_close(cache.float(), cache_ref.float(), **tol)
 
 
+@pytest.mark.parametrize("pad", [0, 5])
+def test_mixed_graph_padding_is_exact(pad):
+    # What a mixed-batch CUDA graph launches: the batch padded to a token bucket, one padding request
+    # owning the padding tokens (sequence length 0) and empty requests up to a fixed request count, with
+    # bounds for the longest query run and context. Real rows must equal the unpadded launch bit for bit
+    # (given the same longest-query bound, which fixes the tile), padding rows are zeros, and no cache
+    # slot outside the real tokens' changes.
+    reqs = [(12, 9), (30, 1), (0, 20)]
+    t = sum(q for _, q in reqs)
+    query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 8, 2, 64, 16, torch.float32, 21, pad,
+                                                                 device=DEVICE)
+    impl = _BACKEND.TritonImpl(8, 64, 0.125, 2, None, None)
+    eager_md = dataclasses.replace(metadata(), max_query_len=64)
+    eager_cache = kv_cache.clone()
+    eager = impl.forward(query[:t], key[:t], value[:t], eager_cache, eager_md)
+
+    extra = 4  # the padding request plus three empty ones
+    md = metadata()
+    qsl = md.query_start_loc_cpu + [t + pad] * extra
+    width = md.block_table.shape[1]
+    graph_md = dataclasses.replace(
+        md,
+        num_actual_tokens=t + pad,
+        num_reqs=len(reqs) + extra,
+        max_query_len=max(t + pad, 64),
+        max_seq_len=4096,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.cat([md.seq_lens, torch.zeros(extra, dtype=torch.int32, device=DEVICE)]),
+        block_table=torch.cat([md.block_table, torch.zeros(extra, width, dtype=torch.int32, device=DEVICE)]),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=md.seq_lens_cpu + [0] * extra,
+    )
+    graph_cache = kv_cache.clone()
+    padded = impl.forward(query, key, value, graph_cache, graph_md)
+    assert torch.equal(padded[:t], eager)
+    assert torch.equal(padded[t:], torch.zeros_like(padded[t:]))
+    assert torch.equal(graph_cache, eager_cache)
+
+
 def test_rotary_is_not_fused_outside_pure_decode():
     _, _, _, _, _, metadata = build_paged_batch([(10, 3), (5, 1)], 4, 2, 64, 16, torch.float32, 1, device=DEVICE)
     rotary = RotaryEmbedding(64, torch.ones(32)).to(DEVICE)

@@ -50,13 +50,16 @@ def _free(llm):
     torch.cuda.empty_cache()
 
 
-def _count_graph_steps(runner):
+def _count_graph_steps(runner, tokens=None):
+    """Records each step's decode-graph size (0: none replayed), and into ``tokens`` its mixed-graph size."""
     sizes = []
     original = runner._forward
 
     def spy(b, prev):
         out = original(b, prev)
-        sizes.append(out[2])
+        sizes.append(out.graph_size)
+        if tokens is not None:
+            tokens.append(out.graph_tokens)
         return out
 
     runner._forward = spy
@@ -77,11 +80,13 @@ def test_fp32_gpu_greedy_matches_cpu_torch_ref(any_tiny_path):
     ref = [o.outputs[0].token_ids for o in _generate(cpu, prompts, max_tokens)]
     _free(cpu)
     gpu = _llm(tiny_path, device="cuda", dtype="float32", kv_cache_memory_bytes=_KV_BYTES)
-    sizes = _count_graph_steps(_runner(gpu))
+    tokens = []
+    sizes = _count_graph_steps(_runner(gpu), tokens)
     got = [o.outputs[0].token_ids for o in _generate(gpu, prompts, max_tokens)]
     _free(gpu)
     assert got == ref
     assert {s for s in sizes if s} >= {8, 4, 2, 1}, sizes  # graphs replayed, padding included
+    assert any(tokens), tokens  # the prefill ran as a padded mixed-batch graph
 
 
 @pytest.mark.parametrize("model", ["qwen3", "gemma3"])
@@ -145,16 +150,19 @@ def test_async_scheduling_matches_sync_on_gpu(tiny_path):
 
 
 def test_cuda_graph_and_eager_identical_bf16(tiny_path):
-    # Four requests of one length: every decode batch is exactly the size-4 bucket, so the graph and
-    # the eager pass run matrix products of the same shapes and the outputs must match bit for bit.
-    prompts = _prompts(4, seed=1)
+    # Four requests of 16 tokens: the prefill is exactly the 64-token mixed bucket and every decode batch
+    # exactly the size-4 bucket, so the graphs and the eager passes run matrix products of the same
+    # shapes, and attention with the same tiles: the outputs must match bit for bit.
+    gen = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(3, 380, (16,), generator=gen).tolist()} for _ in range(4)]
     outs = {}
     for eager in (False, True):
         llm = _llm(tiny_path, device="cuda", dtype="bfloat16", enforce_eager=eager, kv_cache_memory_bytes=_KV_BYTES)
-        sizes = _count_graph_steps(_runner(llm))
+        tokens = []
+        sizes = _count_graph_steps(_runner(llm), tokens)
         res = _generate(llm, prompts, [40] * 4, logprobs=2)
         outs[eager] = [(o.outputs[0].token_ids, [list(d.items()) for d in o.outputs[0].logprobs]) for o in res]
-        assert any(sizes) != eager
+        assert any(sizes) != eager and (64 in tokens) != eager, (sizes, tokens)
         _free(llm)
     assert outs[False] == outs[True]
 

@@ -4,11 +4,12 @@ padded decode layout the CUDA graphs read."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes, token_capture_sizes
 from pagedllm.worker.gpu_buffers import StepBuffers, step_layout
 from pagedllm.worker.input_batch import InputBatch, is_plain_greedy
 
@@ -180,6 +181,44 @@ def test_step_buffers_pad_a_decode_batch_onto_the_graph_views():
     dev = bufs.upload(b)
     assert dev.block_table.shape == (3, 2)
     _eq(dev.slot_mapping, [7, 20, 33])
+
+
+def test_step_buffers_pad_a_mixed_batch_onto_the_token_graph_views():
+    # A prompt chunk of 3 plus a 4-token prompt, padded to 12 tokens and 5 requests: request 2 owns the
+    # five padding tokens with sequence length 0, requests 3 and 4 own none.
+    ib = InputBatch(BS)
+    so = _step(new=[_new("a", [10, 11, 12, 13, 14], [6, 2]), _new("b", [20, 21, 22, 23], [8])],
+               scheduled={"a": 3, "b": 4})
+    ib.update_states(so)
+    b = ib.prepare(so)
+    bufs = StepBuffers(torch.device("cpu"), max_tokens=16, max_reqs=5, max_blocks_per_req=3)
+    dev = bufs.upload(b, 5, 3, num_tokens_padded=12)
+    _eq(dev.input_ids, [10, 11, 12, 20, 21, 22, 23, 0, 0, 0, 0, 0])
+    _eq(dev.positions, [0, 1, 2, 0, 1, 2, 3, 0, 0, 0, 0, 0])
+    _eq(dev.slot_mapping, [24, 25, 26, 32, 33, 34, 35, -1, -1, -1, -1, -1])
+    _eq(dev.query_start_loc, [0, 3, 7, 12, 12, 12])
+    _eq(dev.seq_lens, [3, 4, 0, 0, 0])
+    _eq(dev.block_table, [[6, 2, 0], [8, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
+    _eq(dev.logits_indices, [6])  # a's chunk ends mid-prompt: only b samples
+    views = bufs.static_views(12, 5)
+    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table"):
+        assert getattr(views, name).data_ptr() == getattr(dev, name).data_ptr(), name
+        assert getattr(views, name).shape == getattr(dev, name).shape, name
+    # Padding tokens need a padding request to own them.
+    with pytest.raises(ValueError, match="padding tokens need a padding request"):
+        bufs.upload(b, 2, 3, num_tokens_padded=12)
+
+
+def test_token_capture_sizes():
+    sizes = token_capture_sizes(8192)
+    assert sizes[:9] == [16, 32, 64, 128, 256, 320, 384, 448, 512]
+    assert sizes[-5:] == [4096, 5120, 6144, 7168, 8192] and len(sizes) == 25
+    # Never more than 25% padding above 16 tokens, and the budget itself always has a graph.
+    assert all(b / a <= 2.0 for a, b in zip(sizes, sizes[1:]) if a < 256)
+    assert all(b / a <= 1.25 for a, b in zip(sizes, sizes[1:]) if a >= 256)
+    assert token_capture_sizes(1000)[-2:] == [896, 1000]
+    assert token_capture_sizes(100) == [16, 32, 64, 100]
+    assert token_capture_sizes(8) == [8]
 
 
 def test_layout_is_aligned_and_graph_sections_ignore_sampled_rows_and_pending_tokens():

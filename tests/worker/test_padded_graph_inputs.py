@@ -1,0 +1,58 @@
+"""The CUDA graphs' padded static-input paths, run eagerly on the CPU (Triton attention interpreted):
+decode batches padded to a request bucket and mixed batches padded to a token bucket must give the
+torch_ref path's greedy tokens exactly in float32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tiny_models import make_tiny_model
+
+pytest.importorskip("triton", reason="the padded paths belong to the Triton backend")
+
+# The interpreter itself trips a NumPy deprecation on every scalar index; it says nothing about our code.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+    # Triton runs on CPU tensors only in its interpreter, which conftest.py turns on only without a GPU;
+    # on a GPU, tests/gpu check the captured graphs themselves.
+    pytest.mark.skipif(torch.cuda.is_available(), reason="runs Triton interpreted, which needs a machine without CUDA"),
+]
+
+
+def _runner(llm):
+    return llm.llm_engine.engine_core.executor.worker.model_runner
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+def test_padded_graph_inputs_match_torch_ref(model, tmp_path):
+    path = make_tiny_model(model, tmp_path / model)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(3, 380, (n,), generator=gen).tolist()} for n in (9, 3, 21, 14, 5)]
+    max_tokens = [6, 9, 4, 11, 7]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m, detokenize=False) for m in max_tokens]
+    common = dict(model=path, skip_tokenizer_init=True, device="cpu", dtype="float32", max_num_seqs=4,
+                  max_model_len=64, max_num_batched_tokens=40, seed=0)
+    ref = LLM(attention_backend="torch_ref", **common)
+    expected = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+
+    llm = LLM(attention_backend="triton", **common)
+    runner = _runner(llm)
+    # What a GPU runner does at start, minus the graphs themselves: replays run the padded forward.
+    runner.use_cuda_graphs = True
+    runner.capture_cuda_graphs(capture=False)
+    assert runner.mixed_graph_runner.sizes == [16, 32, 40]
+    steps = []
+    original = runner._forward
+
+    def spy(b, prev):
+        out = original(b, prev)
+        steps.append((out.graph_size, out.graph_tokens))
+        return out
+
+    runner._forward = spy
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    # Both families were used, padding included.
+    assert {t for _, t in steps if t} >= {16, 40}, steps
+    assert {s for s, _ in steps if s} >= {4, 2}, steps
