@@ -88,8 +88,10 @@ class EngineCore:
             t0 = time.perf_counter()
             submitted = self.scheduler.schedule()
             # Submitted even when empty: the runner must still forget finished requests.
-            self.executor.submit(submitted)
-            self._submit_host_s += _EMA * (time.perf_counter() - t0 - self._submit_host_s)
+            waited = self.executor.submit(submitted) or 0.0
+            # Host work only: the submit also waits for step N's results, and counting that wait would
+            # inflate the margin of just-in-time submission until it never delays at all.
+            self._submit_host_s += _EMA * (time.perf_counter() - t0 - waited - self._submit_host_s)
             if submitted.is_empty:
                 submitted = None
         outputs: list[EngineCoreOutput] = []

@@ -25,14 +25,16 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step to completion and returns its output."""
 
-    def submit(self, scheduler_output: SchedulerOutput) -> None:
-        """Launches one step; a non-empty one's output comes from a later ``take_output``.
+    def submit(self, scheduler_output: SchedulerOutput) -> float:
+        """Launches one step; a non-empty one's output comes from a later ``take_output``. Returns the
+        seconds the call spent waiting for an earlier step's results rather than working.
 
         This default runs the step at once; executors whose workers can run ahead override both.
         """
         output = self.execute_model(scheduler_output)
         if not scheduler_output.is_empty:
             self._outputs.append(output)
+        return 0.0
 
     def take_output(self) -> ModelRunnerOutput:
         """The output of the oldest submitted non-empty step not yet taken (waits for it)."""
@@ -61,8 +63,8 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
-    def submit(self, scheduler_output: SchedulerOutput) -> None:
-        self.worker.submit(scheduler_output)
+    def submit(self, scheduler_output: SchedulerOutput) -> float:
+        return self.worker.submit(scheduler_output)
 
     def take_output(self) -> ModelRunnerOutput:
         return self.worker.take_output()

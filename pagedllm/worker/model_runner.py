@@ -12,6 +12,7 @@ a copy on the device.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -257,17 +258,19 @@ class ModelRunner:
         return self.take_output()
 
     @torch.inference_mode()
-    def submit(self, so: SchedulerOutput) -> None:
+    def submit(self, so: SchedulerOutput) -> float:
         """Launches one step: inputs, forward pass, sampling, and the copy of the sampled ids to the host.
 
         Nothing here waits for this step. If the previous step is still in flight, its sampled ids feed
         this step's pending tokens on the device, and its output is resolved (waited for) only after
-        this step's forward pass is queued, so the device never idles on it.
+        this step's forward pass is queued, so the device never idles on it. Returns the seconds spent
+        waiting for it there: the rest of the call is host work (just-in-time submission budgets it).
         """
         self.input_batch.update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return
+            return 0.0
         prev = self._in_flight
+        waited = 0.0
         b = self.input_batch.prepare(so)
         if b.pending_req_ids:
             if prev is None:
@@ -283,7 +286,9 @@ class ModelRunner:
         if prev is not None:
             # The previous step's tokens are needed on the host before this step samples (penalties,
             # seeds and stop checks read each request's output so far).
+            waited = time.perf_counter()
             self._done.append(self._resolve(prev))
+            waited = time.perf_counter() - waited
             self._in_flight = None
         prompt_logprobs = self._prompt_logprobs(b, hidden)
         step = _StepInFlight(b.req_ids, prompt_logprobs, start_event=start_event)
@@ -317,6 +322,7 @@ class ModelRunner:
                 step.event = torch.cuda.Event(enable_timing=start_event is not None)
                 step.event.record()
         self._in_flight = step
+        return waited
 
     def take_output(self) -> ModelRunnerOutput:
         """The output of the oldest submitted step not yet taken; waits for it if it is still running."""

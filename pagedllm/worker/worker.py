@@ -185,8 +185,8 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
-    def submit(self, scheduler_output: SchedulerOutput) -> None:
-        self.model_runner.submit(scheduler_output)
+    def submit(self, scheduler_output: SchedulerOutput) -> float:
+        return self.model_runner.submit(scheduler_output)
 
     def take_output(self) -> ModelRunnerOutput:
         return self.model_runner.take_output()

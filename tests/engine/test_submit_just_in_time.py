@@ -99,3 +99,32 @@ def test_outputs_unchanged_on_cpu(tiny_path):
         llm = LLM(model=tiny_path, device="cpu", dtype="float32", max_model_len=64, skip_tokenizer_init=True, **kw)
         outs[len(kw)] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs[1] == outs[2]
+
+
+class _WaitingExecutor(_TimedExecutor):
+    """Each submit does 0.3 ms of host work and then blocks 3 ms on the previous step, as the GPU runner does."""
+
+    def __init__(self, config, device_s, clock) -> None:
+        super().__init__(config, device_s)
+        self.clock = clock
+
+    def submit(self, so) -> float:
+        super().submit(so)
+        self.clock.now += 0.0003 + 0.003
+        return 0.003
+
+
+def test_host_time_excludes_the_wait_for_the_previous_step(tiny_path, monkeypatch):
+    # Counting the wait as host time doubled it into the margin, which then swallowed the whole step.
+    clock = _Clock()
+    monkeypatch.setattr(ec, "time", clock)
+    args = EngineArgs(model=tiny_path, device="cpu", async_scheduling=True, submit_just_in_time=True, max_model_len=64)
+    config = args.create_engine_config()
+    core = ec.EngineCore(config, _WaitingExecutor(config, 0.004, clock))
+    _add(core, "a")
+    _add(core, "b")
+    for _ in range(12):
+        core.step()
+    assert core._submit_host_s == pytest.approx(0.0003, rel=0.05)
+    # The output arrived when the last submit returned; 4 ms of device time from then, less the margin.
+    assert core.submit_delay_s() == pytest.approx(0.004 - 2 * core._submit_host_s - ec._JIT_SAFETY_S)
