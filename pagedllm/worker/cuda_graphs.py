@@ -29,11 +29,15 @@ MAX_CAPTURE_SIZE = 512
 # less in practice: cuBLAS tiles are 128-256 rows, so padding inside a tile costs nothing).
 _TOKEN_FINE_FROM = 256
 _MIN_TOKEN_SIZE = 16
+# Larger steps run eagerly: their device time (~170 ms for 8k tokens of an 8B model, ~10 ms for a 0.6B
+# one) dwarfs the host's launches, and each larger graph would add capture time and pool memory.
+MAX_TOKEN_CAPTURE_SIZE = 8192
 
 
-def token_capture_sizes(max_tokens: int) -> list[int]:
+def token_capture_sizes(max_num_batched_tokens: int, max_size: int = MAX_TOKEN_CAPTURE_SIZE) -> list[int]:
     """Token counts of the mixed-batch graphs: 16, 32, ..., 256, then 320, 384, 448, 512, 640, ...,
-    up to ``max_tokens`` (max_num_batched_tokens), which always has its own graph."""
+    up to the cap min(max_num_batched_tokens, max_size), which always has its own graph."""
+    max_tokens = min(max_num_batched_tokens, max_size)
     sizes = []
     s = _MIN_TOKEN_SIZE
     while s < min(max_tokens, _TOKEN_FINE_FROM):

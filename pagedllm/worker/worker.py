@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker.cuda_graphs import capture_sizes, token_capture_sizes
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -114,7 +115,8 @@ class Worker:
         max_num_batched_tokens) sets the shared pool: about the profiled forward's activations."""
         if not self.model_runner.use_cuda_graphs:
             return 0
-        largest = max(self.config.scheduler_config.max_num_batched_tokens, self.config.scheduler_config.max_num_seqs)
+        sc = self.config.scheduler_config
+        largest = max(token_capture_sizes(sc.max_num_batched_tokens)[-1], capture_sizes(sc.max_num_seqs)[-1])
         share = min(1.0, largest / max(profile_tokens, 1))
         return int(activations * share) + _GRAPH_POOL_BASE_BYTES
 

@@ -219,6 +219,8 @@ def test_token_capture_sizes():
     assert token_capture_sizes(1000)[-2:] == [896, 1000]
     assert token_capture_sizes(100) == [16, 32, 64, 100]
     assert token_capture_sizes(8) == [8]
+    # Past 8192 tokens steps run eagerly: no graph above the cap.
+    assert token_capture_sizes(32768)[-1] == 8192 and token_capture_sizes(32768) == sizes
 
 
 def test_layout_is_aligned_and_graph_sections_ignore_sampled_rows_and_pending_tokens():
