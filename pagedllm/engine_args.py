@@ -83,8 +83,7 @@ class EngineArgs:
         parser.add_argument(
             "--submit-just-in-time", action=argparse.BooleanOptionalAction, default=False,
             help="with asynchronous scheduling, schedule each decode step just before the device finishes the "
-            "previous one, so that new requests join it sooner (lower time to first token under light load; "
-            "default: on for `pagedllm serve`, off offline)",
+            "previous one, so that new requests join it sooner (lower time to first token under light load)",
         )
         return parser
 

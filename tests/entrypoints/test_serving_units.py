@@ -240,18 +240,6 @@ print('ok')
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
-def test_serve_submits_just_in_time_by_default_and_offline_does_not():
-    from pagedllm.engine_args import EngineArgs
-    from pagedllm.entrypoints.cli.main import _build_parser
-
-    parser = _build_parser()
-    serve = EngineArgs.from_cli_args(parser.parse_args(["serve", "m"]))
-    assert serve.submit_just_in_time is True
-    off = EngineArgs.from_cli_args(parser.parse_args(["serve", "m", "--no-submit-just-in-time"]))
-    assert off.submit_just_in_time is False
-    assert EngineArgs(model="m").submit_just_in_time is False
-
-
 def test_core_start_failure_is_reported_by_the_core(tmp_path):
     from pagedllm.engine.core_client import CoreClient
     from pagedllm.engine_args import EngineArgs

@@ -27,9 +27,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-access-log", action="store_true")
     EngineArgs.add_cli_args(parser)
-    # A server under light load gains ~1.6 ms of median TTFT from it (8B, 1000-token prompts, H200, two
-    # runs) and lost no throughput at 256 streams; offline runs keep the plain default.
-    parser.set_defaults(submit_just_in_time=True)
     return parser
 
 
