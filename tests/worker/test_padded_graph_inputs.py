@@ -24,17 +24,31 @@ def _runner(llm):
     return llm.llm_engine.engine_core.executor.worker.model_runner
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen3"])
-def test_padded_graph_inputs_match_torch_ref(model, tmp_path):
+def _result(o):
+    c = o.outputs[0]
+    prompt_lps = None if o.prompt_logprobs is None else [
+        None if d is None else {t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs
+    ]
+    return c.token_ids, prompt_lps
+
+
+@pytest.mark.parametrize(("model", "async_scheduling"), [("llama", False), ("qwen3", True)])
+def test_padded_graph_inputs_match_torch_ref(model, async_scheduling, tmp_path):
+    # Asynchronous scheduling puts decode tokens still being sampled into mixed steps (filled on the
+    # device into the graph's static input ids); prompt logprobs read the padded hidden rows.
     path = make_tiny_model(model, tmp_path / model)
     gen = torch.Generator().manual_seed(5)
     prompts = [{"prompt_token_ids": torch.randint(3, 380, (n,), generator=gen).tolist()} for n in (9, 3, 21, 14, 5)]
     max_tokens = [6, 9, 4, 11, 7]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m, detokenize=False) for m in max_tokens]
+    params = [
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m, detokenize=False,
+                       prompt_logprobs=2 if i == 2 else None)
+        for i, m in enumerate(max_tokens)
+    ]
     common = dict(model=path, skip_tokenizer_init=True, device="cpu", dtype="float32", max_num_seqs=4,
-                  max_model_len=64, max_num_batched_tokens=40, seed=0)
+                  max_model_len=64, max_num_batched_tokens=40, seed=0, async_scheduling=async_scheduling)
     ref = LLM(attention_backend="torch_ref", **common)
-    expected = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    expected = [_result(o) for o in ref.generate(prompts, params, use_tqdm=False)]
 
     llm = LLM(attention_backend="triton", **common)
     runner = _runner(llm)
@@ -45,14 +59,27 @@ def test_padded_graph_inputs_match_torch_ref(model, tmp_path):
     steps = []
     original = runner._forward
 
+    pending_in_mixed = []
+
     def spy(b, prev):
         out = original(b, prev)
         steps.append((out.graph_size, out.graph_tokens))
+        if out.graph_tokens and b.pending_dst is not None and len(b.pending_dst):
+            pending_in_mixed.append(len(b.pending_dst))
         return out
 
     runner._forward = spy
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == expected
+    got = [_result(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    # Prompt logprobs (the 21-token prompt, chunked over two padded steps) agree to float32 rounding.
+    for (_, g), (_, e) in zip(got, expected):
+        assert (g is None) == (e is None)
+        if g is not None:
+            assert len(g) == len(e) == 21 and g[0] is None and e[0] is None
+            for dg, de in zip(g[1:], e[1:]):
+                assert dg.keys() == de.keys()
+                assert all(abs(dg[t] - de[t]) < 1e-4 for t in dg), (dg, de)
     # Both families were used, padding included.
     assert {t for _, t in steps if t} >= {16, 40}, steps
     assert {s for s, _ in steps if s} >= {4, 2}, steps
+    assert bool(pending_in_mixed) == async_scheduling
