@@ -128,8 +128,10 @@ def warm_up(args, url: str, vocab: int) -> dict:
     return {"warmup_s": time.perf_counter() - t0, "failed": failed}
 
 
-# Server-side histograms whose means split a client TTFT: the core's queue, and arrival to first token.
-SERVER_HISTOGRAMS = ("pagedllm:request_queue_time_seconds", "pagedllm:time_to_first_token_seconds")
+# Server-side histograms whose means split a client TTFT: the core's queue, first scheduled to first token
+# in the core, and arrival at the front-end to first token.
+SERVER_HISTOGRAMS = ("pagedllm:request_queue_time_seconds", "pagedllm:request_prefill_time_seconds",
+                     "pagedllm:time_to_first_token_seconds")
 
 
 def scrape_histograms(url: str) -> dict[str, tuple[float, float]]:
@@ -321,9 +323,10 @@ def print_table(args, res: dict, s: dict) -> None:
         ("    p99 TTFT / p99 ITL ms", f"{_f(s.get('a_p99_ttft_ms'))} / {_f(s.get('a_p99_itl_ms'))}", "", ""),
         ("    TTFT p0 / p25 / p75 ms", " / ".join(_f((s.get("a_ttft_ms_quantiles") or {}).get(k), ".1f")
                                                 for k in ("p0", "p25", "p75")), "", ""),
-        ("    server: core queue / TTFT mean ms", " / ".join(
+        ("    server: core queue / prefill / TTFT mean ms", " / ".join(
             _f((s.get("a_server_side") or {}).get(k), ".1f")
-            for k in ("request_queue_time_seconds_mean_ms", "time_to_first_token_seconds_mean_ms")), "", ""),
+            for k in ("request_queue_time_seconds_mean_ms", "request_prefill_time_seconds_mean_ms",
+                      "time_to_first_token_seconds_mean_ms")), "", ""),
         (f"{b_name}: served out tok/s", _f(s.get("b_served_output_tok_per_s"), ".1f"), "", ""),
         ("    bench throughput (offline, same prompts) out tok/s", _f(s.get("b_offline_output_tok_per_s"), ".1f"),
          "", ""),

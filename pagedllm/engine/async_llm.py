@@ -196,6 +196,8 @@ class AsyncLLM:
                         self._handle_outputs(outs[start : start + _OUTPUT_SLICE])
                     for seconds in msg.queue_times.values():
                         self._record("record_queue_time", seconds)
+                    for seconds in msg.prefill_times.values():
+                        self._record("record_prefill_time", seconds)
                     self.latest_stats = msg.stats
                     self._record("record_scheduler_stats", msg.stats)
         except asyncio.CancelledError:

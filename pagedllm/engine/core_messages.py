@@ -60,6 +60,8 @@ class CoreOutputs(msgspec.Struct, tag="out", array_like=True):
     stats: SchedulerStats
     # Requests first scheduled since the last message: request id -> seconds spent waiting in the core.
     queue_times: dict[str, float] = {}
+    # Requests whose first token arrived since the last message: request id -> seconds from first scheduled.
+    prefill_times: dict[str, float] = {}
 
 
 class UtilityResult(msgspec.Struct, tag="result", array_like=True):

@@ -98,8 +98,10 @@ class _BusyLoop:
         self.parent_pid = parent_pid
         self.decoder = m.input_decoder()
         self.encoder = m.output_encoder()
-        # Requests not yet scheduled, watched so their queue time can be reported once.
+        # Requests not yet scheduled, watched so their queue time can be reported once; then requests
+        # scheduled but without a token yet, watched for their prefill time.
         self.unscheduled: dict[str, Any] = {}
+        self.prefilling: dict[str, Any] = {}
         self.running = True
 
     def run(self) -> None:
@@ -146,6 +148,7 @@ class _BusyLoop:
             self.core.abort_requests(msg.request_ids)
             for rid in msg.request_ids:
                 self.unscheduled.pop(rid, None)
+                self.prefilling.pop(rid, None)
         elif isinstance(msg, m.FinishByStopString):
             self.core.finish_by_stop_string(msg.request_id, msg.stop)
         elif isinstance(msg, m.UtilityCall):
@@ -169,13 +172,26 @@ class _BusyLoop:
         return m.UtilityResult(msg.call_id, result=result)
 
     def _send_outputs(self, outputs) -> None:
-        queue_times = {}
+        queue_times, prefill_times = {}, {}
         if self.unscheduled:
             for rid, req in list(self.unscheduled.items()):
                 if req.first_scheduled_time is not None:
                     queue_times[rid] = max(0.0, req.first_scheduled_time - req.arrival_time)
                     del self.unscheduled[rid]
+                    self.prefilling[rid] = req
                 elif req.is_finished:
                     del self.unscheduled[rid]
-        msg = self.m.CoreOutputs(outputs=outputs, stats=self.core.stats(), queue_times=queue_times)
+        if self.prefilling:
+            now = time.monotonic()
+            for rid, req in list(self.prefilling.items()):
+                if req.num_output_tokens:
+                    # First scheduled to first token on the host: the wait for steps already on the
+                    # device, the prompt's steps, and the sampled token's way back.
+                    prefill_times[rid] = max(0.0, now - req.first_scheduled_time)
+                    del self.prefilling[rid]
+                elif req.is_finished:
+                    del self.prefilling[rid]
+        msg = self.m.CoreOutputs(
+            outputs=outputs, stats=self.core.stats(), queue_times=queue_times, prefill_times=prefill_times
+        )
         self.out.send(self.encoder.encode(msg))

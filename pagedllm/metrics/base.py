@@ -13,6 +13,9 @@ class StatLogger:
     def record_queue_time(self, seconds: float) -> None:
         """Time a request waited in the core before it was first scheduled."""
 
+    def record_prefill_time(self, seconds: float) -> None:
+        """Time from a request's first scheduling to its first token, in the core."""
+
     def record_prompt_tokens(self, num_tokens: int) -> None:
         """Prompt tokens of a request, counted when its first token arrives."""
 

@@ -52,6 +52,9 @@ class PrometheusStatLogger(StatLogger):
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive outputs of a sequence.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish, per sequence.", _REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Time waiting in the core before first scheduled.", _REQUEST_BUCKETS)
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token, in the core.", _TTFT_BUCKETS
+        )
         self._last = SchedulerStats()
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
@@ -70,6 +73,9 @@ class PrometheusStatLogger(StatLogger):
 
     def record_queue_time(self, seconds: float) -> None:
         self.queue_time.observe(seconds)
+
+    def record_prefill_time(self, seconds: float) -> None:
+        self.prefill_time.observe(seconds)
 
     def record_prompt_tokens(self, num_tokens: int) -> None:
         self.prompt_tokens.inc(num_tokens)

@@ -170,15 +170,37 @@ def test_tokenize_detokenize_version(completions_server):
     assert r.status_code == 200 and r.json()["version"]
 
 
+def _histogram(text: str, name: str) -> tuple[float, float]:
+    """(sum, count) of a histogram in a /metrics body."""
+    values = {}
+    for line in text.splitlines():
+        for part in ("_sum", "_count"):
+            if line.startswith(name + part + "{"):
+                values[part] = float(line.rsplit(" ", 1)[1])
+    return values["_sum"], values["_count"]
+
+
 def test_metrics_exposed_with_vllm_names(client, completions_server):
+    def metrics() -> str:
+        return httpx.get(f"{completions_server.url}/metrics", headers=completions_server.headers).text
+
+    before = metrics()
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
-    text = httpx.get(f"{completions_server.url}/metrics", headers=completions_server.headers).text
+    text = metrics()
+    # One request: one queue time, one prefill time (first scheduled to first token in the core), and
+    # that prefill lies inside the request's time to first token at the front-end.
+    (q0, qn0), (q1, qn1) = (_histogram(t, "pagedllm:request_queue_time_seconds") for t in (before, text))
+    (p0, pn0), (p1, pn1) = (_histogram(t, "pagedllm:request_prefill_time_seconds") for t in (before, text))
+    (t0, tn0), (t1, tn1) = (_histogram(t, "pagedllm:time_to_first_token_seconds") for t in (before, text))
+    assert qn1 - qn0 == pn1 - pn0 == tn1 - tn0 == 1
+    assert 0 < (q1 - q0) + (p1 - p0) < t1 - t0
     for name in (
         "pagedllm:num_requests_running", "pagedllm:num_requests_waiting", "pagedllm:kv_cache_usage_perc",
         "pagedllm:prefix_cache_queries_total", "pagedllm:prefix_cache_hits_total", "pagedllm:num_preemptions_total",
         "pagedllm:prompt_tokens_total", "pagedllm:generation_tokens_total", "pagedllm:request_success_total",
         "pagedllm:time_to_first_token_seconds_bucket", "pagedllm:inter_token_latency_seconds_bucket",
         "pagedllm:e2e_request_latency_seconds_count", "pagedllm:request_queue_time_seconds_count",
+        "pagedllm:request_prefill_time_seconds_count",
     ):
         assert name in text, name
     assert 'finished_reason="length"' in text

@@ -207,7 +207,9 @@ def test_prometheus_logger_counters_and_dashboard_names():
     a.record_scheduler_stats(SchedulerStats(num_running_reqs=0, prefix_cache_queries=48, prefix_cache_hits=16, num_preemptions=1))
     a.record_finished("length", 1.0)
     a.record_first_token(0.1)
+    a.record_prefill_time(0.08)
     text = a.exposition()[0].decode()
+    assert 'pagedllm:request_prefill_time_seconds_count{model_name="m"} 1.0' in text
     assert 'pagedllm:prefix_cache_queries_total{model_name="m"} 48.0' in text
     assert 'pagedllm:num_preemptions_total{model_name="m"} 1.0' in text
     assert 'pagedllm:num_requests_running{model_name="m"} 0.0' in text
