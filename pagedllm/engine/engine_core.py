@@ -15,6 +15,11 @@ logger = logging.getLogger("pagedllm")
 # Just-in-time submission: the next step is scheduled this long plus twice the usual host time of
 # scheduling and submitting before the device is expected to finish the current one.
 _JIT_SAFETY_S = 0.0005
+# Only decode batches up to this size wait. Light load is where the wait pays (a new request joins the
+# very next step instead of the one after it); a large batch's host work is larger and more variable, a
+# late submission there idles the whole batch, and its arrivals queue behind others anyway (on the
+# H200, one 256-stream run lost 16% of throughput to it).
+_JIT_MAX_BATCH = 32
 # Weight of the newest sample in the running averages of device and host times.
 _EMA = 0.3
 
@@ -120,15 +125,18 @@ class EngineCore:
     def submit_delay_s(self) -> float:
         """How long the caller may wait (taking in new requests) before the next ``step`` loses nothing.
 
-        Non-zero only with just-in-time submission, while a pure-decode step whose duration has been
-        measured for its batch size runs and nobody is waiting: then the next step is best scheduled
-        just before the device finishes this one, so that requests arriving meanwhile join it.
+        Non-zero only with just-in-time submission, while a pure-decode step of at most _JIT_MAX_BATCH
+        requests, whose duration has been measured for its batch size, runs and nobody is waiting: then
+        the next step is best scheduled just before the device finishes this one, so that requests
+        arriving meanwhile join it.
         """
         so = self._in_flight
         if not self._jit or so is None or self._output_at is None or self.scheduler.waiting:
             return 0.0
         batch = self._decode_batch(so)
-        expected = self._decode_device_s.get(batch) if batch is not None else None
+        if batch is None or batch > _JIT_MAX_BATCH:
+            return 0.0
+        expected = self._decode_device_s.get(batch)
         if expected is None:
             return 0.0
         margin = 2.0 * self._submit_host_s + _JIT_SAFETY_S

@@ -128,3 +128,19 @@ def test_host_time_excludes_the_wait_for_the_previous_step(tiny_path, monkeypatc
     assert core._submit_host_s == pytest.approx(0.0003, rel=0.05)
     # The output arrived when the last submit returned; 4 ms of device time from then, less the margin.
     assert core.submit_delay_s() == pytest.approx(0.004 - 2 * core._submit_host_s - ec._JIT_SAFETY_S)
+
+
+def test_large_decode_batches_never_wait(tiny_path, monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(ec, "time", clock)
+    args = EngineArgs(model=tiny_path, device="cpu", async_scheduling=True, submit_just_in_time=True,
+                      max_model_len=64, max_num_seqs=64)
+    config = args.create_engine_config()
+    core = ec.EngineCore(config, _TimedExecutor(config, 0.004))
+    for i in range(ec._JIT_MAX_BATCH + 1):
+        _add(core, f"r{i}")
+    for _ in range(4):
+        core.step()
+        assert not core.scheduler.waiting
+        assert core.submit_delay_s() == 0.0  # a decode batch over the limit: schedule at once
+    assert core._decode_device_s[ec._JIT_MAX_BATCH + 1] == pytest.approx(0.004)  # measured all the same
