@@ -232,19 +232,16 @@ class ModelRunner:
 
     def _forward(self, b: BatchInputs, prev: _StepInFlight | None) -> ForwardPass:
         """Launches the step's forward pass: a graph's replay where one fits the batch, else eagerly."""
-        width = self.max_blocks_per_req
-        if self.use_cuda_graphs and b.is_pure_decode and self.graph_runner is not None:
-            size = self.graph_runner.bucket_for(b.num_reqs)
-            if size:
-                dev = self.buffers.upload(b, size, width)
-                self._fill_pending(dev, prev)
-                return ForwardPass(self.graph_runner.replay(size), dev, size, 0)
-        if self.use_cuda_graphs and not b.is_pure_decode and self.mixed_graph_runner is not None:
-            tokens = self.mixed_graph_runner.bucket_for(b.num_tokens)
-            if tokens:
-                dev = self.buffers.upload(b, self.mixed_graph_reqs, width, num_tokens_padded=tokens)
-                self._fill_pending(dev, prev)
-                return ForwardPass(self.mixed_graph_runner.replay(tokens), dev, 0, tokens)
+        decode = b.is_pure_decode
+        runner = (self.graph_runner if decode else self.mixed_graph_runner) if self.use_cuda_graphs else None
+        size = runner.bucket_for(b.num_reqs if decode else b.num_tokens) if runner is not None else None
+        if size:
+            # A decode graph's batch is `size` one-token requests; a mixed graph's, `size` tokens over
+            # a fixed number of requests.
+            reqs = size if decode else self.mixed_graph_reqs
+            dev = self.buffers.upload(b, reqs, self.max_blocks_per_req, num_tokens_padded=size)
+            self._fill_pending(dev, prev)
+            return ForwardPass(runner.replay(size), dev, size if decode else 0, 0 if decode else size)
         dev = self.buffers.upload(b)
         self._fill_pending(dev, prev)
         hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, self._attn_metadata(b, dev))
@@ -286,9 +283,9 @@ class ModelRunner:
         if prev is not None:
             # The previous step's tokens are needed on the host before this step samples (penalties,
             # seeds and stop checks read each request's output so far).
-            waited = time.perf_counter()
+            t0 = time.perf_counter()
             self._done.append(self._resolve(prev))
-            waited = time.perf_counter() - waited
+            waited = time.perf_counter() - t0
             self._in_flight = None
         prompt_logprobs = self._prompt_logprobs(b, hidden)
         step = _StepInFlight(b.req_ids, prompt_logprobs, start_event=start_event)
