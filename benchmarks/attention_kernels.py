@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--heads", default="32:8", help="query heads:KV heads (head size 128)")
     parser.add_argument("--decode-cases", default="64:1024,64:4096,256:1024,256:4096", help="BATCH:CONTEXT,...")
     parser.add_argument("--decode-only", action="store_true", help="skip the split-KV and prefill sections")
-    parser.add_argument("--sections", default="decode,split,prefill", help="which sections to run, comma-separated")
+    parser.add_argument("--sections", default="decode,ragged,split,prefill", help="which sections to run, comma-separated")
     parser.add_argument("--prefill-tokens", type=int, default=4096, help="prompt length of the prefill section")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"))
     args = parser.parse_args()
@@ -160,11 +160,42 @@ def main() -> None:
         results["decode"].append(row)
         del tensors
         torch.cuda.empty_cache()
+    if "ragged" in sections:
+        ragged_section(results, hq, hkv, d, bs, dtype, copy_bw)
     if "split" in sections:
         split_section(results, hq, hkv, d, bs, dtype, copy_bw)
     if "prefill" in sections:
         prefill_section(results, args, hq, hkv, d, bs, dtype)
     _write(args.json, results)
+
+
+def ragged_section(results, hq, hkv, d, bs, dtype, copy_bw: float) -> None:
+    """Decode of 256 requests whose contexts differ (workload 1 mid-run): does the launch order matter?"""
+    import random
+
+    print("\n== ragged decode: 256 requests, contexts U[100, 2048]; request order and forced splits")
+    rng = random.Random(0)
+    base = [rng.randint(100, 2048) for _ in range(256)]
+    mean = sum(base) // len(base)
+    cases = [
+        ("random order", base, None),
+        ("longest first", sorted(base, reverse=True), None),
+        ("shortest first", sorted(base), None),
+        ("random, 2 splits", base, 2),
+        ("random, 4 splits", base, 4),
+        (f"uniform {mean}", [mean] * len(base), None),
+    ]
+    results["ragged"] = []
+    for name, seq_lens, splits in cases:
+        tensors = make_batch(seq_lens, 1, hq, hkv, d, bs, dtype)
+        nbytes = kv_read_bytes(seq_lens, hkv, d, dtype)
+        kw = {} if splits is None else {"num_splits": splits}
+        ms = time_attention(*tensors, 1, max(seq_lens), **kw)
+        bw = nbytes / (ms * 1e-3) / 1e12
+        print(f"{name:18s}: {ms * 1e3:8.1f} us  {bw:5.2f} TB/s  {bw / copy_bw:5.1%}", flush=True)
+        results["ragged"].append({"case": name, "us": ms * 1e3, "tbps": bw, "frac_of_copy": bw / copy_bw})
+        del tensors
+        torch.cuda.empty_cache()
 
 
 def split_section(results, hq, hkv, d, bs, dtype, copy_bw: float) -> None:

@@ -82,8 +82,9 @@ class EngineArgs:
         )
         parser.add_argument(
             "--submit-just-in-time", action=argparse.BooleanOptionalAction, default=False,
-            help="with asynchronous scheduling, schedule each decode step just before the device finishes the "
-            "previous one, so that new requests join it sooner (lower time to first token under light load)",
+            help="with asynchronous scheduling, schedule each small decode step just before the device finishes "
+            "the previous one, so that new requests join it sooner (lower time to first token under light load; "
+            "default: on for `pagedllm serve`, off otherwise)",
         )
         return parser
 

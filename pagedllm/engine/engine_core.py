@@ -13,7 +13,7 @@ from pagedllm.executor.base import Executor
 logger = logging.getLogger("pagedllm")
 
 # Just-in-time submission: the next step is scheduled this long plus twice the usual host time of
-# scheduling and submitting before the device is expected to finish the current one.
+# scheduling it and queuing its forward pass before the device is expected to finish the current one.
 _JIT_SAFETY_S = 0.0005
 # Only decode batches up to this size wait. Light load is where the wait pays (a new request joins the
 # very next step instead of the one after it); a large batch's host work is larger and more variable, a
@@ -37,7 +37,7 @@ class EngineCore:
         # Asynchronous mode: the step submitted to the executor whose output has not been applied yet.
         self._in_flight: SchedulerOutput | None = None
         # Just-in-time submission (asynchronous mode): device seconds of a pure-decode step by batch size,
-        # host seconds to schedule and submit a step, and when the last step's output arrived (which is
+        # host seconds to schedule a step and queue its forward pass, and when the last step's output arrived (which is
         # when the device moved on to the step in flight).
         self._jit = self.async_scheduling and config.scheduler_config.submit_just_in_time
         self._decode_device_s: dict[int, float] = {}
@@ -92,11 +92,13 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():
             t0 = time.perf_counter()
             submitted = self.scheduler.schedule()
+            schedule_s = time.perf_counter() - t0
             # Submitted even when empty: the runner must still forget finished requests.
-            waited = self.executor.submit(submitted) or 0.0
-            # Host work only: the submit also waits for step N's results, and counting that wait would
-            # inflate the margin of just-in-time submission until it never delays at all.
-            self._submit_host_s += _EMA * (time.perf_counter() - t0 - waited - self._submit_host_s)
+            launch_s = self.executor.submit(submitted) or 0.0
+            # Only the host work before the device has the step queued: the submit then also waits for
+            # step N's results (nearly a whole step) and launches sampling behind the forward pass, and
+            # budgeting those would widen the just-in-time margin until it never delays at all.
+            self._submit_host_s += _EMA * (schedule_s + launch_s - self._submit_host_s)
             if submitted.is_empty:
                 submitted = None
         outputs: list[EngineCoreOutput] = []

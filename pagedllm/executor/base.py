@@ -27,9 +27,11 @@ class Executor(ABC):
 
     def submit(self, scheduler_output: SchedulerOutput) -> float:
         """Launches one step; a non-empty one's output comes from a later ``take_output``. Returns the
-        seconds the call spent waiting for an earlier step's results rather than working.
+        host seconds from the call until the step's device work was queued: the part of the call that
+        a device finishing the previous step would wait for.
 
-        This default runs the step at once; executors whose workers can run ahead override both.
+        This default runs the step at once (no device runs ahead, so 0.0); executors whose workers can
+        run ahead override both.
         """
         output = self.execute_model(scheduler_output)
         if not scheduler_output.is_empty:

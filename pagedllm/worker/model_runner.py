@@ -260,14 +260,15 @@ class ModelRunner:
 
         Nothing here waits for this step. If the previous step is still in flight, its sampled ids feed
         this step's pending tokens on the device, and its output is resolved (waited for) only after
-        this step's forward pass is queued, so the device never idles on it. Returns the seconds spent
-        waiting for it there: the rest of the call is host work (just-in-time submission budgets it).
+        this step's forward pass is queued, so the device never idles on it. Returns the host seconds
+        until that forward pass was queued: what just-in-time submission must budget before the device
+        runs out of work (the wait and the sampling launches after it are not on that path).
         """
+        t_call = time.perf_counter()
         self.input_batch.update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return 0.0
         prev = self._in_flight
-        waited = 0.0
         b = self.input_batch.prepare(so)
         if b.pending_req_ids:
             if prev is None:
@@ -278,14 +279,13 @@ class ModelRunner:
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
         hidden, dev, graph_size, graph_tokens = self._forward(b, prev)  # [>= T, H]; the GPU is busy from here on
+        launch_s = time.perf_counter() - t_call
         self.last_step = StepInfo(b.num_reqs, b.num_tokens, int(b.seq_lens.sum()), graph_size, graph_tokens)
 
         if prev is not None:
             # The previous step's tokens are needed on the host before this step samples (penalties,
             # seeds and stop checks read each request's output so far).
-            t0 = time.perf_counter()
             self._done.append(self._resolve(prev))
-            waited = time.perf_counter() - t0
             self._in_flight = None
         prompt_logprobs = self._prompt_logprobs(b, hidden)
         step = _StepInFlight(b.req_ids, prompt_logprobs, start_event=start_event)
@@ -319,7 +319,7 @@ class ModelRunner:
                 step.event = torch.cuda.Event(enable_timing=start_event is not None)
                 step.event.record()
         self._in_flight = step
-        return waited
+        return launch_s
 
     def take_output(self) -> ModelRunnerOutput:
         """The output of the oldest submitted step not yet taken; waits for it if it is still running."""

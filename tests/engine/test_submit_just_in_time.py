@@ -102,7 +102,8 @@ def test_outputs_unchanged_on_cpu(tiny_path):
 
 
 class _WaitingExecutor(_TimedExecutor):
-    """Each submit does 0.3 ms of host work and then blocks 3 ms on the previous step, as the GPU runner does."""
+    """Each submit queues its forward pass after 0.3 ms of host work, then blocks 3 ms on the previous
+    step and spends 0.2 ms launching sampling, as the GPU runner does."""
 
     def __init__(self, config, device_s, clock) -> None:
         super().__init__(config, device_s)
@@ -110,12 +111,13 @@ class _WaitingExecutor(_TimedExecutor):
 
     def submit(self, so) -> float:
         super().submit(so)
-        self.clock.now += 0.0003 + 0.003
-        return 0.003
+        self.clock.now += 0.0003 + 0.003 + 0.0002
+        return 0.0003
 
 
 def test_host_time_excludes_the_wait_for_the_previous_step(tiny_path, monkeypatch):
-    # Counting the wait as host time doubled it into the margin, which then swallowed the whole step.
+    # Counting the wait as host time doubled it into the margin, which then swallowed the whole step;
+    # the work after the forward pass is queued does not delay the device either.
     clock = _Clock()
     monkeypatch.setattr(ec, "time", clock)
     args = EngineArgs(model=tiny_path, device="cpu", async_scheduling=True, submit_just_in_time=True, max_model_len=64)

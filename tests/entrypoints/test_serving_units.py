@@ -251,3 +251,15 @@ def test_core_start_failure_is_reported_by_the_core(tmp_path):
     with pytest.raises(RuntimeError, match="engine core failed to start"):
         client.wait_ready(timeout_s=120)
     assert not client.proc.is_alive()
+
+
+def test_serve_submits_just_in_time_by_default_and_offline_does_not():
+    from pagedllm.engine_args import EngineArgs
+    from pagedllm.entrypoints.cli.main import _build_parser
+
+    parser = _build_parser()
+    assert parser.parse_args(["serve", "m"]).submit_just_in_time is True
+    assert parser.parse_args(["serve", "m", "--no-submit-just-in-time"]).submit_just_in_time is False
+    assert EngineArgs.from_cli_args(parser.parse_args(["serve", "m"])).submit_just_in_time is True
+    assert EngineArgs(model="m").submit_just_in_time is False
+    assert parser.parse_args(["bench", "throughput", "--model", "m"]).submit_just_in_time is False

@@ -27,6 +27,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-access-log", action="store_true")
     EngineArgs.add_cli_args(parser)
+    # A server takes requests while steps run, so it schedules small decode steps just in time by
+    # default (the offline LLM, whose requests are all there at the start, keeps it off).
+    parser.set_defaults(submit_just_in_time=True)
     return parser
 
 
