@@ -177,22 +177,27 @@ def ragged_section(results, hq, hkv, d, bs, dtype, copy_bw: float) -> None:
     rng = random.Random(0)
     base = [rng.randint(100, 2048) for _ in range(256)]
     mean = sum(base) // len(base)
+    # (name, contexts, forced splits, pass the engine's longest-first decode_order)
     cases = [
-        ("random order", base, None),
-        ("longest first", sorted(base, reverse=True), None),
-        ("shortest first", sorted(base), None),
-        ("random, 2 splits", base, 2),
-        ("random, 4 splits", base, 4),
-        (f"uniform {mean}", [mean] * len(base), None),
+        ("random order", base, None, False),
+        ("sorted longest first", sorted(base, reverse=True), None, False),
+        ("shortest first", sorted(base), None, False),
+        ("random + decode_order", base, None, True),
+        ("random, 2 splits", base, 2, False),
+        ("random, 4 splits", base, 4, False),
+        (f"uniform {mean}", [mean] * len(base), None, False),
+        (f"uniform + decode_order", [mean] * len(base), None, True),
     ]
     results["ragged"] = []
-    for name, seq_lens, splits in cases:
+    for name, seq_lens, splits, ordered in cases:
         tensors = make_batch(seq_lens, 1, hq, hkv, d, bs, dtype)
         nbytes = kv_read_bytes(seq_lens, hkv, d, dtype)
         kw = {} if splits is None else {"num_splits": splits}
+        if ordered:
+            kw["decode_order"] = torch.argsort(-tensors[3].long(), stable=True).to(torch.int32)
         ms = time_attention(*tensors, 1, max(seq_lens), **kw)
         bw = nbytes / (ms * 1e-3) / 1e12
-        print(f"{name:18s}: {ms * 1e3:8.1f} us  {bw:5.2f} TB/s  {bw / copy_bw:5.1%}", flush=True)
+        print(f"{name:22s}: {ms * 1e3:8.1f} us  {bw:5.2f} TB/s  {bw / copy_bw:5.1%}", flush=True)
         results["ragged"].append({"case": name, "us": ms * 1e3, "tbps": bw, "frac_of_copy": bw / copy_bw})
         del tensors
         torch.cuda.empty_cache()

@@ -49,19 +49,28 @@ class StepRecorder:
     Synchronous scheduling: each step is timed to its end on the device, with the runner's share.
     Asynchronous scheduling: a step call returns the output of the step submitted by the call before,
     so a step's time is the interval between two returns (the device's pace when it is the bottleneck),
-    and there is no separate runner share: ``runner_s`` repeats ``step_s``.
+    and there is no separate runner share: ``runner_s`` repeats ``step_s``. There, with
+    ``device_times``, each step's device time (two CUDA events) is kept as ``device_s`` too: a step
+    interval well above it means the host set the pace.
     """
 
-    def __init__(self, llm) -> None:
+    def __init__(self, llm, device_times: bool = False) -> None:
         self.llm = llm
         core = llm.llm_engine.engine_core
         self.runner = core.executor.worker.model_runner
         self.async_mode = core.async_scheduling
+        self.device_times = device_times and self.async_mode and self.runner.device.type == "cuda"
         self.steps: list[dict] = []
         self.enabled = False
         self._last_return: float | None = None
-        exec_fn, step_fn = core.executor.execute_model, llm.llm_engine.step
+        self._device_s: float | None = None
+        exec_fn, step_fn, take_fn = core.executor.execute_model, llm.llm_engine.step, core.executor.take_output
         sync = _cuda_sync()
+
+        def timed_take():
+            out = take_fn()
+            self._device_s = out.device_time_s
+            return out
 
         def timed_execute(so):
             t0 = time.perf_counter()
@@ -73,12 +82,14 @@ class StepRecorder:
             if self.enabled and info is not None:
                 self.steps.append(
                     dict(reqs=info.num_reqs, tokens=info.num_tokens, ctx=info.context_tokens,
-                         graph=info.graph_size, graph_tokens=info.graph_tokens, runner_s=runner_s, step_s=step_s)
+                         graph=info.graph_size, graph_tokens=info.graph_tokens, runner_s=runner_s, step_s=step_s,
+                         device_s=self._device_s)
                 )
 
         def timed_step():
             if self.async_mode:
                 info = self.runner.last_step  # submitted by the previous call; this one returns its output
+                self._device_s = None
                 out = step_fn()
                 now = time.perf_counter()
                 if self._last_return is not None:
@@ -94,12 +105,20 @@ class StepRecorder:
             return out
 
         core.executor.execute_model = timed_execute
+        core.executor.take_output = timed_take
         llm.llm_engine.step = timed_step
 
     def start(self) -> None:
         self.steps.clear()
         self._last_return = None
         self.enabled = True
+        if self.device_times:
+            self.runner.time_steps = True
+
+    def stop(self) -> None:
+        self.enabled = False
+        if self.device_times:
+            self.runner.time_steps = self.runner.config.scheduler_config.submit_just_in_time
 
 
 def _cuda_sync():
@@ -149,6 +168,46 @@ def decode_roofline(steps: list[dict], weight_bytes: int, kv_bytes_per_token: in
     }
 
 
+def decode_profile(steps: list[dict], kv_bytes_per_token: int, bw: float) -> dict:
+    """Pure-decode steps by batch size: count, time, the share the device was busy, and a fit of device
+    time = fixed + KV bytes / rate, which splits a step into its per-step cost and its KV streaming."""
+    import numpy as np
+
+    dec = [s for s in steps if s["tokens"] == s["reqs"] and s.get("device_s")]
+    if len(dec) < 3:
+        return {}
+    out: dict = {"buckets": []}
+    for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 192), (193, 256), (257, 1 << 20)):
+        sel = [s for s in dec if lo <= s["reqs"] <= hi]
+        if not sel:
+            continue
+        dev = sum(s["device_s"] for s in sel)
+        kv = sum(s["ctx"] for s in sel) * kv_bytes_per_token
+        out["buckets"].append({
+            "reqs": f"{lo}-{hi}", "steps": len(sel), "step_s": sum(s["step_s"] for s in sel), "device_s": dev,
+            "mean_device_ms": 1e3 * dev / len(sel), "kv_frac_of_copy": kv / dev / bw,
+        })
+    x = np.array([s["ctx"] * kv_bytes_per_token for s in dec], dtype=np.float64)
+    y = np.array([s["device_s"] for s in dec])
+    a = np.vstack([np.ones_like(x), x]).T
+    (fixed, per_byte), *_ = np.linalg.lstsq(a, y, rcond=None)
+    out["fit_fixed_ms"] = 1e3 * fixed
+    out["fit_kv_rate_frac_of_copy"] = 1.0 / per_byte / bw if per_byte > 0 else None
+    out["decode_step_s"] = sum(s["step_s"] for s in dec)
+    out["decode_device_s"] = sum(s["device_s"] for s in dec)
+    return out
+
+
+def print_decode_profile(p: dict) -> None:
+    if not p:
+        return
+    print(f"  decode steps: {p['decode_step_s']:.2f} s wall, {p['decode_device_s']:.2f} s on the device; fit: "
+          f"{p['fit_fixed_ms']:.3f} ms a step + KV at {p['fit_kv_rate_frac_of_copy']:.0%} of the copy rate")
+    for b in p["buckets"]:
+        print(f"    batch {b['reqs']:>9s}: {b['steps']:5d} steps  {b['step_s']:6.2f} s wall  {b['device_s']:6.2f} s device"
+              f"  {b['mean_device_ms']:6.2f} ms/step  KV {b['kv_frac_of_copy']:5.0%} of copy")
+
+
 def run_generate(llm, reqs: list[tuple[list[int], int]], recorder: StepRecorder | None = None) -> dict:
     from pagedllm import SamplingParams
 
@@ -161,7 +220,7 @@ def run_generate(llm, reqs: list[tuple[list[int], int]], recorder: StepRecorder 
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     if recorder is not None:
-        recorder.enabled = False
+        recorder.stop()
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     want = sum(o for _, o in reqs)
     if num_out != want:

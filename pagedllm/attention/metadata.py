@@ -27,6 +27,9 @@ class AttentionMetadata:
     # Host copies, so reference paths can slice per request without a device sync.
     query_start_loc_cpu: list[int]  # [B + 1]
     seq_lens_cpu: list[int]  # [B]
+    # [B] int32 on the model's device, or None: the order in which a pure-decode launch takes its
+    # requests (longest context first balances the launch); fast backends may use it, results are the same.
+    decode_order: torch.Tensor | None = None
     # What a backend derives from this step's batch alone (gather indices, masks), computed by the
     # first layer and reused by the others; keyed by the backend. Not part of the batch description.
     step_cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)

@@ -1,7 +1,7 @@
 """Persistent step-input buffers: one pinned host staging area mirrored on the device, filled by one H2D copy.
 
 Every array a step needs (token ids, positions, slot mapping, query starts, sequence lengths, the
-block table, the rows to sample, where to copy tokens the previous step is still sampling) is packed
+block table, the longest-first request order, the rows to sample, where to copy tokens the previous step is still sampling) is packed
 back to back into one host buffer and sent to the device in a single non-blocking copy. The packing
 depends only on (tokens, requests, block-table width, sampled rows, pending tokens), and the last two
 come last, so a batch padded to a given (tokens, requests) shape always lands at the same device
@@ -29,6 +29,7 @@ _SECTIONS: tuple[tuple[str, np.dtype], ...] = (
     ("query_start_loc", np.dtype(np.int32)),
     ("seq_lens", np.dtype(np.int32)),
     ("block_table", np.dtype(np.int32)),
+    ("decode_order", np.dtype(np.int32)),
     ("logits_indices", np.dtype(np.int64)),
     ("pending_dst", np.dtype(np.int64)),
     ("pending_src", np.dtype(np.int64)),
@@ -51,6 +52,7 @@ def step_layout(
         "query_start_loc": num_reqs + 1,
         "seq_lens": num_reqs,
         "block_table": num_reqs * block_width,
+        "decode_order": num_reqs,
         "logits_indices": num_logits,
         "pending_dst": num_pending,
         "pending_src": num_pending,
@@ -73,6 +75,7 @@ class DeviceInputs:
     query_start_loc: torch.Tensor  # [Bp + 1] int32
     seq_lens: torch.Tensor  # [Bp] int32, 0 on padding requests
     block_table: torch.Tensor  # [Bp, W] int32
+    decode_order: torch.Tensor  # [Bp] int32: requests by decreasing sequence length (padding last)
     logits_indices: torch.Tensor  # [S] int64
     pending_dst: torch.Tensor  # [P] int64: input_ids rows to fill from the previous step's sampled ids
     pending_src: torch.Tensor  # [P] int64: rows of those sampled ids
@@ -177,6 +180,9 @@ class StepBuffers:
         table[:num_reqs, :w] = b.block_table
         table[:num_reqs, w:] = 0
         table[num_reqs:] = 0
+        # Decode attention takes requests in this order: the longest contexts start first, so the
+        # short ones fill the launch's tail instead of one long request finishing alone.
+        view("decode_order", i32)[:] = np.argsort(-seq_lens, kind="stable")
         if num_logits:
             view("logits_indices", i64)[:] = b.logits_indices
         if num_pending:

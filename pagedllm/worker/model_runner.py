@@ -157,6 +157,7 @@ class ModelRunner:
             # Only the reference backend reads these, and it is never captured.
             query_start_loc_cpu=list(range(num_reqs + 1)),
             seq_lens_cpu=[0] * num_reqs,
+            decode_order=dev.decode_order,
         )
 
     def _static_decode_forward(self, num_reqs: int) -> torch.Tensor:  # -> [num_reqs, H]
@@ -222,6 +223,7 @@ class ModelRunner:
             slot_mapping=dev.slot_mapping,
             query_start_loc_cpu=b.query_start_loc.tolist(),
             seq_lens_cpu=b.seq_lens.tolist(),
+            decode_order=dev.decode_order if b.is_pure_decode else None,
         )
 
     @staticmethod

@@ -107,6 +107,30 @@ def test_split_decode_under_a_length_bound(window):
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_order_changes_nothing(num_splits):
+    # Programs taking requests longest-first (the runner's decode_order) give the same bits and cache.
+    reqs = [(33, 1), (0, 1), (70, 1), (16, 1), (5, 1)]
+    query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, torch.float32, 12, 0,
+                                                                 device=DEVICE)
+    md = metadata()
+    order = torch.argsort(-md.seq_lens.long(), stable=True).to(torch.int32)
+    assert order.tolist() != list(range(len(reqs)))
+    outs = []
+    for decode_order in (None, order):
+        impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
+        impl.num_splits = num_splits
+        cache = kv_cache.clone()
+        outs.append((impl.forward(query, key, value, cache, dataclasses.replace(md, decode_order=decode_order)), cache))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+    # The order is really followed: sending every program to request 0 leaves the others unserved.
+    impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
+    impl.num_splits = num_splits
+    bad = impl.forward(query, key, value, kv_cache.clone(), dataclasses.replace(md, decode_order=torch.zeros_like(order)))
+    assert torch.equal(bad[0], outs[0][0][0]) and not torch.equal(bad, outs[0][0])
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_kv_write_fused_or_separate_is_identical(num_splits):
     # Pure decode stores the new K/V inside the attention launch; the separate write must agree bit for bit.
     reqs = [(33, 1), (0, 1), (70, 1), (16, 1)]

@@ -172,9 +172,11 @@ def test_step_buffers_pad_a_decode_batch_onto_the_graph_views():
     _eq(dev.seq_lens, [4, 5, 6, 0])
     _eq(dev.block_table, [[1, 2, 0, 0, 0], [4, 5, 0, 0, 0], [7, 8, 0, 0, 0], [0, 0, 0, 0, 0]])
     _eq(dev.logits_indices, [0, 1, 2])
+    _eq(dev.decode_order, [2, 1, 0, 3])  # longest context first, padding last
     # The graph of size 4 reads exactly these addresses.
     views = bufs.decode_views(4)
-    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table"):
+    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table",
+                 "decode_order"):
         assert getattr(views, name).data_ptr() == getattr(dev, name).data_ptr(), name
         assert getattr(views, name).shape == getattr(dev, name).shape, name
     # Unpadded, compact: the table keeps the batch's own width.

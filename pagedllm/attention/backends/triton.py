@@ -72,6 +72,7 @@ class TritonImpl(AttentionImpl):
             new_kv=new_kv,
             rope=rope,
             qk_norm=qk_norm,
+            decode_order=md.decode_order if md.max_query_len == 1 else None,
         )
         return out
 

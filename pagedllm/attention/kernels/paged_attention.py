@@ -7,6 +7,7 @@ import triton.language as tl
 
 from pagedllm.attention.kernels.launch_config import KernelConfig, choose_num_splits, default_config, device_sm_count
 from pagedllm.attention.kernels.decode_qk import transform_heads, transform_new_k
+from pagedllm.attention.kernels.split_reduce import _reduce_splits_kernel
 from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 from pagedllm.kernel_math import exact_rounding
 
@@ -138,6 +139,7 @@ def _paged_attention_kernel(
     block_table_ptr,  # [B, max_blocks_per_req] int32
     seq_lens_ptr,  # [B] int32
     query_start_loc_ptr,  # [B + 1] int32
+    order_ptr,  # [B] int32 request of each decode program (ORDERED only)
     new_k_ptr,  # [T, Hkv, D] this step's keys, last dim contiguous (WRITE_KV only)
     new_v_ptr,  # [T, Hkv, D] this step's values (WRITE_KV only)
     slot_mapping_ptr,  # [T] int64 cache slot of each new token, < 0 for padding (WRITE_KV only)
@@ -172,6 +174,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     DECODE_ONLY: tl.constexpr,  # every request has exactly one query token: program i serves request i
+    ORDERED: tl.constexpr,  # (DECODE_ONLY) program i serves request order[i] instead
     WRITE_KV: tl.constexpr,  # (DECODE_ONLY) also store the new token's K/V into the cache
     ROPE: tl.constexpr,  # (WRITE_KV) q and the new k arrive unrotated: rotate them here (neox)
     ROT_HALF: tl.constexpr,  # rotary channels / 2 (ROPE only)
@@ -187,9 +190,12 @@ def _paged_attention_kernel(
     split = tl.program_id(2)
 
     if DECODE_ONLY:
-        # Token i is request i: no lookup, and no dependent loads before the cache reads start.
-        req = pid
-        q_start = pid
+        # Token i is request i: no search, and at most one dependent load before the cache reads start.
+        if ORDERED:
+            req = tl.load(order_ptr + pid)
+        else:
+            req = pid
+        q_start = req
         q_len = 1
         q_tok0 = 0
     else:
@@ -302,48 +308,6 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _reduce_splits_kernel(
-    out_ptr,  # [T, Hq, D]
-    part_acc_ptr,  # [T, Hq, num_splits, D] fp32
-    part_ml_ptr,  # [T, Hq, num_splits, 2] fp32
-    num_q_heads,
-    num_splits,
-    stride_ot, stride_oh,
-    HEAD_SIZE: tl.constexpr,
-    HEAD_SIZE_P2: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
-    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
-):
-    wait_for_previous_kernel(USE_GDC, True)
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_P2)  # [SPLITS_P2]
-    split_valid = splits < num_splits
-    dims = tl.arange(0, HEAD_SIZE_P2)  # [HEAD_SIZE_P2]
-    dim_valid = dims < HEAD_SIZE
-    part_row = (tok * num_q_heads + head) * num_splits + splits  # [SPLITS_P2]
-
-    m = tl.load(part_ml_ptr + part_row * 2, mask=split_valid, other=float("-inf"))  # [SPLITS_P2]
-    l = tl.load(part_ml_ptr + part_row * 2 + 1, mask=split_valid, other=0.0)  # [SPLITS_P2]
-    m_max = tl.max(m, axis=0)
-    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_ref)  # [SPLITS_P2]; empty partitions weigh 0
-    acc = tl.load(  # [SPLITS_P2, HEAD_SIZE_P2]
-        part_acc_ptr + part_row[:, None] * HEAD_SIZE + dims[None, :],
-        mask=split_valid[:, None] & dim_valid[None, :],
-        other=0.0,
-    )
-    num = tl.sum(acc * w[:, None], axis=0)  # [HEAD_SIZE_P2]
-    den = tl.sum(l * w, axis=0)
-    den = tl.where(den == 0.0, 1.0, den)
-    tl.store(
-        out_ptr + tok * stride_ot + head * stride_oh + dims,
-        (num / den).to(out_ptr.dtype.element_ty),
-        mask=dim_valid,
-    )
-
-
 def paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -364,6 +328,7 @@ def paged_attention(
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     rope: tuple[torch.Tensor, float] | None = None,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float, float, bool] | None = None,
+    decode_order: torch.Tensor | None = None,  # [B] int32, a permutation of the requests
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of every query token over its request's paged context (cached prefix + causal self).
 
@@ -376,6 +341,8 @@ def paged_attention(
     unrotated and the kernel applies the neox rotary embedding at each request's last position.
     ``qk_norm`` = (q weight [D], k weight [D], q eps, k eps, gemma style), with ``new_kv`` only: q and
     the new keys come before their per-head RMSNorm (applied before the rotary embedding).
+    ``decode_order``: in a pure-decode batch, the order in which programs take the requests (longest
+    context first balances a ragged batch); the results do not depend on it.
     """
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -439,11 +406,15 @@ def paged_attention(
     pdl = pdl_launch_args(query)
     # fp32 inputs would otherwise go through TF32 tensor cores and miss fp32 parity.
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    ordered = decode_only and decode_order is not None
+    if ordered:
+        assert decode_order.dtype == torch.int32 and decode_order.shape[0] >= num_reqs
     grid = (num_reqs if decode_only else num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         out, part_acc, part_ml,
         query, k_cache, v_cache,
         block_table, seq_lens, query_start_loc,
+        decode_order if ordered else seq_lens,
         new_k, new_v, slot_mapping,
         inv_freq, rope_scaling,
         q_w, k_w, float(q_eps), float(k_eps),
@@ -470,6 +441,7 @@ def paged_attention(
         DOT_PRECISION=dot_precision,
         SEARCH_BLOCK=_SEARCH_BLOCK,
         DECODE_ONLY=decode_only,
+        ORDERED=ordered,
         WRITE_KV=new_kv is not None,
         ROPE=rope is not None,
         ROT_HALF=inv_freq.numel() if rope is not None else 1,
