@@ -4,9 +4,10 @@
 
 Variants set environment switches over the defaults (``base``): ``nopdl`` is PAGEDLLM_PDL=0 (no
 programmatic dependent launch, which is on by default on sm90), ``gemm`` is PAGEDLLM_TRITON_GEMM=1 (the skinny GEMM for 2-256-token products), and ``qknorm`` turns on
-the Qwen3 q/k RMSNorm inside the decode attention kernel (``TritonImpl.fuse_decode_qk_norm``). Each variant runs
+the Qwen3 q/k RMSNorm inside the decode attention kernel (``TritonImpl.fuse_decode_qk_norm``), and ``noorder`` has
+decode attention take requests in batch order instead of longest context first (``TritonImpl.use_decode_order``). Each variant runs
 (1) workload 3, Llama-3-8B batch 1, 1000-token prompt, time per output token, and (2) workload 1,
-Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s. Random weights, bf16, greedy. Prints a
+Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s; with ``--workload2`` also (3) workload 2. Random weights, bf16, greedy. Prints a
 table of both figures per variant and their ratio to ``base``; writes one JSON file.
 ``--smoke`` runs the same code with a tiny model on the CPU (switches are then inert).
 """
@@ -29,7 +30,10 @@ VARIANTS = {
     # Not an environment switch of the engine: this script's child turns on TritonImpl.fuse_decode_qk_norm.
     "qknorm": {"BENCH_FUSE_DECODE_QK_NORM": "1"},
     "all": {"PAGEDLLM_TRITON_GEMM": "1", "BENCH_FUSE_DECODE_QK_NORM": "1"},
+    # This script's child turns off TritonImpl.use_decode_order (decode programs in batch order).
+    "noorder": {"BENCH_NO_DECODE_ORDER": "1"},
 }
+_BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK_NORM", "BENCH_NO_DECODE_ORDER")
 
 
 def run_variant(args) -> dict:
@@ -39,14 +43,23 @@ def run_variant(args) -> dict:
 
     from pagedllm.benchmarks.latency import measure_latency
 
-    if os.environ.get("BENCH_FUSE_DECODE_QK_NORM") == "1":
-        from pagedllm.attention.backends.triton import TritonImpl
+    from pagedllm.attention.backends.triton import TritonImpl
 
+    if os.environ.get("BENCH_FUSE_DECODE_QK_NORM") == "1":
         TritonImpl.fuse_decode_qk_norm = True
+    if os.environ.get("BENCH_NO_DECODE_ORDER") == "1":
+        TritonImpl.use_decode_order = False
     out: dict = {}
     llama = make_llm(args.smoke_model or LLAMA, args.smoke)
     in_len, out_len = (1000, 256) if not args.smoke else (20, 8)
     out["batch1"] = measure_latency(llama, 1, in_len, out_len, num_iters=2, num_warmup=1)
+    if args.workload2:
+        from gpu_measure import workload_fixed
+
+        n, il, ol = (256, 1000, 1000) if not args.smoke else (12, 40, 30)
+        warm_up(llama)
+        reqs = workload_fixed(llama.llm_engine.config.model_config.vocab_size, n, il, ol)
+        out["workload2"] = run_generate(llama, reqs)
     llama.llm_engine.engine_core.shutdown()
     del llama
     import gc
@@ -71,6 +84,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script itself")
     ap.add_argument("--smoke-model", default=None)
     ap.add_argument("--timeout-s", type=float, default=240.0, help="per variant")
+    ap.add_argument("--workload2", action="store_true", help="also run workload 2 (Llama-3-8B 256 x 1000/1000)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -81,11 +95,10 @@ def main() -> None:
 
     results: dict = {}
     for name in [v for v in args.variants.split(",") if v]:
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK_NORM")}
+        env = {k: v for k, v in os.environ.items() if k not in _BENCH_SWITCHES}
         env.update(VARIANTS[name])
         path = os.path.join(args.out, f"switch_{name}.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", path]
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", path] + (["--workload2"] if args.workload2 else [])
         if args.smoke:
             cmd += ["--smoke", "--smoke-model", args.smoke_model]
         t0 = time.time()
@@ -110,7 +123,12 @@ def main() -> None:
         tpot, tps = res["batch1"]["tpot_ms"], res["workload1"]["output_tok_per_s"]
         r1 = base["batch1"]["tpot_ms"] / tpot if "batch1" in base else float("nan")
         r2 = tps / base["workload1"]["output_tok_per_s"] if "workload1" in base else float("nan")
-        print(f"{name:10s} {tpot:20.3f} {r1:8.3f} {tps:15.0f} {r2:8.3f}")
+        line = f"{name:10s} {tpot:20.3f} {r1:8.3f} {tps:15.0f} {r2:8.3f}"
+        if "workload2" in res:
+            w2 = res["workload2"]["output_tok_per_s"]
+            r3 = w2 / base["workload2"]["output_tok_per_s"] if "workload2" in base else float("nan")
+            line += f"  | 8B wl2 {w2:7.0f} tok/s ({r3:5.3f})"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import torch
 
 from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes, token_capture_sizes
+from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes, token_capture_sizes, warm_up_sizes
 from pagedllm.worker.gpu_buffers import StepBuffers, step_layout
 from pagedllm.worker.input_batch import InputBatch, is_plain_greedy
 
@@ -242,3 +242,11 @@ def test_capture_sizes_and_buckets():
     assert capture_sizes(12) == [1, 2, 4, 8, 12]
     runner = CudaGraphRunner(capture_sizes(12), capture=False)
     assert [runner.bucket_for(n) for n in (1, 3, 5, 9, 12, 13)] == [1, 4, 8, 12, 12, None]
+
+
+def test_only_the_largest_size_of_each_specialisation_class_is_warmed_up_eagerly():
+    assert warm_up_sizes(capture_sizes(256)) == {256, 8, 1}
+    assert warm_up_sizes(token_capture_sizes(8192)) == {8192}
+    # A cap off the multiples of 16 is its own class; the multiples below it still need one warm-up.
+    assert warm_up_sizes(capture_sizes(100)) == {100, 64, 1}
+    assert warm_up_sizes(token_capture_sizes(2050)) == {2050, 2048}

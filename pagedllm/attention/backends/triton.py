@@ -18,6 +18,8 @@ class TritonImpl(AttentionImpl):
     fuse_decode_kv_write: bool = True
     # ... and may apply the per-head q/k RMSNorm there too (Qwen3, Gemma 3); off until measured on a GPU.
     fuse_decode_qk_norm: bool = False
+    # Pure-decode launches take requests longest context first when the metadata gives that order.
+    use_decode_order: bool = True
 
     def forward(
         self,
@@ -72,7 +74,7 @@ class TritonImpl(AttentionImpl):
             new_kv=new_kv,
             rope=rope,
             qk_norm=qk_norm,
-            decode_order=md.decode_order if md.max_query_len == 1 else None,
+            decode_order=md.decode_order if md.max_query_len == 1 and self.use_decode_order else None,
         )
         return out
 
