@@ -1,0 +1,81 @@
+"""Device time of one sampling step on CUDA for the common request settings (greedy, temperature, top-k, top-p).
+
+    PYTHONPATH=$PWD python3 benchmarks/sampler_paths.py [--out DIR]
+
+Logits are random normal (std 3) in float32, [B, V] with V of Qwen3 (151,936) and Llama 3 (128,256).
+Each case builds its SamplingMetadata once (host time reported apart) and times ``Sampler.forward``
+with CUDA events: median of 20 calls after 3 warm-up calls. Compare with a decode step of the same
+batch (docs/benchmarks.md): a sampling path that costs a large part of a step is worth a kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+CASES = {
+    "greedy": dict(temperature=0.0),
+    "temperature 0.6": dict(temperature=0.6),
+    "t 0.6, top_k 50": dict(temperature=0.6, top_k=50),
+    "t 0.6, top_p 0.95": dict(temperature=0.6, top_p=0.95),
+    "t 0.8, top_k 100, top_p 0.9": dict(temperature=0.8, top_k=100, top_p=0.9),
+    "t 0.6, top_k 2000, top_p 0.95": dict(temperature=0.6, top_k=2000, top_p=0.95),
+    "t 0.6, min_p 0.05": dict(temperature=0.6, min_p=0.05),
+}
+
+
+def time_case(batch: int, vocab: int, params_kw: dict, device: torch.device) -> dict:
+    from pagedllm import SamplingParams
+    from pagedllm.sample.metadata import build_sampling_metadata
+    from pagedllm.sample.sampler import Sampler
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(batch, vocab, generator=gen, device=device) * 3.0
+    params = [SamplingParams(**params_kw) for _ in range(batch)]
+    t0 = time.perf_counter()
+    md = build_sampling_metadata(params, [[1, 2, 3]] * batch, [[]] * batch, list(range(batch)), vocab, device)
+    torch.cuda.synchronize()
+    host_ms = 1e3 * (time.perf_counter() - t0)
+    sampler = Sampler()
+    for _ in range(3):
+        sampler(logits, md)
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        sampler(logits, md)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return {"device_ms": statistics.median(times), "metadata_host_ms": host_ms}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--vocabs", default="151936,128256")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("sampler_paths: no CUDA device; nothing to time")
+        return
+    device = torch.device("cuda")
+    rows = []
+    print(f"{'case':32s} {'batch':>6s} {'vocab':>7s} {'device ms':>10s} {'metadata host ms':>17s}")
+    for vocab in (int(v) for v in args.vocabs.split(",")):
+        for batch in (int(b) for b in args.batches.split(",")):
+            for name, kw in CASES.items():
+                r = time_case(batch, vocab, kw, device)
+                rows.append({"case": name, "batch": batch, "vocab": vocab, **r})
+                print(f"{name:32s} {batch:6d} {vocab:7d} {r['device_ms']:10.3f} {r['metadata_host_ms']:17.2f}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "sampler_paths.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
