@@ -9,7 +9,7 @@ from pagedllm.sample.argmax import argmax_rows
 from pagedllm.sample.logprobs import LogprobsTensors, gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.penalties import needs_processing, process_logits_
-from pagedllm.sample.rng import add_gumbel_, gumbel
+from pagedllm.sample.rng import gumbel, gumbel_argmax
 from pagedllm.sample.truncation import (
     apply_min_p_,
     apply_top_k_only_,
@@ -85,12 +85,12 @@ class Sampler(torch.nn.Module):
             drawn = ids.gather(1, values.argmax(dim=-1, keepdim=True)).squeeze(1)
         else:
             if top_p is not None:
-                rows = apply_top_k_top_p(rows, top_k, top_p)
+                apply_top_k_top_p(rows, top_k, top_p, md.max_top_k)
             elif top_k is not None:
                 apply_top_k_only_(rows, top_k, md.max_top_k)
             if min_p is not None:
                 apply_min_p_(rows, min_p)
-            drawn = add_gumbel_(rows, key0, key1).argmax(dim=-1)
+            drawn = gumbel_argmax(rows, key0, key1)
 
         if greedy is None:
             return drawn

@@ -21,24 +21,63 @@ def apply_top_k_only_(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int)
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor, max_top_k: int = 0
 ) -> torch.Tensor:
-    """logits [R, V], top_k [R] int64 (V = disabled) or None, top_p [R] float32 (1.0 = disabled).
-    Returns new logits [R, V].
+    """logits [R, V] (modified), top_k [R] int64 (V = disabled) or None, top_p [R] float32 (1.0 = disabled),
+    max_top_k the largest enabled top_k (0: none). Returns logits.
 
-    Works on an ascending sort: top-k drops everything below the k-th largest value, then top-p drops
-    the low tail whose total probability (after top-k) is at most 1 - p, always keeping the top token.
+    Top-k drops everything below the k-th largest value. Top-p then keeps, in decreasing order, each
+    token whose better tokens hold less than p of the probability left after top-k (the top token
+    always); tokens tied with the last one kept are kept too, so the result depends on values only,
+    never on how a sort orders ties. Both become one threshold per row, applied in place.
+
+    Off CUDA, the threshold comes from the best tokens of each row (a top-k selection, widened until
+    it holds every row's boundary) instead of a sort of the whole vocabulary, which is ~20x slower there.
     """
     vocab_size = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=False)  # [R, V]
+    disabled = (top_p >= 1.0).unsqueeze(1)  # [R, 1]
+    if logits.is_cuda:
+        threshold = sorted_threshold_(logits, top_k, top_p)
+    else:
+        if top_k is not None and max_top_k > 0:
+            apply_top_k_only_(logits, top_k, max_top_k)
+        # Probabilities need the whole row's normaliser; the boundary needs only the best tokens.
+        row_max = logits.amax(dim=-1, keepdim=True)  # [R, 1]
+        norm = (logits - row_max).exp_().sum(dim=-1, keepdim=True)  # [R, 1]
+        width = min(vocab_size, _CPU_TOP_P_WIDTH)
+        while True:
+            ranked = logits.topk(width, dim=-1).values  # [R, width], descending
+            probs = (ranked - row_max).exp_().div_(norm)
+            # Past a window holding p of the mass every token is dropped, so the window decides.
+            if width == vocab_size or bool(((probs.sum(dim=-1, keepdim=True) >= top_p.unsqueeze(1)) | disabled).all()):
+                break
+            width = min(vocab_size, 4 * width)
+        threshold = _top_p_threshold(ranked, probs, top_p)
+    return logits.masked_fill_((logits < threshold) & ~disabled, _NEG_INF)
+
+
+def sorted_threshold_(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """The top-k/top-p threshold of each row from a full sort: applies top-k to logits [R, V] (modified)
+    and returns [R, 1] the smallest value top-p keeps. The CUDA path, and the CPU path's reference."""
+    vocab_size = logits.shape[-1]
+    ranked = logits.sort(dim=-1, descending=True).values  # [R, V]
     if top_k is not None:
-        kth = sorted_logits.gather(1, (vocab_size - top_k.clamp(1, vocab_size)).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
-    cum = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
-    drop = cum <= (1.0 - top_p).unsqueeze(1)
-    drop[:, -1] = False
-    sorted_logits.masked_fill_(drop, _NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        kth = ranked.gather(1, (top_k.clamp(1, vocab_size) - 1).unsqueeze(1))  # [R, 1]
+        ranked.masked_fill_(ranked < kth, _NEG_INF)
+        logits.masked_fill_(logits < kth, _NEG_INF)
+    return _top_p_threshold(ranked, ranked.softmax(dim=-1), top_p)
+
+
+# First width of the CPU top-p selection: real models' nuclei at usual settings fit in a few hundred.
+_CPU_TOP_P_WIDTH = 1024
+
+
+def _top_p_threshold(ranked: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """ranked [R, W] values in decreasing order and probs [R, W] their probabilities (holding each
+    row's boundary) -> [R, 1] the smallest value top-p keeps."""
+    mass_before = probs.cumsum(dim=-1) - probs
+    kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)  # [R, 1]
+    return ranked.gather(1, kept - 1)
 
 
 def apply_min_p_(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -58,16 +97,13 @@ def truncate_candidates_(
     (from topk; modified), top_k [R] int64 <= K, top_p / min_p [R] float32 or None. Returns values.
 
     The same rules as the [R, V] path: tokens below the k-th value go, then those whose better
-    tokens already hold at least p of the probability, then those below min_p * p_max.
+    tokens already hold at least p of the probability (ties with the last kept one stay), then those
+    below min_p * p_max.
     """
     kth = values.gather(1, (top_k - 1).unsqueeze(1))
     values.masked_fill_(values < kth, _NEG_INF)
     if top_p is not None:
-        probs = values.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop = mass_before >= top_p.unsqueeze(1)
-        drop[:, 0] = False
-        values.masked_fill_(drop, _NEG_INF)
+        values.masked_fill_(values < _top_p_threshold(values, values.softmax(dim=-1), top_p), _NEG_INF)
     if min_p is not None:
         values.masked_fill_(values < values[:, :1] + min_p.log().unsqueeze(1), _NEG_INF)
     return values

@@ -319,3 +319,28 @@ def test_allowed_token_ids_only_picks_allowed():
               for i in range(N)]
     toks, _ = run(params, logits)
     assert set(toks[1::2]) == set(allowed)
+
+
+@pytest.mark.parametrize("scale", [0.05, 3.0, 12.0])
+def test_cpu_top_p_window_keeps_what_the_full_sort_keeps(scale):
+    # The CPU path finds each row's top-p threshold among its best tokens (widening the window for flat
+    # rows); the full sort (the CUDA path) must keep exactly the same tokens, ties at the threshold included.
+    from pagedllm.sample.truncation import apply_top_k_top_p, sorted_threshold_
+
+    g = torch.Generator().manual_seed(int(scale * 100))
+    V = 5000
+    logits = (torch.randn(8, V, generator=g) * scale).to(torch.bfloat16).float()  # bf16 values: many ties
+    top_k = torch.tensor([V, 40, V, 2000, V, 7, V, V])
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.95, 0.3, 1.0, 0.999, 0.6])
+    got = apply_top_k_top_p(logits.clone(), top_k, top_p, max_top_k=2000)
+    ref = logits.clone()
+    threshold = sorted_threshold_(ref, top_k, top_p)
+    ref.masked_fill_((ref < threshold) & (top_p < 1.0).unsqueeze(1), float("-inf"))
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    kept = (~torch.isinf(got)).sum(dim=1)
+    assert kept[2] == V and kept[5] >= 7  # top_p 1.0 keeps all that top-k left
+    # Ties at the threshold stay together: a kept value never also appears among the dropped ones.
+    for r in range(8):
+        kept_vals = set(logits[r][~torch.isinf(got[r])].tolist())
+        dropped = logits[r][torch.isinf(got[r])].tolist()
+        assert not kept_vals.intersection(dropped)

@@ -1,6 +1,7 @@
 """Tests for the counter-based random numbers behind seeded sampling."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedllm.sample.rng import bits_to_uniform, gumbel, random_bits, row_key, vocab_ids
@@ -62,3 +63,19 @@ def test_noise_for_chosen_ids_equals_noise_over_the_vocabulary():
     full = gumbel(k0, k1, vocab_ids(300, k0.device))
     ids = torch.randint(0, 300, (8, 17), generator=torch.Generator().manual_seed(0))
     assert torch.equal(gumbel(k0, k1, ids), full.gather(1, ids))
+
+
+@pytest.mark.parametrize("scale", [0.01, 3.0, 30.0])
+def test_gumbel_argmax_picks_what_noise_over_the_whole_vocabulary_picks(scale):
+    # Off CUDA, gumbel_argmax gives noise only to tokens that could still win (or to all, for flat rows);
+    # the pick must be the full computation's, first index among equal maxima included.
+    from pagedllm.sample.rng import gumbel_argmax
+
+    g = torch.Generator().manual_seed(int(scale * 10))
+    R, V = 12, 20000
+    logits = torch.randn(R, V, generator=g) * scale
+    logits[0, : V // 2] = float("-inf")
+    logits[1] = logits[1].round()  # many exact ties
+    k0, k1 = keys([(s, s % 5) for s in range(R)])
+    full = (logits + gumbel(k0, k1, vocab_ids(V, logits.device))).argmax(dim=-1)
+    assert torch.equal(gumbel_argmax(logits.clone(), k0, k1), full)
