@@ -31,12 +31,20 @@ def apply_top_k_top_p(
     always); tokens tied with the last one kept are kept too, so the result depends on values only,
     never on how a sort orders ties. Both become one threshold per row, applied in place.
 
-    Off CUDA, the threshold comes from the best tokens of each row (a top-k selection, widened until
-    it holds every row's boundary) instead of a sort of the whole vocabulary, which is ~20x slower there.
+    On CUDA a Triton kernel searches each row's thresholds in a few passes over it (top_p_triton.py);
+    off CUDA they come from the best tokens of each row (a top-k selection, widened until it holds
+    every row's boundary). A full sort of the vocabulary, the reference, is several times slower on both.
     """
     vocab_size = logits.shape[-1]
     disabled = (top_p >= 1.0).unsqueeze(1)  # [R, 1]
     if logits.is_cuda:
+        if logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            try:
+                from pagedllm.sample.top_p_triton import top_k_top_p_triton_
+            except ImportError:  # no Triton on this machine
+                pass
+            else:
+                return top_k_top_p_triton_(logits, top_k, top_p)
         threshold = sorted_threshold_(logits, top_k, top_p)
     else:
         if top_k is not None and max_top_k > 0:
