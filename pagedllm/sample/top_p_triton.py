@@ -1,16 +1,16 @@
-"""Triton top-k/top-p truncation without a sort: each row's thresholds found by a 16-way search over float keys.
+"""Triton top-k/top-p truncation without a sort: each row's threshold found by a 16-way search over float keys.
 
 The rule is truncation.apply_top_k_top_p's: top-k keeps values at or above the k-th largest; top-p
 then keeps each value whose strictly better tokens hold less than p of the probability left after
-top-k, ties with the last kept value included. Both are "keep key >= threshold" for one threshold per
-row, where a float's key is its bit pattern mapped to an unsigned order-preserving integer. The
-threshold is the smallest key kappa with F(kappa) < target, F(kappa) = sum of weights of keys above
-kappa (count 1 for top-k with target k; exp(l - max) for top-p with target p * sum). F is a step
-function that drops at element keys, so that smallest kappa is an element's own key. One program
-per row narrows [lo, hi] of the 2**32 key space 16-fold a pass (8 passes), reading the row each pass:
-about 11 passes for top-p against a full sort of the row, ~4x slower at 256 x 151,936 on an H200.
-Masses are summed in a different order than a sort's cumulative sum, so a token whose mass-before
-lies within float32 rounding of p may fall on the other side than in the sorted reference.
+top-k, ties with the last kept value included. Both are "keep values >= threshold" for one threshold
+per row. A float's key is its bit pattern mapped to an order-preserving integer; the threshold is the
+smallest key kappa with F(kappa) < target, F(kappa) = the summed weight of the keys above kappa (1 per
+token for top-k, target k; exp(x - max) for top-p, target p * sum). F drops only at the tokens' own
+keys, so that smallest kappa is a token's key. Each pass is one launch over (row, chunk of the
+vocabulary): it first finishes the previous pass (sums that row's chunk partials and narrows the row's
+key interval 16-fold), then weighs its chunk against the 16 new pivots. 8 passes cover the 2**32 keys.
+Masses are summed in another order than a sort's cumulative sum, so a token whose mass-before lies
+within float32 rounding of p may land on the other side than in the sorted reference.
 """
 from __future__ import annotations
 
@@ -18,93 +18,97 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 256
+_BLOCK = 256  # tokens per inner step
+_CHUNK = 4096  # tokens per program
 _WAYS = 16
 _PASSES = 8  # 16 ** 8 == 2 ** 32 keys
+_TOP = 0xFFFFFFFF
 
 
 @triton.jit
-def _key(x):
-    # Order-preserving map of float32 to [0, 2**32) as int64; -0.0 becomes +0.0 first (equal values, one key).
-    bits = (x + 0.0).to(tl.int32, bitcast=True)
-    u = bits.to(tl.int64) & 0xFFFFFFFF
-    return tl.where(bits < 0, 0xFFFFFFFF - u, u + 0x80000000)
+def _narrow(lo, hi, above, WAYS: tl.constexpr):
+    """The sub-interval of (lo, hi] holding the answer, from F at its WAYS pivots (non-increasing)."""
+    ways = (tl.arange(0, WAYS) + 1).to(tl.int64)
+    first = tl.min(tl.where(above < 0.0, ways, WAYS), axis=0)  # above holds F - target
+    width = hi - lo
+    return lo + (width * (first - 1)) // WAYS, lo + (width * first) // WAYS
 
 
 @triton.jit
-def _smallest_key_below_target(
-    base, vocab_size, target, row_max, floor_key,
-    MASS: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr, PASSES: tl.constexpr,
+def _search_pass_kernel(
+    logits_ptr,  # [R, V] float32, last dim contiguous
+    target_ptr,  # [R] float32
+    row_max_ptr,  # [R] float32 (MASS only)
+    state_in_ptr,  # [R, 2] int64: (lo, hi) after the previous pass (not FIRST)
+    state_out_ptr,  # [R, 2] int64: (lo, hi) after the previous pass, written by chunk 0
+    part_in_ptr,  # [R, C, WAYS] float32: the previous pass's chunk sums at its pivots (not FIRST)
+    part_out_ptr,  # [R, C, WAYS] float32: this pass's chunk sums (not FINISH)
+    vocab_size, stride_row, num_chunks,
+    MASS: tl.constexpr, FIRST: tl.constexpr, FINISH: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr, WAYS: tl.constexpr,
 ):
-    """Smallest key kappa with sum(weight of elements whose key > kappa) < target (a scalar > 0).
-    Weights: 1 per element (MASS False), or exp(x - row_max) for keys >= floor_key (MASS True)."""
-    offs = tl.arange(0, BLOCK)
-    ways = (tl.arange(0, WAYS) + 1).to(tl.int64)  # [WAYS] pivots j = 1..WAYS of each pass
-    lo = tl.zeros([], dtype=tl.int64)  # F(lo) >= target (lo 0 holds every finite element above it)
-    hi = tl.full([], 0xFFFFFFFF, dtype=tl.int64)  # F(hi) = 0 < target
-    for _ in range(PASSES):
-        width = hi - lo
-        pivots = lo + (width * ways) // WAYS  # [WAYS], the last one is hi
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    target = tl.load(target_ptr + row)
+    ways = (tl.arange(0, WAYS) + 1).to(tl.int64)
+    if FIRST:
+        lo = tl.zeros([], dtype=tl.int64)
+        hi = tl.full([], 0xFFFFFFFF, dtype=tl.int64)
+    else:
+        lo = tl.load(state_in_ptr + row * 2)
+        hi = tl.load(state_in_ptr + row * 2 + 1)
+        cs = tl.arange(0, 64)
+        above = tl.zeros([WAYS], dtype=tl.float32)
+        for c0 in range(0, num_chunks, 64):
+            rows_c = c0 + cs
+            part = tl.load(part_in_ptr + (row * num_chunks + rows_c)[:, None] * WAYS + tl.arange(0, WAYS)[None, :],
+                           mask=(rows_c < num_chunks)[:, None], other=0.0)  # [64, WAYS]
+            above += tl.sum(part, axis=0)
+        lo, hi = _narrow(lo, hi, above - target, WAYS)
+    if chunk == 0:
+        tl.store(state_out_ptr + row * 2, lo)
+        tl.store(state_out_ptr + row * 2 + 1, hi)
+    if not FINISH:
+        # Pivots as signed keys: an element's signed key s compares like its float.
+        pivots = (lo + (hi - lo) * ways // WAYS - 0x80000000).to(tl.int32)  # [WAYS]
+        row_max = 0.0
+        if MASS:
+            row_max = tl.load(row_max_ptr + row)
+        base = logits_ptr + row.to(tl.int64) * stride_row
+        offs = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK, WAYS], dtype=tl.float32)
-        for start in range(0, vocab_size, BLOCK):
+        for start in range(chunk * CHUNK, tl.minimum((chunk + 1) * CHUNK, vocab_size), BLOCK):
             idx = start + offs
             valid = idx < vocab_size
             x = tl.load(base + idx, mask=valid, other=float("-inf"))
-            key = _key(x)
+            bits = (x + 0.0).to(tl.int32, bitcast=True)  # + 0.0 turns -0.0 into +0.0
+            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
             if MASS:
-                w = tl.where(valid & (key >= floor_key), tl.exp(x - row_max), 0.0)
+                w = tl.where(valid, tl.exp(x - row_max), 0.0)
             else:
                 w = tl.where(valid, 1.0, 0.0)
             acc += tl.where(key[:, None] > pivots[None, :], w[:, None], 0.0)
-        above = tl.sum(acc, axis=0)  # [WAYS] F at each pivot, non-increasing
-        first = tl.min(tl.where(above < target, ways, WAYS), axis=0)
-        new_lo = lo + (width * (first - 1)) // WAYS
-        hi = lo + (width * first) // WAYS
-        lo = new_lo
-    return hi
+        tl.store(part_out_ptr + (row * num_chunks + chunk) * WAYS + tl.arange(0, WAYS), tl.sum(acc, axis=0))
 
 
-@triton.jit
-def _top_k_top_p_kernel(
-    logits_ptr,  # [R, V] float32, rewritten in place: -inf below each row's threshold
-    top_k_ptr,  # [R] int64, V where disabled (HAS_K only)
-    top_p_ptr,  # [R] float32, 1.0 where disabled
-    vocab_size,
-    stride_row,
-    HAS_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-    WAYS: tl.constexpr,
-    PASSES: tl.constexpr,
-):
-    row = tl.program_id(0)
-    base = logits_ptr + row.to(tl.int64) * stride_row
-    offs = tl.arange(0, BLOCK)
-    floor_key = tl.zeros([], dtype=tl.int64)  # keep keys >= floor_key; 0 keeps everything
-    if HAS_K:
-        k = tl.load(top_k_ptr + row)
-        if k < vocab_size:
-            floor_key = _smallest_key_below_target(base, vocab_size, k.to(tl.float32), 0.0, floor_key,
-                                                   False, BLOCK, WAYS, PASSES)
-    p = tl.load(top_p_ptr + row)
-    if p < 1.0:
-        row_max = tl.full([], float("-inf"), dtype=tl.float32)
-        for start in range(0, vocab_size, BLOCK):
-            x = tl.load(base + start + offs, mask=start + offs < vocab_size, other=float("-inf"))
-            row_max = tl.maximum(row_max, tl.max(x, axis=0))
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, vocab_size, BLOCK):
-            idx = start + offs
-            x = tl.load(base + idx, mask=idx < vocab_size, other=float("-inf"))
-            total += tl.where((idx < vocab_size) & (_key(x) >= floor_key), tl.exp(x - row_max), 0.0)
-        target = p * tl.sum(total, axis=0)
-        floor_key = tl.maximum(floor_key, _smallest_key_below_target(
-            base, vocab_size, target, row_max, floor_key, True, BLOCK, WAYS, PASSES))
-    if floor_key > 0:
-        for start in range(0, vocab_size, BLOCK):
-            idx = start + offs
-            valid = idx < vocab_size
-            x = tl.load(base + idx, mask=valid, other=0.0)
-            tl.store(base + idx, float("-inf"), mask=valid & (_key(x) < floor_key))
+def _threshold(logits: torch.Tensor, target: torch.Tensor, row_max: torch.Tensor | None) -> torch.Tensor:
+    """[R] float32: per row the smallest value whose strictly larger tokens weigh less than target."""
+    num_rows, vocab_size = logits.shape
+    num_chunks = triton.cdiv(vocab_size, _CHUNK)
+    parts = torch.empty(2, num_rows, num_chunks, _WAYS, dtype=torch.float32, device=logits.device)
+    states = torch.empty(2, num_rows, 2, dtype=torch.int64, device=logits.device)
+    for t in range(_PASSES + 1):
+        finish = t == _PASSES
+        _search_pass_kernel[(num_rows, 1 if finish else num_chunks)](
+            logits, target, row_max if row_max is not None else target,
+            states[(t + 1) % 2], states[t % 2], parts[(t + 1) % 2], parts[t % 2],
+            vocab_size, logits.stride(0), num_chunks,
+            MASS=row_max is not None, FIRST=t == 0, FINISH=finish,
+            BLOCK=_BLOCK, CHUNK=_CHUNK, WAYS=_WAYS, num_warps=4,
+        )
+    # The answer (hi) back to a float: unsigned key -> signed key -> float bits.
+    s = (states[_PASSES % 2, :, 1] - 0x80000000).to(torch.int32)
+    return (s ^ ((s >> 31) & 0x7FFFFFFF)).view(torch.float32)
 
 
 def top_k_top_p_triton_(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
@@ -114,8 +118,10 @@ def top_k_top_p_triton_(logits: torch.Tensor, top_k: torch.Tensor | None, top_p:
     assert logits.dtype == torch.float32 and logits.stride(-1) == 1
     if num_rows == 0:
         return logits
-    _top_k_top_p_kernel[(num_rows,)](
-        logits, top_k.contiguous() if top_k is not None else top_p, top_p.contiguous(), vocab_size, logits.stride(0),
-        HAS_K=top_k is not None, BLOCK=_BLOCK, WAYS=_WAYS, PASSES=_PASSES, num_warps=4,
-    )
-    return logits
+    if top_k is not None:
+        kth = _threshold(logits, top_k.to(torch.float32), None)
+        logits.masked_fill_((logits < kth.unsqueeze(1)) & (top_k < vocab_size).unsqueeze(1), float("-inf"))
+    row_max = logits.amax(dim=-1)  # [R]
+    total = (logits - row_max.unsqueeze(1)).exp_().sum(dim=-1)  # [R]
+    threshold = _threshold(logits, top_p * total, row_max)
+    return logits.masked_fill_((logits < threshold.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1), float("-inf"))
