@@ -33,7 +33,8 @@ def apply_top_k_top_p(
 
     On CUDA a Triton kernel searches each row's thresholds in a few passes over it (top_p_triton.py);
     off CUDA they come from the best tokens of each row (a top-k selection, widened until it holds
-    every row's boundary). A full sort of the vocabulary, the reference, is several times slower on both.
+    every row's boundary). A full sort of the vocabulary, the reference, is slower on both (1.8x on an
+    H200 at 256 x 151,936, ~20x on a CPU).
     """
     vocab_size = logits.shape[-1]
     disabled = (top_p >= 1.0).unsqueeze(1)  # [R, 1]
