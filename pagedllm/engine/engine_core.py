@@ -37,8 +37,8 @@ class EngineCore:
         # Asynchronous mode: the step submitted to the executor whose output has not been applied yet.
         self._in_flight: SchedulerOutput | None = None
         # Just-in-time submission (asynchronous mode): device seconds of a pure-decode step by batch size,
-        # host seconds to schedule a step and queue its forward pass, and when the last step's output arrived (which is
-        # when the device moved on to the step in flight).
+        # host seconds to schedule a step and queue its forward pass, and when the last step's output
+        # arrived (which is when the device moved on to the step in flight).
         self._jit = self.async_scheduling and config.scheduler_config.submit_just_in_time
         self._decode_device_s: dict[int, float] = {}
         self._submit_host_s = 0.0

@@ -3,6 +3,8 @@
 on the order requests arrive in, or on preemption and recomputation."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _M32 = 0xFFFFFFFF
@@ -91,6 +93,7 @@ def vocab_ids(vocab_size: int, device: torch.device) -> torch.Tensor:
     return torch.arange(vocab_size, dtype=torch.int64, device=device)
 
 
+@functools.cache
 def _max_noise() -> float:
     """The largest value ``gumbel`` can return (from the largest uniform), computed with its own ops."""
     top = torch.tensor([[_M32]], dtype=torch.int64)
