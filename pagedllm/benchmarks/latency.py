@@ -24,6 +24,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters", type=int, default=3, help="timed runs per batch size (median)")
     parser.add_argument("--num-iters-warmup", type=int, default=1)
     parser.add_argument("--output-json", type=str, default=None)
+    parser.add_argument("--plot", type=str, default=None, help="write a PNG of the results here (the bench extra)")
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -96,7 +97,9 @@ def measure_latency(
 
 def run(args: argparse.Namespace) -> list[dict]:
     from pagedllm import LLM
+    from pagedllm.benchmarks.plots import plot_latency, require_matplotlib
 
+    require_matplotlib(args.plot)
     sizes = parse_batch_sizes(args.batch_size)
     if args.output_len < 1 or args.input_len < 1:
         raise ValueError("--input-len and --output-len must be >= 1")
@@ -117,4 +120,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"model": engine_args.model, "startup_s": startup_s, "results": results}, f, indent=2)
+    if args.plot:
+        plot_latency(args.plot, results)
     return results

@@ -65,7 +65,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     parser.add_argument("--output-json", type=str, default=None)
-    parser.add_argument("--plot", type=str, default=None, help="PNG of latencies (needs matplotlib)")
+    parser.add_argument("--plot", type=str, default=None, help="write a PNG of the latencies here (the bench extra)")
 
 
 def make_prompts(dataset: str, n: int, input_len: int, output_len: int, range_ratio: float, seed: int) -> list[BenchPrompt]:
@@ -271,30 +271,16 @@ def _print(summary: dict) -> None:
 
 
 def _plot(path: str, results: list[RequestResult]) -> None:
-    try:
-        import matplotlib
+    from pagedllm.benchmarks.plots import plot_serve
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed; skipping the plot {path}")
-        return
     ok = [r for r in results if r.ok]
-    t0 = min((r.start for r in ok), default=0.0)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].scatter([r.start - t0 for r in ok], [r.ttft * 1000 for r in ok], s=8)
-    axes[0].set(xlabel="request start (s)", ylabel="TTFT (ms)", title="Time to first token")
-    axes[1].hist([g * 1000 for r in ok for g in r.itl] or [0], bins=50)
-    axes[1].set(xlabel="ms", ylabel="count", title="Inter-token latency")
-    axes[2].scatter([r.start - t0 for r in ok], [r.e2e for r in ok], s=8)
-    axes[2].set(xlabel="request start (s)", ylabel="E2E (s)", title="End-to-end latency")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    print(f"plot written to {path}")
+    plot_serve(path, [r.start for r in ok], [r.ttft for r in ok], [g for r in ok for g in r.itl], [r.e2e for r in ok])
 
 
 def run(args: argparse.Namespace) -> dict:
+    from pagedllm.benchmarks.plots import require_matplotlib
+
+    require_matplotlib(args.plot)
     summary, results = asyncio.run(benchmark(args))
     _print(summary)
     if args.output_json:

@@ -16,12 +16,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument("--output-json", type=str, default=None)
+    parser.add_argument("--plot", type=str, default=None, help="write a PNG of the results here (the bench extra)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
 def run(args: argparse.Namespace) -> dict:
     from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks.plots import plot_throughput, require_matplotlib
 
+    require_matplotlib(args.plot)
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.load_format == "dummy" and engine_args.tokenizer is None:
         # Random weights usually come from a bare config.json: no tokenizer to load.
@@ -39,7 +42,7 @@ def run(args: argparse.Namespace) -> dict:
             )
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len, detokenize=not engine_args.skip_tokenizer_init) for r in reqs]
-    t0 = time.perf_counter()
+    t0, start = time.perf_counter(), time.monotonic()
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
     elapsed = time.perf_counter() - t0
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -65,4 +68,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
+    if args.plot:
+        plot_throughput(args.plot, start, [o.metrics["arrival_time"] for o in outputs],
+                        [o.metrics["finished_time"] for o in outputs])
     return result

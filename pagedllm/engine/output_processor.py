@@ -59,6 +59,7 @@ class _RequestState:
         self.num_cached_tokens = 0
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+        self.finished_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -147,6 +148,8 @@ class OutputProcessor:
             touched[parent_id] = st
         results = []
         for pid, st in touched.items():
+            if st.finished and st.finished_time is None:
+                st.finished_time = time.monotonic()
             if st.kind is OutputKind.FINAL_ONLY and not st.finished:
                 continue
             results.append(self._make_output(st))
@@ -197,5 +200,8 @@ class OutputProcessor:
             outputs=completions,
             finished=st.finished,
             num_cached_tokens=st.num_cached_tokens,
-            metrics={"arrival_time": st.arrival_time, "first_token_time": st.first_token_time},
+            metrics={
+                "arrival_time": st.arrival_time, "first_token_time": st.first_token_time,
+                "finished_time": st.finished_time,
+            },
         )
