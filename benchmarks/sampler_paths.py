@@ -1,11 +1,12 @@
-"""Device time of one sampling step on CUDA for the common request settings (greedy, temperature, top-k, top-p).
+"""Time of one sampling step for the common request settings (greedy, temperature, top-k, top-p).
 
     PYTHONPATH=$PWD python3 benchmarks/sampler_paths.py [--out DIR]
+    python benchmarks/sampler_paths.py --device cpu --batches 1,4,16 --vocabs 262144
 
-Logits are random normal (std 3) in float32, [B, V] with V of Qwen3 (151,936) and Llama 3 (128,256).
-Each case builds its SamplingMetadata once (host time reported apart) and times ``Sampler.forward``
-with CUDA events: median of 20 calls after 3 warm-up calls. Compare with a decode step of the same
-batch (docs/benchmarks.md): a sampling path that costs a large part of a step is worth a kernel.
+Logits are random normal (std 3) in float32, [B, V]; on CUDA V is Qwen3's (151,936) and Llama 3's
+(128,256) by default. Each case builds its SamplingMetadata once (host time reported apart) and times
+``Sampler.forward``: on CUDA with events, median of 20 calls after 3 warm-up calls; on the CPU the mean
+wall time of 3 calls after one. Compare with a decode step of the same batch (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ CASES = {
 
 
 def time_case(batch: int, vocab: int, params_kw: dict, device: torch.device) -> dict:
+    if device.type == "cpu":
+        return _time_case_cpu(batch, vocab, params_kw)
     from pagedllm import SamplingParams
     from pagedllm.sample.metadata import build_sampling_metadata
     from pagedllm.sample.sampler import Sampler
@@ -54,18 +57,38 @@ def time_case(batch: int, vocab: int, params_kw: dict, device: torch.device) -> 
     return {"device_ms": statistics.median(times), "metadata_host_ms": host_ms}
 
 
+def _time_case_cpu(batch: int, vocab: int, params_kw: dict) -> dict:
+    from pagedllm import SamplingParams
+    from pagedllm.sample.metadata import build_sampling_metadata
+    from pagedllm.sample.sampler import Sampler
+
+    cpu = torch.device("cpu")
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)) * 3.0
+    params = [SamplingParams(**params_kw) for _ in range(batch)]
+    t0 = time.perf_counter()
+    md = build_sampling_metadata(params, [[1, 2, 3]] * batch, [[]] * batch, list(range(batch)), vocab, cpu)
+    host_ms = 1e3 * (time.perf_counter() - t0)
+    sampler = Sampler()
+    sampler(logits, md)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        sampler(logits, md)
+    return {"device_ms": 1e3 * (time.perf_counter() - t0) / 3, "metadata_host_ms": host_ms}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--vocabs", default="151936,128256")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("sampler_paths: no CUDA device; nothing to time")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("sampler_paths: no CUDA device; nothing to time (--device cpu times the CPU paths)")
         return
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     rows = []
-    print(f"{'case':32s} {'batch':>6s} {'vocab':>7s} {'device ms':>10s} {'metadata host ms':>17s}")
+    print(f"{'case':32s} {'batch':>6s} {'vocab':>7s} {'sample ms':>10s} {'metadata host ms':>17s}")
     for vocab in (int(v) for v in args.vocabs.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
             for name, kw in CASES.items():

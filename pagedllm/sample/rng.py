@@ -132,9 +132,10 @@ def gumbel_argmax(logits: torch.Tensor, key0: torch.Tensor, key1: torch.Tensor) 
     return torch.full((num_rows,), vocab_size, dtype=torch.int64).scatter_reduce_(0, rows, first, "amin")
 
 
-# Off CUDA, noise is computed for this many token ids at a time: its ~20 int64 passes then run in
-# cache (about 5x faster than over a whole 262k-token vocabulary at once).
-_NOISE_BLOCK = 16384
+# Off CUDA, noise is computed for about this many (row, token id) pairs at a time: its ~20 int64 passes
+# then run in cache (about 5x faster than 16 rows of a 262k-token vocabulary at once), while a few
+# rows still take few, large blocks (each block costs ~20 op dispatches).
+_NOISE_BLOCK_ELEMENTS = 262144
 
 
 def add_gumbel_(logits: torch.Tensor, key0: torch.Tensor, key1: torch.Tensor) -> torch.Tensor:
@@ -152,7 +153,7 @@ def add_gumbel_(logits: torch.Tensor, key0: torch.Tensor, key1: torch.Tensor) ->
         else:
             return add_gumbel_triton_(logits, key0, key1)
     vocab_size = logits.shape[-1]
-    block = vocab_size if logits.is_cuda else _NOISE_BLOCK
+    block = vocab_size if logits.is_cuda else max(4096, _NOISE_BLOCK_ELEMENTS // max(1, logits.shape[0]))
     for start in range(0, vocab_size, block):
         ids = torch.arange(start, min(start + block, vocab_size), dtype=torch.int64, device=logits.device)
         logits[:, start : start + block].add_(gumbel(key0, key1, ids))
