@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,12 +64,16 @@ def _int64_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
     return _buffer_to_tensor(array("q", values), device)
 
 
-def _concat_int64(lists: Iterable[list[int]], device: torch.device) -> torch.Tensor:
-    """All lists back to back as one int64 tensor. array.fromlist is the fastest bulk conversion of
-    Python ints here (prompt and output ids add up to many thousands per step)."""
+def _concat_int64(lists: Iterable[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """All sequences back to back as one int64 tensor. int64 arrays are copied as memory; for lists,
+    array.fromlist is the fastest bulk conversion of Python ints (prompt and output ids add up to many
+    thousands per step, so the runner hands penalised requests' ids over as cached arrays)."""
     buf = array("q")
     for values in lists:
-        buf.fromlist(values if isinstance(values, list) else list(values))
+        if isinstance(values, array) and values.typecode == "q":
+            buf.extend(values)
+        else:
+            buf.fromlist(values if isinstance(values, list) else list(values))
     return _buffer_to_tensor(buf, device)
 
 
@@ -128,8 +132,8 @@ def _count_tokens(
 
 def build_sampling_metadata(
     params: list[SamplingParams],
-    prompt_token_ids: list[list[int]],
-    output_token_ids: list[list[int]],
+    prompt_token_ids: Sequence[Sequence[int]],  # lists, or int64 arrays (array("q"))
+    output_token_ids: Sequence[Sequence[int]],
     seeds: list[int],
     vocab_size: int,
     device: torch.device,

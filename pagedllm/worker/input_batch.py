@@ -1,6 +1,7 @@
 """Runner-side request state and the flattening of one SchedulerOutput into host-side model inputs."""
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,10 +33,25 @@ class CachedRequestState:
     num_computed_tokens: int
     row: int = -1  # this request's row in the persistent block table
     plain_greedy: bool = False
+    # int64 copies of the token ids for penalties, which read every id of a request each step: the
+    # prompt's made once, the outputs' extended by what each step appended (see token_arrays).
+    _prompt_array: array | None = field(default=None, repr=False, compare=False)
+    _output_array: array = field(default_factory=lambda: array("q"), repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_arrays(self) -> tuple[array, array]:
+        """(prompt ids, output ids) as int64 arrays, kept in step with the lists at O(new tokens) a call."""
+        if self._prompt_array is None:
+            self._prompt_array = array("q", self.prompt_token_ids)
+        out, n = self.output_token_ids, len(self._output_array)
+        if n > len(out):  # never expected (outputs only grow); rebuild rather than trust a stale copy
+            self._output_array, n = array("q"), 0
+        if n < len(out):
+            self._output_array.extend(out[n:])
+        return self._prompt_array, self._output_array
 
     def token_slice(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)

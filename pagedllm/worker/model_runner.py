@@ -359,10 +359,16 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, states: list) -> tuple[torch.Tensor, object]:  # ids [S]
         from pagedllm.sample.metadata import build_sampling_metadata
 
+        # Penalties read every token id of the batch each step: hand them over as cached int64 arrays
+        # (a copy each, not a conversion of every Python int).
+        if any(st.sampling_params.has_penalties for st in states):
+            ids = [st.token_arrays() for st in states]
+        else:
+            ids = [(st.prompt_token_ids, st.output_token_ids) for st in states]
         md = build_sampling_metadata(
             params=[st.sampling_params for st in states],
-            prompt_token_ids=[st.prompt_token_ids for st in states],
-            output_token_ids=[st.output_token_ids for st in states],
+            prompt_token_ids=[p for p, _ in ids],
+            output_token_ids=[o for _, o in ids],
             seeds=[st.seed for st in states],
             vocab_size=logits.shape[-1],
             device=self.device,

@@ -250,3 +250,32 @@ def test_only_the_largest_size_of_each_specialisation_class_is_warmed_up_eagerly
     # A cap off the multiples of 16 is its own class; the multiples below it still need one warm-up.
     assert warm_up_sizes(capture_sizes(100)) == {100, 64, 1}
     assert warm_up_sizes(token_capture_sizes(2050)) == {2050, 2048}
+
+
+def test_token_arrays_follow_the_lists_and_feed_the_same_penalty_metadata():
+    from array import array
+
+    from pagedllm.sample.metadata import build_sampling_metadata
+    from pagedllm.worker.input_batch import CachedRequestState
+
+    params = SamplingParams(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1)
+    st = CachedRequestState("r", [5, 9, 9, 2], [], params, 1, [], 0)
+    prompt, out = st.token_arrays()
+    assert list(prompt) == [5, 9, 9, 2] and list(out) == [] and prompt.typecode == out.typecode == "q"
+    for tok in (7, 9, 7):
+        st.output_token_ids.append(tok)
+        prompt2, out = st.token_arrays()
+        assert prompt2 is prompt and list(out) == st.output_token_ids
+    other = CachedRequestState("s", [1], [3, 3], SamplingParams(temperature=0.5), 2, [], 0)
+    as_arrays = [s.token_arrays() for s in (st, other)]
+    as_lists = [(s.prompt_token_ids, s.output_token_ids) for s in (st, other)]
+    mds = [
+        build_sampling_metadata([st.sampling_params, other.sampling_params], [p for p, _ in ids],
+                                [o for _, o in ids], [1, 2], 12, torch.device("cpu"))
+        for ids in (as_arrays, as_lists)
+    ]
+    assert isinstance(as_arrays[0][0], array)
+    assert torch.equal(mds[0].output_counts, mds[1].output_counts)
+    assert torch.equal(mds[0].prompt_mask, mds[1].prompt_mask)
+    assert mds[0].output_counts[0, 7] == 2 and mds[0].output_counts[1, 3] == 2 and bool(mds[0].prompt_mask[0, 9])
+    assert torch.equal(mds[0].rng_key0, mds[1].rng_key0)
