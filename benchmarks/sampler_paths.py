@@ -26,7 +26,14 @@ CASES = {
     "t 0.8, top_k 100, top_p 0.9": dict(temperature=0.8, top_k=100, top_p=0.9),
     "t 0.6, top_k 2000, top_p 0.95": dict(temperature=0.6, top_k=2000, top_p=0.95),
     "t 0.6, min_p 0.05": dict(temperature=0.6, min_p=0.05),
+    "greedy, repetition 1.1": dict(temperature=0.0, repetition_penalty=1.1),
+    "t 0.7, frequency 0.3, presence 0.5": dict(temperature=0.7, frequency_penalty=0.3, presence_penalty=0.5),
 }
+
+
+def _history(batch: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Each request's prompt (200 ids) and output so far (100 ids): what the penalties read."""
+    return [list(range(200))] * batch, [[(i * 7 + j) % 5000 for j in range(100)] for i in range(batch)]
 
 
 def time_case(batch: int, vocab: int, params_kw: dict, device: torch.device) -> dict:
@@ -40,7 +47,7 @@ def time_case(batch: int, vocab: int, params_kw: dict, device: torch.device) -> 
     logits = torch.randn(batch, vocab, generator=gen, device=device) * 3.0
     params = [SamplingParams(**params_kw) for _ in range(batch)]
     t0 = time.perf_counter()
-    md = build_sampling_metadata(params, [[1, 2, 3]] * batch, [[]] * batch, list(range(batch)), vocab, device)
+    md = build_sampling_metadata(params, *_history(batch), list(range(batch)), vocab, device)
     torch.cuda.synchronize()
     host_ms = 1e3 * (time.perf_counter() - t0)
     sampler = Sampler()
@@ -66,7 +73,7 @@ def _time_case_cpu(batch: int, vocab: int, params_kw: dict) -> dict:
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)) * 3.0
     params = [SamplingParams(**params_kw) for _ in range(batch)]
     t0 = time.perf_counter()
-    md = build_sampling_metadata(params, [[1, 2, 3]] * batch, [[]] * batch, list(range(batch)), vocab, cpu)
+    md = build_sampling_metadata(params, *_history(batch), list(range(batch)), vocab, cpu)
     host_ms = 1e3 * (time.perf_counter() - t0)
     sampler = Sampler()
     sampler(logits, md)
@@ -88,13 +95,13 @@ def main() -> None:
         return
     device = torch.device(args.device)
     rows = []
-    print(f"{'case':32s} {'batch':>6s} {'vocab':>7s} {'sample ms':>10s} {'metadata host ms':>17s}")
+    print(f"{'case':36s} {'batch':>6s} {'vocab':>7s} {'sample ms':>10s} {'metadata host ms':>17s}")
     for vocab in (int(v) for v in args.vocabs.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
             for name, kw in CASES.items():
                 r = time_case(batch, vocab, kw, device)
                 rows.append({"case": name, "batch": batch, "vocab": vocab, **r})
-                print(f"{name:32s} {batch:6d} {vocab:7d} {r['device_ms']:10.3f} {r['metadata_host_ms']:17.2f}", flush=True)
+                print(f"{name:36s} {batch:6d} {vocab:7d} {r['device_ms']:10.3f} {r['metadata_host_ms']:17.2f}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sampler_paths.json"), "w") as f:
         json.dump(rows, f, indent=1)

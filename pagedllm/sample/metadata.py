@@ -51,11 +51,18 @@ class SamplingMetadata:
     repetition_penalties: torch.Tensor | None  # [B] float32, 1.0 where disabled
     frequency_penalties: torch.Tensor | None  # [B] float32, 0.0 where disabled
     presence_penalties: torch.Tensor | None  # [B] float32, 0.0 where disabled
-    prompt_mask: torch.Tensor | None  # [B, V] bool, token occurs in the prompt; only with repetition penalty
-    output_counts: torch.Tensor | None  # [B, V] int32, occurrences of each token in the output so far
-
     # Largest `logprobs` asked by any row (0 = only the sampled token); None when nobody asked.
     max_num_logprobs: int | None
+
+    # Dense form (CUDA: built and applied without a host sync):
+    prompt_mask: torch.Tensor | None  # [B, V] bool, token occurs in the prompt; only with repetition penalty
+    output_counts: torch.Tensor | None  # [B, V] int32, occurrences of each token in the output so far
+    # Sparse form (CPU: a few thousand entries instead of B x V passes); then the dense tensors are None.
+    seen_index: torch.Tensor | None = None  # [N] int64 row * V + token, each token in an output (or, with
+    # a repetition penalty in the batch, in a prompt) once, ascending
+    seen_output_counts: torch.Tensor | None = None  # [N] float32, its occurrences in the row's output
+    repetition_seen: bool = False  # seen_index includes the prompts: the repetition penalty applies
+
 
 
 def _int64_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
@@ -128,6 +135,23 @@ def _count_tokens(
     counts = torch.zeros(len(token_lists) * vocab_size, dtype=torch.int32, device=device)
     counts.index_add_(0, rows * vocab_size + cols, torch.ones_like(cols, dtype=torch.int32))
     return counts.view(len(token_lists), vocab_size)
+
+
+def _seen_tokens(
+    prompt_token_ids: Sequence[Sequence[int]] | None, output_token_ids: Sequence[Sequence[int]], vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every (row, token) in the outputs (and prompts, if given) once, as row * V + token ascending [N]
+    int64, with its occurrences in the row's output [N] float32 (CPU only: unique sizes its output)."""
+    cpu = torch.device("cpu")
+    rows, cols = _flat_index(list(enumerate(output_token_ids)), cpu)
+    out_keys, out_counts = torch.unique(rows * vocab_size + cols, return_counts=True)
+    keys = out_keys
+    if prompt_token_ids is not None:
+        rows, cols = _flat_index(list(enumerate(prompt_token_ids)), cpu)
+        keys = torch.unique(torch.cat([out_keys, rows * vocab_size + cols]))
+    counts = torch.zeros(keys.numel(), dtype=torch.float32)
+    counts[torch.searchsorted(keys, out_keys)] = out_counts.to(torch.float32)
+    return keys, counts
 
 
 def build_sampling_metadata(
@@ -214,16 +238,23 @@ def build_sampling_metadata(
 
     # --- penalties ---
     no_penalties = not any(p.has_penalties for p in params)
-    prompt_mask = output_counts = None
+    prompt_mask = output_counts = seen_index = seen_output_counts = None
+    with_repetition = False
     if not no_penalties:
         row_floats["repetition"] = [p.repetition_penalty for p in params]
         row_floats["frequency"] = [p.frequency_penalty for p in params]
         row_floats["presence"] = [p.presence_penalty for p in params]
-        output_counts = _count_tokens(output_token_ids, V, device)
-        if any(p.repetition_penalty != 1.0 for p in params):
-            prompt_mask = _scatter_mask(
-                [(i, ids) for i, ids in enumerate(prompt_token_ids)], num_reqs, V, device
+        with_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        if device.type == "cpu":
+            seen_index, seen_output_counts = _seen_tokens(
+                prompt_token_ids if with_repetition else None, output_token_ids, V
             )
+        else:
+            output_counts = _count_tokens(output_token_ids, V, device)
+            if with_repetition:
+                prompt_mask = _scatter_mask(
+                    [(i, ids) for i, ids in enumerate(prompt_token_ids)], num_reqs, V, device
+                )
 
     floats = _pack_rows(row_floats, torch.float32, device)
     ints = _pack_rows(row_ints, torch.int64, device)
@@ -254,5 +285,8 @@ def build_sampling_metadata(
         presence_penalties=floats.get("presence"),
         prompt_mask=prompt_mask,
         output_counts=output_counts,
+        seen_index=seen_index,
+        seen_output_counts=seen_output_counts,
+        repetition_seen=seen_index is not None and with_repetition,
         max_num_logprobs=max(asked) if asked else None,
     )

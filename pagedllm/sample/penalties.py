@@ -39,6 +39,29 @@ def apply_penalties_(
     return logits
 
 
+def apply_sparse_penalties_(
+    logits: torch.Tensor,
+    seen_index: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor | None,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """apply_penalties_ on the seen tokens only: logits [B, V] (modified), seen_index [N] int64
+    row * V + token, output_counts [N] float32, repetition (None: no prompt in seen_index) / frequency /
+    presence [B] float32. The same float operations in the same order on every seen token, so the
+    result equals the dense one; the unseen tokens, which the dense path leaves as they are, are not read."""
+    rows, cols = seen_index // logits.shape[1], seen_index % logits.shape[1]
+    vals = logits[rows, cols]
+    if repetition is not None:
+        rep = repetition[rows]
+        vals = vals * torch.where(vals > 0, rep.reciprocal(), rep)
+    vals = vals - frequency[rows] * output_counts
+    vals = vals - presence[rows] * (output_counts > 0).to(vals.dtype)
+    logits[rows, cols] = vals
+    return logits
+
+
 def process_logits_(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Applies, in order: allowed_token_ids, logit_bias, min_tokens, penalties. logits [B, V] float32
     is modified in place and returned."""
@@ -50,7 +73,16 @@ def process_logits_(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.stop_rows is not None:
         # A Python scalar: a device tensor made from it here would be a blocking host-to-device copy.
         logits[md.stop_rows, md.stop_cols] = neg_inf
-    if not md.no_penalties:
+    if not md.no_penalties and md.seen_index is not None:
+        apply_sparse_penalties_(
+            logits,
+            md.seen_index,
+            md.seen_output_counts,
+            md.repetition_penalties if md.repetition_seen else None,
+            md.frequency_penalties,
+            md.presence_penalties,
+        )
+    elif not md.no_penalties:
         apply_penalties_(
             logits,
             md.prompt_mask,

@@ -344,3 +344,34 @@ def test_cpu_top_p_window_keeps_what_the_full_sort_keeps(scale):
         kept_vals = set(logits[r][~torch.isinf(got[r])].tolist())
         dropped = logits[r][torch.isinf(got[r])].tolist()
         assert not kept_vals.intersection(dropped)
+
+
+def test_sparse_penalties_equal_the_dense_ones_bit_for_bit():
+    # The CPU applies penalties to the seen tokens only; CUDA runs the dense [B, V] passes. Same floats.
+    from pagedllm.sample.metadata import _count_tokens, _scatter_mask
+    from pagedllm.sample.penalties import apply_penalties_, process_logits_
+
+    g = torch.Generator().manual_seed(11)
+    V, B = 300, 9
+    logits = torch.randn(B, V, generator=g) * 4
+    logits[0, 5] = float("-inf")
+    prompts = [torch.randint(0, V, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(B)]
+    outputs = [torch.randint(0, V, (i * 7,), generator=g).tolist() for i in range(B)]
+    outputs[0] = [5, 5, 6]
+    for reps in ([1.0, 1.3, 0.7], [1.0, 1.0, 1.0]):  # with and without a repetition penalty in the batch
+        params = [SamplingParams(temperature=0.0, repetition_penalty=reps[i % 3],
+                                 frequency_penalty=[0.0, 0.5, -0.4][i % 3], presence_penalty=[0.3, 0.0, -1.0][i % 3])
+                  for i in range(B)]
+        md = build_sampling_metadata(params, prompts, outputs, list(range(B)), V, CPU)
+        assert md.seen_index is not None and md.output_counts is None
+        sparse = process_logits_(logits.clone(), md)
+        with_rep = any(r != 1.0 for r in reps)
+        dense = apply_penalties_(
+            logits.clone(),
+            _scatter_mask(list(enumerate(prompts)), B, V, CPU) if with_rep else None,
+            _count_tokens(outputs, V, CPU),
+            md.repetition_penalties, md.frequency_penalties, md.presence_penalties,
+        )
+        assert torch.equal(sparse, dense)
+        assert not torch.equal(sparse, logits)
