@@ -73,7 +73,9 @@ def process_logits_(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.stop_rows is not None:
         # A Python scalar: a device tensor made from it here would be a blocking host-to-device copy.
         logits[md.stop_rows, md.stop_cols] = neg_inf
-    if not md.no_penalties and md.seen_index is not None:
+    if md.no_penalties:
+        return logits
+    if md.seen_index is not None:
         apply_sparse_penalties_(
             logits,
             md.seen_index,
@@ -82,7 +84,7 @@ def process_logits_(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
             md.frequency_penalties,
             md.presence_penalties,
         )
-    elif not md.no_penalties:
+    else:
         apply_penalties_(
             logits,
             md.prompt_mask,
