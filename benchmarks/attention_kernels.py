@@ -21,6 +21,12 @@ def copy_bandwidth(nbytes: int = 1 << 31) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
+# Physical order of a cache block: "nhd" stores [block_size, Hkv, D] (each token's heads side by side),
+# "hnd" stores [Hkv, block_size, D] (each head's page contiguous). The kernel sees the same logical
+# [num_blocks, block_size, Hkv, D] view either way, through its strides.
+KV_LAYOUT = "nhd"
+
+
 def make_batch(seq_lens, query_len, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0):
     """Cache, query and metadata tensors for requests whose last ``query_len`` tokens are new; blocks shuffled."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -32,7 +38,11 @@ def make_batch(seq_lens, query_len, num_heads, num_kv_heads, head_size, block_si
     for i, n in enumerate(blocks):
         block_table[i, :n] = perm[start : start + n]
         start += n
-    kv_cache = torch.empty(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device="cuda")
+    if KV_LAYOUT == "hnd":
+        kv_cache = torch.empty(2, num_blocks, num_kv_heads, block_size, head_size, dtype=dtype, device="cuda")
+        kv_cache = kv_cache.permute(0, 1, 3, 2, 4)
+    else:
+        kv_cache = torch.empty(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device="cuda")
     kv_cache.normal_(generator=gen)
     num_tokens = len(seq_lens) * query_len
     query = torch.randn(num_tokens, num_heads, head_size, generator=gen, device="cuda").to(dtype)
@@ -41,11 +51,12 @@ def make_batch(seq_lens, query_len, num_heads, num_kv_heads, head_size, block_si
     return query, kv_cache, block_table, seq, qsl
 
 
-def gpu_time_ms(fn, reps: int = 30) -> float:
+def gpu_time_ms(fn, reps: int = 30, flush_mode: str = "write") -> float:
     """Median device time of ``fn`` replayed from a CUDA graph, with L2 flushed before each replay.
 
     A graph strips the Python launch cost (decode runs under graphs in a serving engine), and the
-    flush keeps small working sets from being served out of the 60 MB L2.
+    flush keeps small working sets from being served out of the 60 MB L2. ``flush_mode`` "write" flushes
+    with a memset, which leaves the L2 full of dirty lines; "read" with a sum, which leaves clean ones.
     """
     fn()  # compile and warm the allocator outside the capture
     torch.cuda.synchronize()
@@ -57,7 +68,10 @@ def gpu_time_ms(fn, reps: int = 30) -> float:
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     graph.replay()
     for start, end in zip(starts, ends):
-        flush.zero_()
+        if flush_mode == "write":
+            flush.zero_()
+        else:
+            flush.sum()
         start.record()
         graph.replay()
         end.record()
@@ -102,12 +116,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep", action="store_true", help="also sweep decode tile configs")
     parser.add_argument("--heads", default="32:8", help="query heads:KV heads (head size 128)")
-    parser.add_argument("--decode-cases", default="64:1024,64:4096,256:1024,256:4096", help="BATCH:CONTEXT,...")
+    parser.add_argument("--decode-cases", default="64:1024,64:4096,256:1024,256:4096", help="BATCH:CONTEXT[:SPLITS],...")
     parser.add_argument("--decode-only", action="store_true", help="skip the split-KV and prefill sections")
     parser.add_argument("--sections", default="decode,ragged,split,prefill", help="which sections to run, comma-separated")
     parser.add_argument("--prefill-tokens", type=int, default=4096, help="prompt length of the prefill section")
+    parser.add_argument("--kv-layout", choices=("nhd", "hnd"), default="nhd",
+                        help="physical order inside a cache block: tokens outermost (nhd) or heads (hnd)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"))
     args = parser.parse_args()
+    global KV_LAYOUT
+    KV_LAYOUT = args.kv_layout
     sections = {"decode"} if args.decode_only else set(args.sections.split(","))
     if not torch.cuda.is_available():
         print("attention_kernels: no CUDA device; nothing to time")
@@ -117,26 +136,29 @@ def main() -> None:
 
     props = torch.cuda.get_device_properties(0)
     hq, hkv = (int(v) for v in args.heads.split(":"))
-    d, bs, dtype = 128, 16, torch.bfloat16  # 32:8 is Llama-3-8B attention, 16:8 Qwen3-0.6B
+    d, bs, dtype = 128, args.block_size, torch.bfloat16  # 32:8 is Llama-3-8B attention, 16:8 Qwen3-0.6B
     results: dict = {"device": props.name, "sms": props.multi_processor_count}
     copy_bw = copy_bandwidth()
     results["copy_tbps"] = copy_bw
-    print(f"{props.name}: {props.multi_processor_count} SMs; torch D2D copy {copy_bw:.2f} TB/s (read+write)")
+    print(f"{props.name}: {props.multi_processor_count} SMs; torch D2D copy {copy_bw:.2f} TB/s (read+write); "
+          f"KV layout {args.kv_layout}, block size {bs}")
 
     print(f"\n== decode, {hq}q/{hkv}kv heads, D=128, bf16, block 16; device time from CUDA-graph replay, L2 flushed;")
     print("   KV read bandwidth and its fraction of the copy rate; eager = do_bench wall time incl. launch cost")
     results["decode"] = []
     decode_cases = args.decode_cases.split(",") if "decode" in sections else []
-    for batch, ctx in [tuple(int(v) for v in c.split(":")) for c in decode_cases]:
+    for case in decode_cases:
+        batch, ctx, *forced = (int(v) for v in case.split(":"))  # BATCH:CONTEXT[:SPLITS]
         seq_lens = [ctx] * batch
         tensors = make_batch(seq_lens, 1, hq, hkv, d, bs, dtype)
         nbytes = kv_read_bytes(seq_lens, hkv, d, dtype)
         sms = props.multi_processor_count
-        splits = choose_num_splits(batch, 1, ctx, hkv, sms)
+        splits = forced[0] if forced else choose_num_splits(batch, 1, ctx, hkv, sms)
         cfg = default_config(d, hq // hkv, 1, max_seq_len=ctx, num_reqs=batch, num_kv_heads=hkv, num_sms=sms,
                              split=splits > 1)
-        ms = time_attention(*tensors, 1, ctx)
-        eager = time_attention_eager(*tensors, 1, ctx)
+        kw = {"num_splits": splits} if forced else {}
+        ms = time_attention(*tensors, 1, ctx, **kw)
+        eager = time_attention_eager(*tensors, 1, ctx, **kw)
         bw = nbytes / (ms * 1e-3) / 1e12
         row = {"batch": batch, "ctx": ctx, "splits": splits, "us": ms * 1e3, "eager_us": eager * 1e3, "tbps": bw,
                "frac_of_copy": bw / copy_bw}
@@ -162,6 +184,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     if "ragged" in sections:
         ragged_section(results, hq, hkv, d, bs, dtype, copy_bw)
+    if "intercept" in sections:
+        intercept_section(results, hq, hkv, d, bs, dtype)
     if "split" in sections:
         split_section(results, hq, hkv, d, bs, dtype, copy_bw)
     if "prefill" in sections:
@@ -233,6 +257,56 @@ def split_section(results, hq, hkv, d, bs, dtype, copy_bw: float) -> None:
         del tensors
         torch.cuda.empty_cache()
 
+
+def intercept_section(results, hq, hkv, d, bs, dtype) -> None:
+    """What a decode launch costs beyond its KV bytes, and what the fused decode extras add to it.
+
+    For 256 requests: one plain launch timed after an L2 flush that leaves dirty lines (a memset) and
+    after one that leaves clean lines (a read); then 8 launches back to back in one graph over 8
+    caches, as consecutive layers run, plain and with what the engine fuses into decode: the new
+    token's cache write, the rotary embedding of q and k, and Qwen3's per-head q/k RMSNorm.
+    """
+    print("\n== intercept: one decode launch vs 8 layers back to back (256 requests)")
+    results["intercept"] = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for ctx in (320, 1000):
+        seq_lens = [ctx] * 256
+        layers = [make_batch(seq_lens, 1, hq, hkv, d, bs, dtype, seed=i) for i in range(8)]
+        nbytes = kv_read_bytes(seq_lens, hkv, d, dtype)
+        new_k = torch.randn(256, hkv, d, generator=gen, device="cuda").to(dtype)
+        new_v = torch.randn(256, hkv, d, generator=gen, device="cuda").to(dtype)
+        inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
+        norm_w = torch.ones(d, device="cuda", dtype=dtype)
+
+        def fns(extra: str):
+            out = []
+            for t in layers:
+                block_table = t[2]
+                slots = (block_table[:, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs).contiguous()
+                kw = {}
+                if extra:
+                    kw["new_kv"] = (new_k, new_v, slots)
+                if "rope" in extra:
+                    kw["rope"] = (inv_freq, 1.0)
+                if "norm" in extra:
+                    kw["qk_norm"] = (norm_w, norm_w, 1e-6, 1e-6, False)
+                out.append(attention_fn(*t, 1, ctx, **kw))
+            return out
+
+        plain = fns("")
+        row = {"ctx": ctx, "bytes_us_at_4p5": nbytes / 4.5e6,
+               "one_dirty_flush_us": gpu_time_ms(plain[0]) * 1e3,
+               "one_clean_flush_us": gpu_time_ms(plain[0], flush_mode="read") * 1e3}
+        line = (f"ctx {ctx:5d}: bytes at 4.5 TB/s {nbytes / 4.5e6:6.1f} us | one: dirty flush "
+                f"{row['one_dirty_flush_us']:6.1f}, clean {row['one_clean_flush_us']:6.1f} | 8 in a row, each:")
+        for name in ("plain", "write", "write+rope", "write+rope+norm"):
+            group = plain if name == "plain" else fns(name)
+            row[f"eight_{name}_us_each"] = gpu_time_ms(lambda: [f() for f in group]) / 8 * 1e3
+            line += f" {name} {row[f'eight_{name}_us_each']:6.1f}"
+        print(line, flush=True)
+        results["intercept"].append(row)
+        del layers
+        torch.cuda.empty_cache()
 
 
 def prefill_section(results, args, hq, hkv, d, bs, dtype) -> None:

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 256  # tokens per inner step
-_CHUNK = 4096  # tokens per program
+_CHUNK = 4096  # tokens per program, loaded at once
+_WARPS = 4
 _WAYS = 16
 _PASSES = 8  # 16 ** 8 == 2 ** 32 keys
 _TOP = 0xFFFFFFFF
@@ -45,7 +45,7 @@ def _search_pass_kernel(
     part_out_ptr,  # [R, C, WAYS] float32: this pass's chunk sums (not FINISH)
     vocab_size, stride_row, num_chunks,
     MASS: tl.constexpr, FIRST: tl.constexpr, FINISH: tl.constexpr,
-    BLOCK: tl.constexpr, CHUNK: tl.constexpr, WAYS: tl.constexpr,
+    CHUNK: tl.constexpr, WAYS: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -69,26 +69,26 @@ def _search_pass_kernel(
         tl.store(state_out_ptr + row * 2, lo)
         tl.store(state_out_ptr + row * 2 + 1, hi)
     if not FINISH:
-        # Pivots as signed keys: an element's signed key s compares like its float.
-        pivots = (lo + (hi - lo) * ways // WAYS - 0x80000000).to(tl.int32)  # [WAYS]
         row_max = 0.0
         if MASS:
             row_max = tl.load(row_max_ptr + row)
-        base = logits_ptr + row.to(tl.int64) * stride_row
-        offs = tl.arange(0, BLOCK)
-        acc = tl.zeros([BLOCK, WAYS], dtype=tl.float32)
-        for start in range(chunk * CHUNK, tl.minimum((chunk + 1) * CHUNK, vocab_size), BLOCK):
-            idx = start + offs
-            valid = idx < vocab_size
-            x = tl.load(base + idx, mask=valid, other=float("-inf"))
-            bits = (x + 0.0).to(tl.int32, bitcast=True)  # + 0.0 turns -0.0 into +0.0
-            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-            if MASS:
-                w = tl.where(valid, tl.exp(x - row_max), 0.0)
-            else:
-                w = tl.where(valid, 1.0, 0.0)
-            acc += tl.where(key[:, None] > pivots[None, :], w[:, None], 0.0)
-        tl.store(part_out_ptr + (row * num_chunks + chunk) * WAYS + tl.arange(0, WAYS), tl.sum(acc, axis=0))
+        # The whole chunk in one load: each pivot's sum is then one reduction over it, and the keys stay
+        # in the layout they were loaded in (a [CHUNK, WAYS] compare would move them between threads).
+        idx = chunk * CHUNK + tl.arange(0, CHUNK)
+        valid = idx < vocab_size
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + idx, mask=valid, other=float("-inf"))
+        bits = (x + 0.0).to(tl.int32, bitcast=True)  # + 0.0 turns -0.0 into +0.0
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        if MASS:
+            w = tl.where(valid, tl.exp(x - row_max), 0.0)
+        else:
+            w = tl.where(valid, 1.0, 0.0)
+        sums = tl.zeros([WAYS], dtype=tl.float32)
+        for j in tl.static_range(WAYS):
+            # Pivot j + 1 of WAYS as a signed key: a signed key compares like its float.
+            pivot = (lo + (hi - lo) * (j + 1) // WAYS - 0x80000000).to(tl.int32)
+            sums = tl.where(ways == j + 1, tl.sum(tl.where(key > pivot, w, 0.0), axis=0), sums)
+        tl.store(part_out_ptr + (row * num_chunks + chunk) * WAYS + tl.arange(0, WAYS), sums)
 
 
 def _threshold(logits: torch.Tensor, target: torch.Tensor, row_max: torch.Tensor | None) -> torch.Tensor:
@@ -104,7 +104,7 @@ def _threshold(logits: torch.Tensor, target: torch.Tensor, row_max: torch.Tensor
             states[(t + 1) % 2], states[t % 2], parts[(t + 1) % 2], parts[t % 2],
             vocab_size, logits.stride(0), num_chunks,
             MASS=row_max is not None, FIRST=t == 0, FINISH=finish,
-            BLOCK=_BLOCK, CHUNK=_CHUNK, WAYS=_WAYS, num_warps=4,
+            CHUNK=_CHUNK, WAYS=_WAYS, num_warps=_WARPS,
         )
     # The answer (hi) back to a float: unsigned key -> signed key -> float bits.
     s = (states[_PASSES % 2, :, 1] - 0x80000000).to(torch.int32)
