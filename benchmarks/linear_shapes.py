@@ -54,6 +54,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "linear_shapes.json"))
     ap.add_argument("--sweep", action="store_true", help="also sweep the GEMV tile configs at batch 1")
+    ap.add_argument("--hot", action="store_true",
+                    help="also time cuBLAS with one weight for every layer, so it is read from L2 after the first")
+    ap.add_argument("--cases", default="", help="MODEL:TOKENS,... to time instead of all cases")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("linear_shapes: no CUDA device; nothing to time")
@@ -65,7 +68,10 @@ def main() -> None:
     print(f"device copy {bw:.2f} TB/s (read + write)")
     dt = torch.bfloat16
     rows = []
-    for model, tokens in CASES:
+    cases = CASES
+    if args.cases:
+        cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]
+    for model, tokens in cases:
         layers, shapes = MODELS[model]
         vocab, hidden = HEADS[model]
         shapes = shapes + [("lm_head", vocab, hidden)]
@@ -80,6 +86,8 @@ def main() -> None:
                 torch.backends.cuda.preferred_blas_library(lib)
                 res[lib] = graph_time_us(lambda: [F.linear(x, w) for w in weights])
             torch.backends.cuda.preferred_blas_library("cublas")
+            if args.hot:
+                res["cublas_l2_hot"] = graph_time_us(lambda: [F.linear(x, weights[0]) for _ in weights])
             if tokens == 1 and default_config(n, k) is not None:
                 res["gemv"] = graph_time_us(lambda: [gemv(x, w) for w in weights])
                 err = (gemv(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max().item()
@@ -112,7 +120,7 @@ def main() -> None:
                             continue
                         best = min(best, (t, str(cfg)))
                     res["best"] = best
-            libs = [key for key in ("cublas", "cublaslt", "gemv", "triton") if key in res]
+            libs = [key for key in ("cublas", "cublaslt", "cublas_l2_hot", "gemv", "triton") if key in res]
             if tokens == 1:
                 rate = "  ".join(f"{key} {res[key]:8.1f} us {nbytes / (res[key] * 1e-6) / 1e12 / bw:6.1%}" for key in libs)
             else:
@@ -123,7 +131,7 @@ def main() -> None:
             del weights
         torch.cuda.empty_cache()
     summary = {}
-    for model, tokens in CASES:
+    for model, tokens in cases:
         sel = [r for r in rows if r["model"] == model and r["tokens"] == tokens]
         summary[f"{model} T={tokens}"] = {
             key: sum(r.get(key, r["cublas"]) for r in sel) for key in ("cublas", "cublaslt", "gemv", "triton")
