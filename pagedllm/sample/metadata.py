@@ -54,13 +54,11 @@ class SamplingMetadata:
     # Largest `logprobs` asked by any row (0 = only the sampled token); None when nobody asked.
     max_num_logprobs: int | None
 
-    # Dense form (CUDA: built and applied without a host sync):
-    prompt_mask: torch.Tensor | None  # [B, V] bool, token occurs in the prompt; only with repetition penalty
-    output_counts: torch.Tensor | None  # [B, V] int32, occurrences of each token in the output so far
-    # Sparse form (CPU: a few thousand entries instead of B x V passes); then the dense tensors are None.
-    seen_index: torch.Tensor | None = None  # [N] int64 row * V + token, each token in an output (or, with
-    # a repetition penalty in the batch, in a prompt) once, ascending
-    seen_output_counts: torch.Tensor | None = None  # [N] float32, its occurrences in the row's output
+    # The tokens the penalties touch, a few thousand entries instead of B x V passes:
+    seen_index: torch.Tensor | None = None  # [N] int64 row * V + token for each token in an output (or, with
+    # a repetition penalty in the batch, in a prompt). On the CPU each once, ascending; on a GPU once per
+    # occurrence, in no order (deduplicating would need the count on the host, i.e. a sync).
+    seen_output_counts: torch.Tensor | None = None  # [N] float32, the token's occurrences in the row's output
     repetition_seen: bool = False  # seen_index includes the prompts: the repetition penalty applies
 
 
@@ -127,16 +125,6 @@ def _scatter_mask(
     return mask
 
 
-def _count_tokens(
-    token_lists: list[list[int]], vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    """[B, V] int32 histogram of each row's tokens, accumulated on the device."""
-    rows, cols = _flat_index(list(enumerate(token_lists)), device)
-    counts = torch.zeros(len(token_lists) * vocab_size, dtype=torch.int32, device=device)
-    counts.index_add_(0, rows * vocab_size + cols, torch.ones_like(cols, dtype=torch.int32))
-    return counts.view(len(token_lists), vocab_size)
-
-
 def _seen_tokens(
     prompt_token_ids: Sequence[Sequence[int]] | None, output_token_ids: Sequence[Sequence[int]], vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,6 +140,26 @@ def _seen_tokens(
     counts = torch.zeros(keys.numel(), dtype=torch.float32)
     counts[torch.searchsorted(keys, out_keys)] = out_counts.to(torch.float32)
     return keys, counts
+
+
+def _seen_tokens_on_device(
+    prompt_token_ids: Sequence[Sequence[int]] | None,
+    output_token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """_seen_tokens without a host sync: every output (and prompt, if given) occurrence as row * V + token
+    [N] int64, with the token's occurrences in the row's output [N] float32, counted by two binary
+    searches in the sorted output keys. Repeated entries carry equal values, so writing them is exact."""
+    rows, cols = _flat_index(list(enumerate(output_token_ids)), device)
+    out_keys = rows * vocab_size + cols
+    keys = out_keys
+    if prompt_token_ids is not None:
+        rows, cols = _flat_index(list(enumerate(prompt_token_ids)), device)
+        keys = torch.cat([out_keys, rows * vocab_size + cols])
+    ordered = out_keys.sort().values
+    counts = torch.searchsorted(ordered, keys, right=True) - torch.searchsorted(ordered, keys)
+    return keys, counts.to(torch.float32)
 
 
 def build_sampling_metadata(
@@ -238,23 +246,18 @@ def build_sampling_metadata(
 
     # --- penalties ---
     no_penalties = not any(p.has_penalties for p in params)
-    prompt_mask = output_counts = seen_index = seen_output_counts = None
+    seen_index = seen_output_counts = None
     with_repetition = False
     if not no_penalties:
         row_floats["repetition"] = [p.repetition_penalty for p in params]
         row_floats["frequency"] = [p.frequency_penalty for p in params]
         row_floats["presence"] = [p.presence_penalty for p in params]
         with_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        prompts = prompt_token_ids if with_repetition else None
         if device.type == "cpu":
-            seen_index, seen_output_counts = _seen_tokens(
-                prompt_token_ids if with_repetition else None, output_token_ids, V
-            )
+            seen_index, seen_output_counts = _seen_tokens(prompts, output_token_ids, V)
         else:
-            output_counts = _count_tokens(output_token_ids, V, device)
-            if with_repetition:
-                prompt_mask = _scatter_mask(
-                    [(i, ids) for i, ids in enumerate(prompt_token_ids)], num_reqs, V, device
-                )
+            seen_index, seen_output_counts = _seen_tokens_on_device(prompts, output_token_ids, V, device)
 
     floats = _pack_rows(row_floats, torch.float32, device)
     ints = _pack_rows(row_ints, torch.int64, device)
@@ -283,8 +286,6 @@ def build_sampling_metadata(
         repetition_penalties=floats.get("repetition"),
         frequency_penalties=floats.get("frequency"),
         presence_penalties=floats.get("presence"),
-        prompt_mask=prompt_mask,
-        output_counts=output_counts,
         seen_index=seen_index,
         seen_output_counts=seen_output_counts,
         repetition_seen=seen_index is not None and with_repetition,

@@ -25,8 +25,8 @@ def apply_penalties_(
     frequency: torch.Tensor,
     presence: torch.Tensor,
 ) -> torch.Tensor:
-    """logits [B, V] (modified), prompt_mask [B, V] bool or None, output_counts [B, V] int32,
-    penalties [B] float32. Returns logits."""
+    """The reference: vLLM's penalties as dense [B, V] passes. logits [B, V] (modified), prompt_mask
+    [B, V] bool or None, output_counts [B, V] int32, penalties [B] float32. Returns logits."""
     in_output = output_counts > 0
     if prompt_mask is not None:
         seen = in_output | prompt_mask
@@ -48,9 +48,10 @@ def apply_sparse_penalties_(
     presence: torch.Tensor,
 ) -> torch.Tensor:
     """apply_penalties_ on the seen tokens only: logits [B, V] (modified), seen_index [N] int64
-    row * V + token, output_counts [N] float32, repetition (None: no prompt in seen_index) / frequency /
-    presence [B] float32. The same float operations in the same order on every seen token, so the
-    result equals the dense one; the unseen tokens, which the dense path leaves as they are, are not read."""
+    row * V + token (an entry may repeat: repeats compute and write the same value), output_counts [N]
+    float32, repetition (None: no prompt in seen_index) / frequency / presence [B] float32. The same
+    float operations in the same order on every seen token, so the result equals the dense one; the
+    unseen tokens, which the dense path leaves as they are, are not read."""
     rows, cols = seen_index // logits.shape[1], seen_index % logits.shape[1]
     vals = logits[rows, cols]
     if repetition is not None:
@@ -75,22 +76,11 @@ def process_logits_(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         logits[md.stop_rows, md.stop_cols] = neg_inf
     if md.no_penalties:
         return logits
-    if md.seen_index is not None:
-        apply_sparse_penalties_(
-            logits,
-            md.seen_index,
-            md.seen_output_counts,
-            md.repetition_penalties if md.repetition_seen else None,
-            md.frequency_penalties,
-            md.presence_penalties,
-        )
-    else:
-        apply_penalties_(
-            logits,
-            md.prompt_mask,
-            md.output_counts,
-            md.repetition_penalties,
-            md.frequency_penalties,
-            md.presence_penalties,
-        )
-    return logits
+    return apply_sparse_penalties_(
+        logits,
+        md.seen_index,
+        md.seen_output_counts,
+        md.repetition_penalties if md.repetition_seen else None,
+        md.frequency_penalties,
+        md.presence_penalties,
+    )

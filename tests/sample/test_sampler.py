@@ -346,9 +346,21 @@ def test_cpu_top_p_window_keeps_what_the_full_sort_keeps(scale):
         assert not kept_vals.intersection(dropped)
 
 
-def test_sparse_penalties_equal_the_dense_ones_bit_for_bit():
-    # The CPU applies penalties to the seen tokens only; CUDA runs the dense [B, V] passes. Same floats.
-    from pagedllm.sample.metadata import _count_tokens, _scatter_mask
+def _dense_counts(token_lists, vocab_size):
+    counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.int32)
+    for row, ids in enumerate(token_lists):
+        for t in ids:
+            counts[row, t] += 1
+    return counts
+
+
+@pytest.mark.parametrize("builder", ["cpu", "sync-free"])
+def test_sparse_penalties_equal_the_dense_ones_bit_for_bit(builder):
+    # Penalties touch the seen tokens only: deduplicated on the CPU, once per occurrence on a GPU (the
+    # sync-free builder, run here on the CPU). Both must give the dense [B, V] reference's floats.
+    import dataclasses
+
+    from pagedllm.sample.metadata import _scatter_mask, _seen_tokens_on_device
     from pagedllm.sample.penalties import apply_penalties_, process_logits_
 
     g = torch.Generator().manual_seed(11)
@@ -363,14 +375,18 @@ def test_sparse_penalties_equal_the_dense_ones_bit_for_bit():
         params = [SamplingParams(temperature=0.0, repetition_penalty=reps[i % 3],
                                  frequency_penalty=[0.0, 0.5, -0.4][i % 3], presence_penalty=[0.3, 0.0, -1.0][i % 3])
                   for i in range(B)]
-        md = build_sampling_metadata(params, prompts, outputs, list(range(B)), V, CPU)
-        assert md.seen_index is not None and md.output_counts is None
-        sparse = process_logits_(logits.clone(), md)
         with_rep = any(r != 1.0 for r in reps)
+        md = build_sampling_metadata(params, prompts, outputs, list(range(B)), V, CPU)
+        assert md.seen_index is not None and md.repetition_seen == with_rep
+        if builder == "sync-free":
+            index, counts = _seen_tokens_on_device(prompts if with_rep else None, outputs, V, CPU)
+            assert index.numel() == sum(map(len, outputs)) + (sum(map(len, prompts)) if with_rep else 0)
+            md = dataclasses.replace(md, seen_index=index, seen_output_counts=counts)
+        sparse = process_logits_(logits.clone(), md)
         dense = apply_penalties_(
             logits.clone(),
             _scatter_mask(list(enumerate(prompts)), B, V, CPU) if with_rep else None,
-            _count_tokens(outputs, V, CPU),
+            _dense_counts(outputs, V),
             md.repetition_penalties, md.frequency_penalties, md.presence_penalties,
         )
         assert torch.equal(sparse, dense)
