@@ -335,8 +335,9 @@ def kernel_profile(llm, batch: int, input_len: int, steps: int, eager: bool) -> 
     return {"eager": eager, "batch": batch, **_profile_table(prof, steps + 1)}
 
 
-def prefill_profile(llm, input_len: int, reps: int = 3) -> dict:
-    """Device time per kernel class of one prompt's prefill (one token sampled), averaged over ``reps``."""
+def prefill_profile(llm, input_len: int, reps: int = 3, num_prompts: int = 1) -> dict:
+    """Device time per kernel class of the prefill of ``num_prompts`` prompts in one step (one token
+    sampled each), averaged over ``reps``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -344,14 +345,18 @@ def prefill_profile(llm, input_len: int, reps: int = 3) -> dict:
 
     vocab = llm.llm_engine.config.model_config.vocab_size
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1, detokenize=False)
-    prompts = [{"prompt_token_ids": p} for p, _ in workload_fixed(vocab, reps, input_len, 1, seed=98)]
-    llm.generate(prompts[:1], params, use_tqdm=False)
+    prompts = [{"prompt_token_ids": p} for p, _ in workload_fixed(vocab, reps * num_prompts, input_len, 1, seed=98)]
+    batches = [prompts[i : i + num_prompts] for i in range(0, len(prompts), num_prompts)]
+    llm.generate(batches[0], params, use_tqdm=False)
     llm.llm_engine.engine_core.reset_prefix_cache()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for p in prompts:
-            llm.generate([p], params, use_tqdm=False)
+        for batch in batches:
+            llm.generate(batch, params, use_tqdm=False)
         torch.cuda.synchronize()
-    return {"input_len": input_len, **_profile_table(prof, reps), **prefill_host_time(llm, prompts, params)}
+    out = {"input_len": input_len, "num_prompts": num_prompts, **_profile_table(prof, reps)}
+    if num_prompts == 1:
+        out.update(prefill_host_time(llm, prompts, params))
+    return out
 
 
 def launch_overhead_us(calls: int = 2000) -> dict[str, float]:

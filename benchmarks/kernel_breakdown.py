@@ -1,7 +1,7 @@
 """Where a step's device time goes: per kernel class (matmul, attention, norm, ...) for decode and prefill steps.
 
     python benchmarks/kernel_breakdown.py --model llama --decode 1:1000 --prefill 1000 --latency 1:1000:256
-    python benchmarks/kernel_breakdown.py --model qwen --decode 256:640,64:1000
+    python benchmarks/kernel_breakdown.py --model qwen --decode 256:640,64:1000 --prefill 14x560
 
 Random weights, bf16, CUDA graphs as served (``--eager`` for the eager path). ``B:CTX`` profiles 16
 decode steps of B requests with CTX-token prompts; ``L`` profiles the prefill of one L-token prompt and
@@ -32,7 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", choices=sorted(MODELS), default="llama")
     ap.add_argument("--decode", default="", help="comma-separated BATCH:CONTEXT")
-    ap.add_argument("--prefill", default="", help="comma-separated prompt lengths")
+    ap.add_argument("--prefill", default="", help="comma-separated prompt lengths, or NUMxLENGTH for NUM prompts in one step")
     ap.add_argument("--latency", default="", help="comma-separated BATCH:IN:OUT, timed end to end (TTFT, TPOT)")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -53,11 +53,13 @@ def main() -> None:
         results[f"decode {spec}"] = prof
         print_profile(f"{args.model} decode batch {batch}, context {ctx}", prof)
     for spec in filter(None, args.prefill.split(",")):
-        prof = prefill_profile(llm, int(spec))
+        num, _, length = spec.rpartition("x")  # LENGTH, or NUMxLENGTH for NUM prompts in one step
+        prof = prefill_profile(llm, int(length), num_prompts=int(num or 1))
         results[f"prefill {spec}"] = prof
-        print_profile(f"{args.model} prefill of {spec} tokens", prof)
-        print(f"   host time to enqueue the forward: {', '.join(f'{v:.1f}' for v in prof['host_forward_ms'])} ms; "
-              f"wall per prompt: {', '.join(f'{v:.1f}' for v in prof['wall_ms'])} ms", flush=True)
+        print_profile(f"{args.model} prefill of {num or 1} x {length} tokens", prof)
+        if "host_forward_ms" in prof:
+            print(f"   host time to enqueue the forward: {', '.join(f'{v:.1f}' for v in prof['host_forward_ms'])} ms; "
+                  f"wall per prompt: {', '.join(f'{v:.1f}' for v in prof['wall_ms'])} ms", flush=True)
     if args.prefill:
         results["launch_overhead_us"] = launch_overhead_us()
         print("== host us per eager launch: " + ", ".join(f"{k} {v:.1f}" for k, v in results["launch_overhead_us"].items()))
