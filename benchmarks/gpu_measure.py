@@ -19,6 +19,23 @@ def workload_fixed(vocab: int, n: int, input_len: int, output_len: int, seed: in
     return [([rng.randrange(min(1000, vocab // 4), vocab) for _ in range(input_len)], output_len) for _ in range(n)]
 
 
+def median_event_ms(fn, reps: int = 20) -> float:
+    """Median device time of ``fn()`` in ms, CUDA events around each call, after one untimed call."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def copy_bandwidth_bytes_per_s(nbytes: int = 4 << 30) -> float:
     """Device-to-device copy rate counting bytes read plus written (the DEVICE.md convention)."""
     import torch

@@ -17,6 +17,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from gpu_measure import median_event_ms
 
 
 @triton.jit
@@ -32,21 +33,6 @@ def _read_kernel(x_ptr, out_ptr, n_tiles, BLOCK: tl.constexpr, TILES_PER_PROG: t
         x = tl.load(x_ptr + tile.to(tl.int64) * BLOCK + offs, mask=m & (offs < BLOCK), other=0.0)
         acc += x.to(tl.float32)
     tl.store(out_ptr + pid, tl.sum(acc, axis=0))
-
-
-def _time_ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main() -> None:
@@ -65,8 +51,8 @@ def main() -> None:
         rows.append({"reader": name, "ms": ms, "tb_per_s": rate})
         print(f"{name:44s} {ms:8.3f} ms  {rate:6.2f} TB/s", flush=True)
 
-    record("copy (read + write bytes)", _time_ms(lambda: y.copy_(x)), 2 * nbytes)
-    record("torch.sum (read)", _time_ms(lambda: x.sum(dtype=torch.float32)), nbytes)
+    record("copy (read + write bytes)", median_event_ms(lambda: y.copy_(x)), 2 * nbytes)
+    record("torch.sum (read)", median_event_ms(lambda: x.sum(dtype=torch.float32)), nbytes)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = torch.empty(1 << 22, device="cuda", dtype=torch.float32)
     for block in (2048, 4096, 8192):
@@ -80,7 +66,7 @@ def main() -> None:
                 fn = lambda: _read_kernel[(grid,)](x, out, n_tiles, BLOCK=block, TILES_PER_PROG=tiles_per_prog,
                                                    num_warps=warps)
                 label = f"triton read: tile {block}, {warps} warps, " + ("1 tile/prog" if per_sm == 0 else f"{per_sm}/SM")
-                record(label, _time_ms(fn), n_tiles * block * 2)
+                record(label, median_event_ms(fn), n_tiles * block * 2)
     best = max(rows[1:], key=lambda r: r["tb_per_s"])
     print(f"\nbest read-only: {best['tb_per_s']:.2f} TB/s ({best['reader']}); copy {rows[0]['tb_per_s']:.2f} TB/s "
           f"(read-only / copy = {best['tb_per_s'] / rows[0]['tb_per_s']:.3f})")

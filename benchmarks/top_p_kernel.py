@@ -16,20 +16,7 @@ import torch
 
 from pagedllm.sample import top_p_triton
 from pagedllm.sample.truncation import sorted_threshold_
-
-
-def _median_ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[reps // 2]
+from gpu_measure import median_event_ms
 
 
 def main() -> None:
@@ -56,8 +43,8 @@ def main() -> None:
 
                 other = importlib.import_module(args.compare)
                 for _ in range(2):
-                    ms_o = _median_ms(lambda: other.top_k_top_p_triton_(logits.clone(), top_k, top_p))
-                    ms_n = _median_ms(lambda: top_p_triton.top_k_top_p_triton_(logits.clone(), top_k, top_p))
+                    ms_o = median_event_ms(lambda: other.top_k_top_p_triton_(logits.clone(), top_k, top_p))
+                    ms_n = median_event_ms(lambda: top_p_triton.top_k_top_p_triton_(logits.clone(), top_k, top_p))
                     print(f"{rows:4d} {name:24s} {args.compare}: {ms_o:6.3f} ms | this one: {ms_n:6.3f} ms", flush=True)
             for chunk in (int(c) for c in args.chunks.split(",")):
                 for warps in (int(w) for w in args.warps.split(",")):
@@ -65,8 +52,8 @@ def main() -> None:
                     work = logits.clone()
                     kept = top_p_triton.top_k_top_p_triton_(work, top_k, top_p) > float("-inf")
                     differ = int((kept != ref_kept).sum())
-                    ms = _median_ms(lambda: top_p_triton.top_k_top_p_triton_(logits.clone(), top_k, top_p))
-                    copy_ms = _median_ms(lambda: logits.clone())
+                    ms = median_event_ms(lambda: top_p_triton.top_k_top_p_triton_(logits.clone(), top_k, top_p))
+                    copy_ms = median_event_ms(lambda: logits.clone())
                     print(f"{rows:4d} x {args.vocab} {name:24s} chunk {chunk:5d} warps {warps:2d}: "
                           f"{ms - copy_ms:6.3f} ms  (tokens differing from the sort: {differ})", flush=True)
                     rows_out.append({"rows": rows, "case": name, "chunk": chunk, "warps": warps,
