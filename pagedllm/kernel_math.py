@@ -28,7 +28,7 @@ def exact_rounding(t: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _mul(a, b, EXACT: tl.constexpr):
+def mul_rn(a, b, EXACT: tl.constexpr):
     if EXACT:
         return libdevice.mul_rn(a, b)
     else:
@@ -36,11 +36,20 @@ def _mul(a, b, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _add(a, b, EXACT: tl.constexpr):
+def add_rn(a, b, EXACT: tl.constexpr):
     if EXACT:
         return libdevice.add_rn(a, b)
     else:
         return a + b
+
+
+@triton.jit
+def div_rn(a, b, EXACT: tl.constexpr):
+    # Triton's own float32 division is an approximate instruction; torch's is correctly rounded.
+    if EXACT:
+        return libdevice.div_rn(a, b)
+    else:
+        return a / b
 
 
 @triton.jit
@@ -49,9 +58,9 @@ def rope_combine(x, partner, cos, sin, DT: tl.constexpr, EXACT: tl.constexpr):
 
     All four inputs are float32 tensors holding DT values (``sin`` already carries rotate_half's sign).
     """
-    a = _mul(x, cos, EXACT).to(DT).to(tl.float32)
-    b = _mul(partner, sin, EXACT).to(DT).to(tl.float32)
-    return _add(a, b, EXACT).to(DT)
+    a = mul_rn(x, cos, EXACT).to(DT).to(tl.float32)
+    b = mul_rn(partner, sin, EXACT).to(DT).to(tl.float32)
+    return add_rn(a, b, EXACT).to(DT)
 
 
 @triton.jit

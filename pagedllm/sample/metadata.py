@@ -56,8 +56,8 @@ class SamplingMetadata:
 
     # The tokens the penalties touch, a few thousand entries instead of B x V passes:
     seen_index: torch.Tensor | None = None  # [N] int64 row * V + token for each token in an output (or, with
-    # a repetition penalty in the batch, in a prompt). On the CPU each once, ascending; on a GPU once per
-    # occurrence, in no order (deduplicating would need the count on the host, i.e. a sync).
+    # a repetition penalty in the batch, in a prompt), ascending. On the CPU each once; on a GPU once per
+    # occurrence (dropping the repeats would need their number on the host, i.e. a sync).
     seen_output_counts: torch.Tensor | None = None  # [N] float32, the token's occurrences in the row's output
     repetition_seen: bool = False  # seen_index includes the prompts: the repetition penalty applies
 
@@ -149,15 +149,15 @@ def _seen_tokens_on_device(
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """_seen_tokens without a host sync: every output (and prompt, if given) occurrence as row * V + token
-    [N] int64, with the token's occurrences in the row's output [N] float32, counted by two binary
-    searches in the sorted output keys. Repeated entries carry equal values, so writing them is exact."""
+    [N] int64, ascending with repeats, with the token's occurrences in the row's output [N] float32,
+    counted by two binary searches in the sorted output keys."""
     rows, cols = _flat_index(list(enumerate(output_token_ids)), device)
     out_keys = rows * vocab_size + cols
-    keys = out_keys
+    ordered = out_keys.sort().values
+    keys = ordered
     if prompt_token_ids is not None:
         rows, cols = _flat_index(list(enumerate(prompt_token_ids)), device)
-        keys = torch.cat([out_keys, rows * vocab_size + cols])
-    ordered = out_keys.sort().values
+        keys = torch.cat([out_keys, rows * vocab_size + cols]).sort().values
     counts = torch.searchsorted(ordered, keys, right=True) - torch.searchsorted(ordered, keys)
     return keys, counts.to(torch.float32)
 

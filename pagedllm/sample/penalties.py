@@ -51,7 +51,15 @@ def apply_sparse_penalties_(
     row * V + token (an entry may repeat: repeats compute and write the same value), output_counts [N]
     float32, repetition (None: no prompt in seen_index) / frequency / presence [B] float32. The same
     float operations in the same order on every seen token, so the result equals the dense one; the
-    unseen tokens, which the dense path leaves as they are, are not read."""
+    unseen tokens, which the dense path leaves as they are, are not read. On CUDA one Triton launch
+    (penalties_triton.py; seen_index must then be ascending) instead of a dozen small ones."""
+    if logits.is_cuda and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        try:
+            from pagedllm.sample.penalties_triton import sparse_penalties_triton_
+        except ImportError:  # no Triton on this machine
+            pass
+        else:
+            return sparse_penalties_triton_(logits, seen_index, output_counts, repetition, frequency, presence)
     rows, cols = seen_index // logits.shape[1], seen_index % logits.shape[1]
     vals = logits[rows, cols]
     if repetition is not None:

@@ -354,10 +354,11 @@ def _dense_counts(token_lists, vocab_size):
     return counts
 
 
-@pytest.mark.parametrize("builder", ["cpu", "sync-free"])
+@pytest.mark.parametrize("builder", ["cpu", "sync-free", "sync-free+triton"])
 def test_sparse_penalties_equal_the_dense_ones_bit_for_bit(builder):
     # Penalties touch the seen tokens only: deduplicated on the CPU, once per occurrence on a GPU (the
-    # sync-free builder, run here on the CPU). Both must give the dense [B, V] reference's floats.
+    # sync-free builder, run here on the CPU), applied by torch ops or, on CUDA, by one Triton kernel
+    # (here interpreted). All must give the dense [B, V] reference's floats.
     import dataclasses
 
     from pagedllm.sample.metadata import _scatter_mask, _seen_tokens_on_device
@@ -378,11 +379,24 @@ def test_sparse_penalties_equal_the_dense_ones_bit_for_bit(builder):
         with_rep = any(r != 1.0 for r in reps)
         md = build_sampling_metadata(params, prompts, outputs, list(range(B)), V, CPU)
         assert md.seen_index is not None and md.repetition_seen == with_rep
-        if builder == "sync-free":
+        if builder != "cpu":
             index, counts = _seen_tokens_on_device(prompts if with_rep else None, outputs, V, CPU)
             assert index.numel() == sum(map(len, outputs)) + (sum(map(len, prompts)) if with_rep else 0)
+            assert bool((index[1:] >= index[:-1]).all())
             md = dataclasses.replace(md, seen_index=index, seen_output_counts=counts)
-        sparse = process_logits_(logits.clone(), md)
+        if builder == "sync-free+triton":
+            from pagedllm.sample.penalties_triton import sparse_penalties_triton_
+
+            # Compiled (with its exact-rounding instructions) where there is a GPU.
+            dev = torch.device("cuda") if torch.cuda.is_available() else CPU
+            index, counts = _seen_tokens_on_device(prompts if with_rep else None, outputs, V, dev)
+            sparse = sparse_penalties_triton_(
+                logits.clone().to(dev), index, counts,
+                md.repetition_penalties.to(dev) if md.repetition_seen else None,
+                md.frequency_penalties.to(dev), md.presence_penalties.to(dev),
+            ).cpu()
+        else:
+            sparse = process_logits_(logits.clone(), md)
         dense = apply_penalties_(
             logits.clone(),
             _scatter_mask(list(enumerate(prompts)), B, V, CPU) if with_rep else None,
