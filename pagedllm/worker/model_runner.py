@@ -140,7 +140,11 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
         shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, mc.num_kv_heads, mc.head_size)
-        self.kv_caches = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
+        # No kernel reads a slot before it is written (the backends mask or redirect every position past a
+        # request's end). On the CPU, zero-filling gigabytes up front took seconds of start-up; left
+        # unwritten, the OS maps each page when a block first fills. A GPU memset is nearly free: keep it.
+        alloc = torch.zeros if self.device.type == "cuda" else torch.empty
+        self.kv_caches = [alloc(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def _decode_metadata(self, num_reqs: int, dev: DeviceInputs) -> AttentionMetadata:

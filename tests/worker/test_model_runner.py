@@ -41,3 +41,28 @@ def test_plain_greedy_argmax_on_model_dtype_logits_matches_the_sampler(tmp_path)
     a = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)]
     assert a == b
+
+
+@pytest.mark.parametrize(("backend", "kind"), [("torch_ref", "qwen3"), ("cpu", "qwen3"), ("cpu", "gemma3")])
+def test_never_written_cache_slots_are_never_read(tmp_path, backend, kind):
+    # On the CPU the cache is allocated without zero-filling: a slot holds whatever the memory held
+    # until a token is written there. NaN everywhere stands for the worst such memory; outputs must not
+    # change (decode, chunked prefill, a prefix-cache hit and, for Gemma 3, the sliding window).
+    path = make_tiny_model(kind, tmp_path / "m")
+    kw = dict(model=path, skip_tokenizer_init=True, device="cpu", dtype="float32", max_model_len=128,
+              kv_cache_memory_bytes=1 << 22, attention_backend=backend, max_num_batched_tokens=32,
+              enable_prefix_caching=True)
+    shared = list(range(5, 5 + 40))
+    prompts = [{"prompt_token_ids": ids} for ids in (shared[:3], shared + [7, 8], shared + [9], list(range(50, 61)))]
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, detokenize=False)
+
+    results = []
+    for poison in (0.0, float("nan")):
+        llm = LLM(**kw)
+        for cache in llm.llm_engine.engine_core.executor.worker.model_runner.kv_caches:
+            cache.fill_(poison)
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params, use_tqdm=False)]
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts[1:], params, use_tqdm=False)]  # hits
+        results.append((first, again))
+    assert results[0] == results[1]
+    assert results[0][0][1] == results[0][1][0]  # the prefix-cache hit reproduces the fresh prefill
