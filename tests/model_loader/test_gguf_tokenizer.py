@@ -172,6 +172,22 @@ def test_cache_holds_one_complete_entry(ours) -> None:
     assert (entries[0] / "tokenizer.json").is_file()
 
 
+def test_cache_entry_loads_without_from_pretrained(ours, monkeypatch) -> None:
+    # Our entries hold tokenizer.json and its config only, so they load straight into the fast
+    # tokenizer (from_pretrained would also parse the 33 MB JSON in Python). Same tokenizer either way.
+    from transformers import PreTrainedTokenizerFast
+
+    entry = next((ours[2] / "tokenizers").iterdir())
+    reference = PreTrainedTokenizerFast.from_pretrained(str(entry))
+    monkeypatch.setattr(PreTrainedTokenizerFast, "from_pretrained", lambda *a, **k: pytest.fail("slow path taken"))
+    tok = gt._load_entry(entry)
+    assert tok.added_tokens_decoder == reference.added_tokens_decoder
+    assert tok.special_tokens_map == reference.special_tokens_map and len(tok) == len(reference)
+    for text, ids in GOLDEN:
+        assert tok(text)["input_ids"] == ids == reference(text)["input_ids"]
+        assert tok.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+
+
 def test_cache_key_follows_the_file(tmp_path) -> None:
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF v1")
