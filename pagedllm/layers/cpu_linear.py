@@ -53,6 +53,12 @@ class PackedWeight:
         return self._packed
 
 
+def prepack(weight: torch.Tensor, packed: PackedWeight) -> bool:
+    """Packs ``weight`` now if ``cpu_linear`` would use the packed copy; whether a copy was made."""
+    usable = _ONEDNN_PACK and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+    return usable and packed.get(weight) is not None
+
+
 # Memory left free after a packed copy is made: the KV cache, activations and the OS need room too.
 _PACK_HEADROOM_BYTES = 2 << 30
 

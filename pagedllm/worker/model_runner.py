@@ -137,6 +137,17 @@ class ModelRunner:
         self.model = get_model(self.model_config, self.config.load_config, self.device, self.attn_backend)
         self.sampler = Sampler()
 
+    def prepack_cpu_weights(self) -> int:
+        """Reorders the CPU linears' float32 weights into oneDNN's layout now instead of in the first step,
+        so that the KV cache is sized after the packed copies take their RAM. Returns how many were packed."""
+        from pagedllm.layers.cpu_linear import PackedWeight, prepack
+
+        return sum(
+            prepack(m.weight, m.packed_weight)
+            for m in self.model.modules()
+            if isinstance(getattr(m, "packed_weight", None), PackedWeight)
+        )
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
         shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, mc.num_kv_heads, mc.head_size)

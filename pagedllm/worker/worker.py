@@ -84,6 +84,12 @@ class Worker:
             self.memory.weights = torch.cuda.memory_allocated()
         self.startup.add("load", time.perf_counter() - t0)
         logger.info("model weights loaded in %.2f s", self.startup.phases["load"])
+        if self.device.type == "cpu":
+            t0 = time.perf_counter()
+            packed = self.model_runner.prepack_cpu_weights()
+            self.startup.add("prepack", time.perf_counter() - t0)
+            if packed:
+                logger.info("%d weights reordered for oneDNN in %.2f s", packed, self.startup.phases["prepack"])
 
     def determine_num_blocks(self) -> int:
         cc, mc = self.config.cache_config, self.config.model_config
@@ -99,7 +105,7 @@ class Worker:
             avail = _available_ram_bytes()
             budget = int(avail * CPU_KV_CACHE_FRACTION)
             # More blocks than max_num_seqs full-length sequences only lengthen the prefix cache's
-            # memory; cap it so a small model on a big machine doesn't zero gigabytes at start.
+            # memory; cap it so a small model on a big machine doesn't take gigabytes it cannot use.
             sc = self.config.scheduler_config
             cap_blocks = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size)
             num_blocks = min(budget // block_bytes, cap_blocks)

@@ -66,3 +66,22 @@ def test_never_written_cache_slots_are_never_read(tmp_path, backend, kind):
         results.append((first, again))
     assert results[0] == results[1]
     assert results[0][0][1] == results[0][1][0]  # the prefix-cache hit reproduces the fresh prefill
+
+
+def test_cpu_weights_are_packed_at_load_before_the_kv_cache_is_sized(tmp_path):
+    # oneDNN reorders float32 weights once; doing it at load (not in the first step) lets the CPU KV
+    # budget see the RAM the packed copies take. Other dtypes never use the packed copy: none is made.
+    from pagedllm.layers import cpu_linear
+
+    if not cpu_linear._ONEDNN_PACK:
+        pytest.skip("this torch build has no oneDNN weight reorder")
+    path = make_tiny_model("llama", tmp_path / "m")
+    packed = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(model=path, skip_tokenizer_init=True, device="cpu", dtype=dtype, max_model_len=64,
+                  kv_cache_memory_bytes=1 << 20)
+        model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+        holders = [m for m in model.modules() if isinstance(getattr(m, "packed_weight", None), cpu_linear.PackedWeight)]
+        assert holders
+        packed[dtype] = [m.packed_weight._packed is not None for m in holders]
+    assert all(packed["float32"]) and not any(packed["bfloat16"])
