@@ -29,9 +29,10 @@ class PackedWeight:
 
     Without it oneDNN reorders the weight on every call: at decode sizes (32 rows) that costs ~25% of
     the decoder's products and ~30% of the lm_head's. Packing happens at the first product, or before it
-    through ``prepack`` (the CPU worker packs every weight at load), and is redone whenever the dense weight is replaced or written in place through the parameter; writes
-    through ``param.data`` bypass the version counter, which is fine here since weights are fixed once
-    loaded. The packed copy doubles the weight's memory, so a weight is packed only while RAM has room.
+    through ``prepack`` (the CPU worker packs every weight at load), and is redone whenever the dense
+    weight is replaced or written in place through the parameter; writes through ``param.data`` bypass
+    the version counter, which is fine here since weights are fixed once loaded. The packed copy
+    doubles the weight's memory, so a weight is packed only while RAM has room.
     """
 
     def __init__(self) -> None:

@@ -159,7 +159,8 @@ def _load_entry(entry: Path) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     config = json.loads((entry / "tokenizer_config.json").read_text(encoding="utf-8"))
-    if {p.name for p in entry.iterdir()} != {"tokenizer.json", "tokenizer_config.json"} or "added_tokens_decoder" in config:
+    files = {p.name for p in entry.iterdir()}
+    if files != {"tokenizer.json", "tokenizer_config.json"} or "added_tokens_decoder" in config:
         return PreTrainedTokenizerFast.from_pretrained(str(entry))
     kwargs = {k: v for k, v in config.items() if k not in ("backend", "tokenizer_class")}
     return PreTrainedTokenizerFast(tokenizer_file=str(entry / "tokenizer.json"), name_or_path=str(entry), **kwargs)
