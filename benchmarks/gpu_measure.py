@@ -44,20 +44,11 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 4 << 30) -> float:
         return float("nan")
     src = torch.randn(nbytes // 4, device="cuda")  # random data, never zeros
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+    dst.copy_(src)
+    seconds = median_event_ms(lambda: dst.copy_(src), reps=10) / 1e3
     del src, dst
     torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(times)
+    return 2 * nbytes / seconds
 
 
 class StepRecorder:
