@@ -94,6 +94,8 @@ def client_args(args, url: str, rate: float, seed: int, max_concurrency: int | N
             "--seed", str(seed), "--timeout", str(args.request_timeout)]
     if max_concurrency:
         argv += ["--max-concurrency", str(max_concurrency)]
+    if args.http_client:
+        argv += ["--http-client", args.http_client]
     return p.parse_args(argv)
 
 
@@ -371,6 +373,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in mean * [1 - r, 1 + r]")
     ap.add_argument("--warmup-input-len", type=int, default=None, help="default: --latency-input-len")
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--http-client", choices=("aiohttp", "httpx"), default=None,
+                    help="the bench client's HTTP library (default: bench serve's, aiohttp when installed)")
+    ap.add_argument("--latency-only", action="store_true", help="run (a) only: no (b), no offline runs")
     ap.add_argument("--ttft-target-ms", type=float, default=25.0)
     ap.add_argument("--itl-target-ms", type=float, default=6.0)
     ap.add_argument("--ratio-target", type=float, default=0.9)
@@ -392,6 +397,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.warmup_input_len is None:
         args.warmup_input_len = args.latency_input_len
     return args
+
+
+class _LatencyOnly(Exception):
+    """--latency-only: stop after (a)."""
 
 
 def main(argv=None) -> int:
@@ -444,11 +453,15 @@ def main(argv=None) -> int:
         res["latency"]["server_side"] = histogram_means_ms(before, scrape_histograms(server.url))
         timings["a_latency"] = time.perf_counter() - t0
         save()
+        if args.latency_only:
+            raise _LatencyOnly
         log(f"(b) {len(thr_reqs)} requests at once ({len(thr_reqs)} streams)")
         t0 = time.perf_counter()
         res["throughput"] = run_client(args, server.url, thr_reqs, float("inf"), args.seed, len(thr_reqs))
         timings["b_throughput"] = time.perf_counter() - t0
         save()
+    except _LatencyOnly:
+        pass
     except Exception as e:  # noqa: BLE001 - keep going: stop the server, report what finished
         res["error"] = f"{type(e).__name__}: {e}"
         log(f"serving phase failed: {res['error'][:2000]}")
@@ -457,6 +470,9 @@ def main(argv=None) -> int:
         log(f"server stopped in {timings['server_stop']:.1f} s (rc {server.proc.returncode})")
     res["server_log_tail"] = tail(server.log_path, 1500)
     save()
+    if args.latency_only:
+        print_table(args, res, res["summary"])
+        return 0 if "error" not in res else 1
 
     t0 = time.perf_counter()
     res["offline"] = run_offline(args, engine_flags)

@@ -50,6 +50,28 @@ def copy_tbps() -> float:
     return 2 * src.numel() * 2 / (us * 1e-6) / 1e12
 
 
+def time_tunable(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
+    """TunableOp on one product shape: tuned eagerly (outside any graph), then timed from a graph.
+
+    Also whether the tuned product equals cuBLAS's default bit for bit (a different algorithm may
+    sum in another order)."""
+    tunable = torch.cuda.tunable
+    ref = F.linear(x, weights[0])
+    tunable.enable(True)
+    tunable.tuning_enable(True)
+    tunable.set_max_tuning_duration(30)
+    try:
+        F.linear(x, weights[0])  # tunes this shape
+        torch.cuda.synchronize()
+        tunable.tuning_enable(False)
+        t = graph_time_us(lambda: [F.linear(x, w) for w in weights])
+        same = bool(torch.equal(F.linear(x, weights[0]), ref))
+    finally:
+        tunable.tuning_enable(False)
+        tunable.enable(False)
+    return {"tunable": t, "tunable_bit_equal": same}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "linear_shapes.json"))
@@ -57,6 +79,8 @@ def main() -> None:
     ap.add_argument("--hot", action="store_true",
                     help="also time cuBLAS with one weight for every layer, so it is read from L2 after the first")
     ap.add_argument("--cases", default="", help="MODEL:TOKENS,... to time instead of all cases")
+    ap.add_argument("--tunable", action="store_true",
+                    help="also time torch's TunableOp: each shape tuned eagerly over the BLAS algorithms, then replayed")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("linear_shapes: no CUDA device; nothing to time")
@@ -86,6 +110,8 @@ def main() -> None:
                 torch.backends.cuda.preferred_blas_library(lib)
                 res[lib] = graph_time_us(lambda: [F.linear(x, w) for w in weights])
             torch.backends.cuda.preferred_blas_library("cublas")
+            if args.tunable:
+                res.update(time_tunable(x, weights))
             if args.hot:
                 res["cublas_l2_hot"] = graph_time_us(lambda: [F.linear(x, weights[0]) for _ in weights])
             if tokens == 1 and default_config(n, k) is not None:
@@ -120,7 +146,7 @@ def main() -> None:
                             continue
                         best = min(best, (t, str(cfg)))
                     res["best"] = best
-            libs = [key for key in ("cublas", "cublaslt", "cublas_l2_hot", "gemv", "triton") if key in res]
+            libs = [key for key in ("cublas", "cublaslt", "tunable", "cublas_l2_hot", "gemv", "triton") if key in res]
             if tokens == 1:
                 rate = "  ".join(f"{key} {res[key]:8.1f} us {nbytes / (res[key] * 1e-6) / 1e12 / bw:6.1%}" for key in libs)
             else:
@@ -134,7 +160,7 @@ def main() -> None:
     for model, tokens in cases:
         sel = [r for r in rows if r["model"] == model and r["tokens"] == tokens]
         summary[f"{model} T={tokens}"] = {
-            key: sum(r.get(key, r["cublas"]) for r in sel) for key in ("cublas", "cublaslt", "gemv", "triton")
+            key: sum(r.get(key, r["cublas"]) for r in sel) for key in ("cublas", "cublaslt", "tunable", "gemv", "triton")
         }
     print("\nper forward pass, all linears (us; gemv and triton fall back to cuBLAS where they do not apply):")
     for key, val in summary.items():

@@ -64,6 +64,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--goodput", type=str, nargs="+", default=None, metavar="KEY:MS",
                         help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    parser.add_argument("--http-client", choices=["aiohttp", "httpx"], default=None,
+                        help="client library (default: aiohttp when installed, else httpx)")
     parser.add_argument("--output-json", type=str, default=None)
     parser.add_argument("--plot", type=str, default=None, help="write a PNG of the latencies here (the bench extra)")
 
@@ -115,28 +117,114 @@ def arrival_delays(n: int, rate: float, burstiness: float, rng: random.Random) -
     return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
 
 
-async def _sse_lines(resp):
-    """The stream's lines split on LF only, as SSE defines them (aiter_lines also splits on U+2028 etc.,
-    which may stand raw inside an event's JSON)."""
-    buf = ""
-    async for text in resp.aiter_text():
-        buf += text
-        *lines, buf = buf.split("\n")
-        for line in lines:
-            yield line.rstrip("\r")
-    if buf:
-        yield buf.rstrip("\r")
+def _split_lines(buf: str, text: str) -> tuple[list[str], str]:
+    """Complete lines of ``buf + text`` and the rest. Lines end at LF only, as SSE defines them (httpx's
+    aiter_lines also splits on U+2028 etc., which may stand raw inside an event's JSON)."""
+    *lines, rest = (buf + text).split("\n")
+    return [line.rstrip("\r") for line in lines], rest
 
 
-async def _one_request(client, url: str, payload: dict, headers: dict, timeout: float) -> RequestResult:
+class _HttpxStream:
+    """One streamed POST through httpx: status, body on error, and the response's lines."""
+
+    def __init__(self, client, url: str, payload: dict, headers: dict, timeout: float) -> None:
+        self._cm = client.stream("POST", url, json=payload, headers=headers, timeout=timeout)
+
+    async def __aenter__(self):
+        self.resp = await self._cm.__aenter__()
+        self.status = self.resp.status_code
+        return self
+
+    async def __aexit__(self, *exc):
+        return await self._cm.__aexit__(*exc)
+
+    async def body(self) -> bytes:
+        return await self.resp.aread()
+
+    async def lines(self):
+        buf = ""
+        async for text in self.resp.aiter_text():
+            done, buf = _split_lines(buf, text)
+            for line in done:
+                yield line
+        if buf:
+            yield buf.rstrip("\r")
+
+
+class _AiohttpStream(_HttpxStream):
+    """The same through aiohttp, whose per-chunk overhead is lower (vLLM's benchmark client uses it)."""
+
+    def __init__(self, session, url: str, payload: dict, headers: dict, timeout: float) -> None:
+        import aiohttp
+
+        self._cm = session.post(url, json=payload, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout))
+
+    async def __aenter__(self):
+        self.resp = await self._cm.__aenter__()
+        self.status = self.resp.status
+        return self
+
+    async def body(self) -> bytes:
+        return await self.resp.read()
+
+    async def lines(self):
+        import codecs
+
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        buf = ""
+        async for data in self.resp.content.iter_any():
+            done, buf = _split_lines(buf, decoder.decode(data))
+            for line in done:
+                yield line
+        buf += decoder.decode(b"", final=True)
+        if buf:
+            yield buf.rstrip("\r")
+
+
+def _client(backend: str, limit: int):
+    """An async HTTP client holding up to ``limit`` kept-alive connections."""
+    if backend == "aiohttp":
+        import aiohttp
+
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, limit_per_host=limit))
+    if backend != "httpx":
+        raise ValueError(f"--http-client must be aiohttp or httpx, got {backend!r}")
+    import httpx
+
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))
+
+
+async def _get_json(backend: str, client, url: str, headers: dict) -> dict:
+    if backend == "aiohttp":
+        import aiohttp
+
+        async with client.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            status, body = resp.status, await resp.read()
+    else:
+        resp = await client.get(url, headers=headers, timeout=30)
+        status, body = resp.status_code, resp.content
+    if status != 200:
+        raise RuntimeError(f"GET {url}: HTTP {status}: {body[:200]!r}")
+    return json.loads(body)
+
+
+def default_http_client() -> str:
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        return "httpx"
+    return "aiohttp"
+
+
+async def _one_request(stream_cls, client, url: str, payload: dict, headers: dict, timeout: float) -> RequestResult:
     res = RequestResult(start=time.perf_counter())
     last = res.start
     try:
-        async with client.stream("POST", url, json=payload, headers=headers, timeout=timeout) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        async with stream_cls(client, url, payload, headers, timeout) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.body())[:200]!r}"
                 return res
-            async for line in _sse_lines(resp):
+            async for line in resp.lines():
                 if not line.startswith("data: "):
                     continue
                 data = line[6:]
@@ -208,8 +296,6 @@ async def benchmark(
     args: argparse.Namespace, prompts: list[BenchPrompt] | None = None
 ) -> tuple[dict, list[RequestResult]]:
     """Runs the load test; `prompts` (e.g. token ids shared with an offline run) replaces the dataset flags."""
-    import httpx
-
     slos = parse_goodput(args.goodput)
     if prompts is None:
         prompts = make_prompts(args.dataset, args.num_prompts, args.input_len, args.output_len, args.random_range_ratio, args.seed)
@@ -220,12 +306,12 @@ async def benchmark(
     if chat and any(not isinstance(p.prompt, str) for p in prompts):
         raise ValueError("token-id prompts need the /v1/completions endpoint")
     limit = args.max_concurrency or len(prompts)
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit)) as client:
+    backend = getattr(args, "http_client", None) or default_http_client()
+    async with _client(backend, limit) as client:
+        stream_cls = _AiohttpStream if backend == "aiohttp" else _HttpxStream
         model = args.model
         if model is None:
-            resp = await client.get(f"{base}/v1/models", headers=headers, timeout=30)
-            resp.raise_for_status()
-            model = resp.json()["data"][0]["id"]
+            model = (await _get_json(backend, client, f"{base}/v1/models", headers))["data"][0]["id"]
         sem = asyncio.Semaphore(limit)
 
         async def run_one(p: BenchPrompt) -> RequestResult:
@@ -236,7 +322,7 @@ async def benchmark(
             else:
                 payload["prompt"] = p.prompt
             async with sem:
-                return await _one_request(client, base + args.endpoint, payload, headers, args.timeout)
+                return await _one_request(stream_cls, client, base + args.endpoint, payload, headers, args.timeout)
 
         t0 = time.perf_counter()
         tasks = []
@@ -247,7 +333,7 @@ async def benchmark(
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
     summary = summarize(list(results), duration, slos)
-    summary.update(model=model, base_url=base, endpoint=args.endpoint, dataset=args.dataset,
+    summary.update(model=model, base_url=base, endpoint=args.endpoint, dataset=args.dataset, http_client=backend,
                    num_prompts=len(prompts), request_rate=args.request_rate, burstiness=args.burstiness,
                    max_concurrency=args.max_concurrency)
     return summary, list(results)

@@ -53,7 +53,8 @@ def test_summary_maths():
     assert s["goodput"] == pytest.approx(0.5)  # only the first met ttft <= 200 ms
 
 
-def test_bench_serve_against_a_server(completions_server, tmp_path, capsys):
+@pytest.mark.parametrize("http_client", ["aiohttp", "httpx"])
+def test_bench_serve_against_a_server(completions_server, tmp_path, capsys, http_client):
     from pagedllm.entrypoints.cli.main import main
 
     out = tmp_path / "bench.json"
@@ -61,10 +62,11 @@ def test_bench_serve_against_a_server(completions_server, tmp_path, capsys):
         "bench", "serve", "--base-url", completions_server.url, "--api-key", completions_server.api_key,
         "--num-prompts", "12", "--request-rate", "40", "--burstiness", "0.5", "--max-concurrency", "6",
         "--input-len", "12", "--output-len", "6", "--goodput", "ttft:60000", "tpot:60000",
-        "--output-json", str(out), "--plot", str(tmp_path / "bench.png"),
+        "--output-json", str(out), "--plot", str(tmp_path / "bench.png"), "--http-client", http_client,
     ]
     assert main(argv) == 0
     result = json.loads(out.read_text())
+    assert result["http_client"] == http_client
     assert result["completed"] == 12 and result["failed"] == 0
     assert result["total_output_tokens"] == 12 * 6
     assert result["goodput"] == pytest.approx(result["request_throughput"])
@@ -86,14 +88,20 @@ def test_stream_chunks_with_line_separators_survive_line_readers():
     assert json.loads(event[len("data: "):])["choices"][0]["text"] == SEPARATORS
 
 
-def test_bench_client_splits_events_on_newlines_only():
+@pytest.mark.parametrize("http_client", ["aiohttp", "httpx"])
+def test_bench_client_splits_events_on_newlines_only(http_client):
     raw = ('data: {"t": "' + SEPARATORS + '"}\n\ndata: [DONE]\n\n').encode()
     # Delivered in 3-byte pieces, so events and UTF-8 characters are cut across reads too.
-    resp = httpx.Response(200, stream=httpx.ByteStream(b""), request=httpx.Request("POST", "http://x"))
-    resp.stream = _Pieces(raw, 3)
+    if http_client == "httpx":
+        stream = bench._HttpxStream.__new__(bench._HttpxStream)
+        stream.resp = httpx.Response(200, stream=httpx.ByteStream(b""), request=httpx.Request("POST", "http://x"))
+        stream.resp.stream = _Pieces(raw, 3)
+    else:
+        stream = bench._AiohttpStream.__new__(bench._AiohttpStream)
+        stream.resp = _AiohttpBody(_Pieces(raw, 3))
 
     async def lines():
-        return [line async for line in bench._sse_lines(resp)]
+        return [line async for line in stream.lines()]
 
     assert asyncio.run(lines()) == ['data: {"t": "' + SEPARATORS + '"}', "", "data: [DONE]", ""]
 
@@ -107,3 +115,13 @@ class _Pieces(httpx.AsyncByteStream):
     async def __aiter__(self):
         for i in range(0, len(self.data), self.size):
             yield self.data[i : i + self.size]
+
+    def iter_any(self):
+        return self.__aiter__()
+
+
+class _AiohttpBody:
+    """What the aiohttp reader uses of a response: ``content.iter_any()``."""
+
+    def __init__(self, content: _Pieces) -> None:
+        self.content = content

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -182,6 +181,18 @@ def _read_chat_template(value: str | None) -> str | None:
     return value
 
 
+def _http_stack() -> str:
+    """The event loop and HTTP parser that uvicorn's "auto" settings pick in this environment."""
+    names = []
+    for module, fallback in (("uvloop", "asyncio"), ("httptools", "h11")):
+        try:
+            __import__(module)
+            names.append(module)
+        except ImportError:
+            names.append(fallback)
+    return " + ".join(names)
+
+
 def run_server(args: argparse.Namespace) -> None:
     """`pagedllm serve`: start the engine core, then serve HTTP until SIGINT/SIGTERM."""
     import prometheus_client
@@ -228,12 +239,14 @@ def run_server(args: argparse.Namespace) -> None:
             port=args.port,
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_access_log,
-            # Let headers up to 4x our own limit through h11, so oversized ones get a proper 431.
+            # Let headers up to 4x our own limit through h11, so oversized ones get a proper 431 from the app
+            # (httptools, when installed, sets no limit of its own).
             h11_max_incomplete_event_size=max(4 * args.max_header_bytes, 64 << 10),
             timeout_graceful_shutdown=5,
         )
         server = uvicorn.Server(config)
-        logger.info("serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
-        asyncio.run(server.serve())
+        logger.info("serving %s on http://%s:%d (%s)", ", ".join(names), args.host, args.port, _http_stack())
+        # Server.run builds the loop uvicorn's "auto" picks: uvloop when installed, else asyncio's.
+        server.run()
     finally:
         engine.shutdown()
