@@ -6,8 +6,9 @@ each over a kept-alive raw socket, so the client adds next to nothing. For each 
 from the first byte sent to the first SSE event, and to the end of the stream. The server's own TTFT
 (arrival at the front end to the first token there) comes from the difference of its /metrics
 histogram sums before and after, so "client − server" is the HTTP path both ways: parsing, routing,
-validation, the response's headers and first chunk, and the loopback hops. Prints a table; --json
-writes the figures.
+validation, the response's headers and first chunk, and the loopback hops. --background-streams K
+keeps K long requests decoding meanwhile, so the same split is seen under load. Prints a line;
+--json writes the figures.
 
     python benchmarks/serve_latency.py --model DIR [--serve-flags "--device cpu --dtype float32"]
 """
@@ -21,6 +22,7 @@ import shlex
 import socket
 import statistics
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -101,6 +103,12 @@ class RawClient:
         return first or 0.0, time.perf_counter() - t0, events
 
 
+def _background_stream(port: int, body: dict, done: list) -> None:
+    """One long streamed request, as a stream that keeps the server decoding; appends its end time."""
+    RawClient(port).stream(body)
+    done.append(time.perf_counter())
+
+
 def run(args) -> dict:
     flags = [args.model, *shlex.split(args.serve_flags), "--disable-access-log"]
     server = Server(flags, log_path=args.log)
@@ -116,6 +124,16 @@ def run(args) -> dict:
 
         for _ in range(args.warmup):
             client.stream(body())
+        ended: list[float] = []
+        background = [
+            threading.Thread(target=_background_stream, args=(server.port, {**body(), "max_tokens": args.background_tokens},
+                                                              ended), daemon=True)
+            for _ in range(args.background_streams)
+        ]
+        for t in background:
+            t.start()
+        # Their first tokens must land before the first scrape, so that the server's mean is ours alone.
+        time.sleep(1.0 if background else 0.0)
         s0, c0 = _metric_sum_count(server.url, "time_to_first_token_seconds")
         firsts, ends = [], []
         for _ in range(args.requests):
@@ -124,6 +142,10 @@ def run(args) -> dict:
             ends.append(end)
             time.sleep(args.gap_s)
         s1, c1 = _metric_sum_count(server.url, "time_to_first_token_seconds")
+        if ended:
+            raise RuntimeError("a background stream ended during the measurement: raise --background-tokens")
+        for t in background:
+            t.join(timeout=600)
     finally:
         server.stop()
     n = c1 - c0
@@ -136,6 +158,7 @@ def run(args) -> dict:
         "server_ttft_mean_ms": round(server_mean * 1e3, 3),
         "client_minus_server_mean_ms": round(statistics.fmean(firsts) * 1e3 - server_mean * 1e3, 3),
         "e2e_ms": {"median": statistics.median(ms(ends))},
+        "background_streams": args.background_streams,
         "serve_flags": args.serve_flags,
     }
 
@@ -151,6 +174,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--gap-s", type=float, default=0.02, help="pause between requests")
+    ap.add_argument("--background-streams", type=int, default=0,
+                    help="long requests kept decoding meanwhile, as under load")
+    ap.add_argument("--background-tokens", type=int, default=2000,
+                    help="output tokens of each background request: enough to outlast the measurement")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--log", default=None, help="the server's output goes here")
     ap.add_argument("--json", default=None)
