@@ -117,13 +117,6 @@ def arrival_delays(n: int, rate: float, burstiness: float, rng: random.Random) -
     return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
 
 
-def _split_lines(buf: str, text: str) -> tuple[list[str], str]:
-    """Complete lines of ``buf + text`` and the rest. Lines end at LF only, as SSE defines them (httpx's
-    aiter_lines also splits on U+2028 etc., which may stand raw inside an event's JSON)."""
-    *lines, rest = (buf + text).split("\n")
-    return [line.rstrip("\r") for line in lines], rest
-
-
 class _HttpxStream:
     """One streamed POST through httpx: status, body on error, and the response's lines."""
 
@@ -141,18 +134,23 @@ class _HttpxStream:
     async def body(self) -> bytes:
         return await self.resp.aread()
 
+    def _texts(self):
+        return self.resp.aiter_text()
+
     async def lines(self):
+        """The body's lines, split on LF only, as SSE defines them (httpx's aiter_lines also splits on
+        U+2028 etc., which may stand raw inside an event's JSON)."""
         buf = ""
-        async for text in self.resp.aiter_text():
-            done, buf = _split_lines(buf, text)
+        async for text in self._texts():
+            *done, buf = (buf + text).split("\n")
             for line in done:
-                yield line
+                yield line.rstrip("\r")
         if buf:
             yield buf.rstrip("\r")
 
 
 class _AiohttpStream(_HttpxStream):
-    """The same through aiohttp, whose per-chunk overhead is lower (vLLM's benchmark client uses it)."""
+    """The same through aiohttp, whose per-chunk overhead is lower (vLLM's serving benchmark uses it)."""
 
     def __init__(self, session, url: str, payload: dict, headers: dict, timeout: float) -> None:
         import aiohttp
@@ -167,18 +165,13 @@ class _AiohttpStream(_HttpxStream):
     async def body(self) -> bytes:
         return await self.resp.read()
 
-    async def lines(self):
+    async def _texts(self):
         import codecs
 
         decoder = codecs.getincrementaldecoder("utf-8")()
-        buf = ""
         async for data in self.resp.content.iter_any():
-            done, buf = _split_lines(buf, decoder.decode(data))
-            for line in done:
-                yield line
-        buf += decoder.decode(b"", final=True)
-        if buf:
-            yield buf.rstrip("\r")
+            yield decoder.decode(data)
+        yield decoder.decode(b"", final=True)
 
 
 def _client(backend: str, limit: int):
