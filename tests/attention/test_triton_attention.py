@@ -75,6 +75,10 @@ def _check(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, windo
         pytest.param([(31, 1), (47, 1), (0, 1)], 4, 4, 64, 16, torch.float32, 16, None, 1, 2,
                      id="decode-window-pad"),
         pytest.param([(15, 1), (160, 1)], 4, 2, 64, 16, torch.float32, None, None, 3, 1, id="split-decode-pad"),
+        # Chunks longer than a 64-key tile after a prefix: cached tiles, one straddling, then chunk tiles.
+        pytest.param([(70, 150), (0, 130), (5, 1)], 4, 2, 64, 16, torch.float32, None, None, 1, 2,
+                     id="long-chunks-after-prefix"),
+        pytest.param([(100, 90), (0, 70)], 4, 1, 64, 16, torch.float16, 48, None, 1, 0, id="long-chunks-window"),
     ],
 )
 def test_triton_matches_torch_ref(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, window, soft_cap,
@@ -130,6 +134,30 @@ def test_decode_order_changes_nothing(num_splits):
     impl.num_splits = num_splits
     bad = impl.forward(query, key, value, kv_cache.clone(), dataclasses.replace(md, decode_order=torch.zeros_like(order)))
     assert torch.equal(bad[0], outs[0][0][0]) and not torch.equal(bad, outs[0][0])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_chunk_keys_from_step_rows_or_cache_are_identical(num_splits):
+    # Prompt tiles read the step's own keys from its key/value rows; through the cache they must give the same bits.
+    reqs = [(70, 150), (0, 130), (20, 1), (3, 66)]
+    query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, torch.float32, 13, 1,
+                                                                 device=DEVICE)
+    outs = []
+    for from_step in (True, False):
+        impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
+        impl.num_splits, impl.chunk_kv_from_step = num_splits, from_step
+        outs.append(impl.forward(query, key, value, kv_cache.clone(), metadata()))
+    assert torch.equal(outs[0], outs[1])
+    # The rows are really read: different step keys (cache written from the originals) change the chunk rows only.
+    md = metadata()
+    cache = kv_cache.clone()
+    rc_mod.reshape_and_cache(key, value, cache[0], cache[1], md.slot_mapping)
+    moved = pa_mod.paged_attention(
+        query, cache[0], cache[1], md.block_table, md.seq_lens, md.query_start_loc, num_reqs=md.num_reqs,
+        max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, scale=0.125, num_splits=num_splits,
+        chunk_kv=(key + 1.0, value),
+    )
+    assert not torch.equal(moved[:150], outs[0][:150]) and torch.equal(moved[150 + 130], outs[0][150 + 130])
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

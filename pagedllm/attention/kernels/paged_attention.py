@@ -5,14 +5,12 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.attention.kernels.attend_tile import _attend_tile
 from pagedllm.attention.kernels.launch_config import KernelConfig, choose_num_splits, default_config, device_sm_count
 from pagedllm.attention.kernels.decode_qk import transform_heads, transform_new_k
 from pagedllm.attention.kernels.split_reduce import _reduce_splits_kernel
 from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 from pagedllm.kernel_math import exact_rounding
-
-# A constexpr global, because jitted code may only read constexpr globals.
-LOG2E = tl.constexpr(1.4426950408889634)
 
 # Requests scanned per step when a program looks up which request it serves.
 _SEARCH_BLOCK = 128
@@ -39,92 +37,6 @@ def _find_request(
     return tl.sum(hits, axis=0)
 
 
-@triton.jit
-def _load_kv_tile(
-    ptrs,  # [TILE_N, HEAD_SIZE_P2] pointers into the K or V cache
-    k_in,  # [TILE_N] bool, key inside the range (read only when MASKED)
-    dims,  # [HEAD_SIZE_P2]
-    MASKED: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    HEAD_SIZE_P2: tl.constexpr,
-):
-    # Interior tiles of a power-of-two head size load with no predicate at all.
-    if MASKED:
-        tile = tl.load(ptrs, mask=k_in[:, None] & (dims < HEAD_SIZE)[None, :], other=0.0)
-    elif HEAD_SIZE == HEAD_SIZE_P2:
-        tile = tl.load(ptrs)
-    else:
-        tile = tl.load(ptrs, mask=(dims < HEAD_SIZE)[None, :], other=0.0)
-    return tile
-
-
-@triton.jit
-def _attend_tile(
-    acc,  # [BLOCK_M, HEAD_SIZE_P2] fp32 unnormalised output
-    m_i,  # [BLOCK_M] fp32 running max, log2 units
-    l_i,  # [BLOCK_M] fp32 running denominator
-    q,  # [BLOCK_M, HEAD_SIZE_P2]
-    n0,  # first key position of the tile
-    kv_hi,  # keys at or past this position are never read
-    q_pos,  # [BLOCK_M] sequence position of each row
-    bt_row,  # -> [max_blocks_per_req] int32, this request's block table row
-    k_head_ptr,  # -> K cache at this KV head: [num_blocks, BLOCK_SIZE, *, D]
-    v_head_ptr,  # -> V cache at this KV head
-    scale,
-    soft_cap,
-    window,
-    stride_kb, stride_kp, stride_vb, stride_vp,
-    HEAD_SIZE: tl.constexpr,
-    HEAD_SIZE_P2: tl.constexpr,
-    TILE_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,  # False only for tiles every row sees in full
-    USE_WINDOW: tl.constexpr,
-    USE_SOFT_CAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    k_pos = n0 + tl.arange(0, TILE_N)  # [TILE_N]
-    dims = tl.arange(0, HEAD_SIZE_P2)  # [HEAD_SIZE_P2]
-    if MASKED:
-        k_in = k_pos < kv_hi
-        # Per-key block lookup lets TILE_N differ from the cache block size.
-        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_in, other=0).to(tl.int64)  # [TILE_N]
-    else:
-        k_in = k_pos >= 0  # unused
-        blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)  # [TILE_N]
-    # [TILE_N, HEAD_SIZE_P2] offsets of this tile's rows, each a contiguous run of D elements.
-    kv_off = blk[:, None] * stride_kb + (k_pos % BLOCK_SIZE)[:, None] * stride_kp + dims[None, :]
-    k = _load_kv_tile(k_head_ptr + kv_off, k_in, dims, MASKED, HEAD_SIZE, HEAD_SIZE_P2)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
-    if USE_SOFT_CAP:
-        # tanh through exp2 of a non-positive argument: overflow-free and cheap.
-        x = s * (scale / soft_cap)
-        e = tl.exp2((-2.0 * LOG2E) * tl.abs(x))
-        t = (1.0 - e) / (1.0 + e)
-        s = tl.where(x >= 0, t, -t) * (soft_cap * LOG2E)
-    else:
-        s = s * (scale * LOG2E)
-    if MASKED:
-        allowed = k_pos[None, :] <= q_pos[:, None]  # [BLOCK_M, TILE_N]
-        if USE_WINDOW:
-            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
-        # A row with no visible key yet keeps max -inf; shift by 0 instead so exp2 yields 0, not NaN.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = m_new
-    p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, TILE_N]
-    alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M]
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v_off = blk[:, None] * stride_vb + (k_pos % BLOCK_SIZE)[:, None] * stride_vp + dims[None, :]
-    v = _load_kv_tile(v_head_ptr + v_off, k_in, dims, MASKED, HEAD_SIZE, HEAD_SIZE_P2)  # [TILE_N, HEAD_SIZE_P2]
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
-
 # Triton specialises integer arguments on == 1 and on divisibility by 16, compiling a variant for each
 # kind it meets. Batch counts and the block table's row stride change with every step, so without
 # this a long-running engine would keep compiling prefill variants in the middle of serving.
@@ -140,8 +52,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [B] int32
     query_start_loc_ptr,  # [B + 1] int32
     order_ptr,  # [B] int32 request of each decode program (ORDERED only)
-    new_k_ptr,  # [T, Hkv, D] this step's keys, last dim contiguous (WRITE_KV only)
-    new_v_ptr,  # [T, Hkv, D] this step's values (WRITE_KV only)
+    new_k_ptr,  # [T, Hkv, D] this step's keys, last dim contiguous (WRITE_KV and CHUNK_KV only)
+    new_v_ptr,  # [T, Hkv, D] this step's values (WRITE_KV and CHUNK_KV only)
     slot_mapping_ptr,  # [T] int64 cache slot of each new token, < 0 for padding (WRITE_KV only)
     inv_freq_ptr,  # [R/2] float32 rotary inverse frequencies (ROPE only)
     rope_scaling,  # cos/sin factor (ROPE only)
@@ -176,6 +88,7 @@ def _paged_attention_kernel(
     DECODE_ONLY: tl.constexpr,  # every request has exactly one query token: program i serves request i
     ORDERED: tl.constexpr,  # (DECODE_ONLY) program i serves request order[i] instead
     WRITE_KV: tl.constexpr,  # (DECODE_ONLY) also store the new token's K/V into the cache
+    CHUNK_KV: tl.constexpr,  # (not DECODE_ONLY) read the step's own keys from new_k/new_v (cached copy identical)
     ROPE: tl.constexpr,  # (WRITE_KV) q and the new k arrive unrotated: rotate them here (neox)
     ROT_HALF: tl.constexpr,  # rotary channels / 2 (ROPE only)
     QK_NORM: tl.constexpr,  # (WRITE_KV) q and the new k arrive before their per-head RMSNorm: apply it here
@@ -272,20 +185,48 @@ def _paged_attention_kernel(
     else:
         full_hi = tl.minimum((ctx_len + q_tok0 + 1) // TILE_N, kv_hi // TILE_N) * TILE_N
         full_hi = tl.maximum(full_hi, tile_lo)
-    for n0 in range(tile_lo, full_hi, TILE_N):
+    # With CHUNK_KV, tiles wholly inside this step's own tokens (from the first tile start at or past the
+    # cached prefix) read the new K/V rows directly; the prefix, and a tile straddling it, read the cache.
+    if CHUNK_KV:
+        chunk_lo = tl.cdiv(ctx_len, TILE_N) * TILE_N
+        full_mid = tl.minimum(tl.maximum(chunk_lo, tile_lo), full_hi)
+        masked_mid = tl.minimum(tl.maximum(chunk_lo, full_hi), kv_hi)
+    else:
+        full_mid = full_hi
+        masked_mid = kv_hi
+    chunk_tok0 = (q_start - ctx_len).to(tl.int64)
+    nk_head_ptr = new_k_ptr + kv_head * stride_nkh
+    nv_head_ptr = new_v_ptr + kv_head * stride_nvh
+    for n0 in range(tile_lo, full_mid, TILE_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr,
+            acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr, chunk_tok0,
             scale, soft_cap, window,
             stride_kb, stride_kp, stride_vb, stride_vp,
-            HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, False, False, USE_SOFT_CAP, DOT_PRECISION,
+            HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, False, False, USE_SOFT_CAP, DOT_PRECISION, False,
         )
-    for n0 in range(full_hi, kv_hi, TILE_N):
+    if CHUNK_KV:
+        for n0 in range(full_mid, full_hi, TILE_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, nk_head_ptr, nv_head_ptr, chunk_tok0,
+                scale, soft_cap, window,
+                stride_kb, stride_nkt, stride_vb, stride_nvt,
+                HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, False, False, USE_SOFT_CAP, DOT_PRECISION, True,
+            )
+    for n0 in range(full_hi, masked_mid, TILE_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr,
+            acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr, chunk_tok0,
             scale, soft_cap, window,
             stride_kb, stride_kp, stride_vb, stride_vp,
-            HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
+            HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, False,
         )
+    if CHUNK_KV:
+        for n0 in range(masked_mid, kv_hi, TILE_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, nk_head_ptr, nv_head_ptr, chunk_tok0,
+                scale, soft_cap, window,
+                stride_kb, stride_nkt, stride_vb, stride_nvt,
+                HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, True,
+            )
 
     if IS_SPLIT:
         # Every (token, head, split) is written, empty partitions included (max -inf, sum 0), so the
@@ -329,6 +270,7 @@ def paged_attention(
     rope: tuple[torch.Tensor, float] | None = None,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float, float, bool] | None = None,
     decode_order: torch.Tensor | None = None,  # [B] int32, a permutation of the requests
+    chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of every query token over its request's paged context (cached prefix + causal self).
 
@@ -343,6 +285,9 @@ def paged_attention(
     the new keys come before their per-head RMSNorm (applied before the rotary embedding).
     ``decode_order``: in a pure-decode batch, the order in which programs take the requests (longest
     context first balances a ragged batch); the results do not depend on it.
+    ``chunk_kv`` = (key [T, Hkv, D], value [T, Hkv, D]) in the cache's dtype, outside pure-decode batches:
+    this step's keys, already written to the cache. Tiles of the step's own tokens then read them
+    from these rows rather than through the block table; the values, hence the results, are the same.
     """
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -386,6 +331,12 @@ def paged_attention(
         assert decode_only, "the cache write is fused only into pure-decode launches"
         new_k, new_v, slot_mapping = new_kv
         assert new_k.stride(-1) == 1 and new_v.stride(-1) == 1 and slot_mapping.shape[0] >= num_tokens
+    elif chunk_kv is not None:
+        assert not decode_only, "pure-decode launches read every key from the cache"
+        new_k, new_v = chunk_kv
+        assert new_k.dtype == k_cache.dtype and new_v.dtype == v_cache.dtype
+        assert new_k.stride(-1) == 1 and new_v.stride(-1) == 1 and new_k.shape[0] >= num_tokens
+        slot_mapping = seq_lens
     else:
         new_k = new_v = query
         slot_mapping = seq_lens
@@ -443,6 +394,7 @@ def paged_attention(
         DECODE_ONLY=decode_only,
         ORDERED=ordered,
         WRITE_KV=new_kv is not None,
+        CHUNK_KV=chunk_kv is not None,
         ROPE=rope is not None,
         ROT_HALF=inv_freq.numel() if rope is not None else 1,
         QK_NORM=qk_norm is not None,
