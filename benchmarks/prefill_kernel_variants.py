@@ -85,6 +85,69 @@ def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, n_tokens, scale,
              o.to(out_ptr.dtype.element_ty), mask=(rows < n_tokens)[:, None])
 
 
+@triton.jit
+def _prefill_tma_kernel(out_ptr, q_desc, k_desc, v_desc, n_tokens, scale, stride_qt, stride_qh,
+                        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The same kernel with Q, K and V tiles fetched by the tensor memory accelerator (Hopper's TMA).
+    mblk = tl.program_id(0)
+    head = tl.program_id(1)
+    kvh = head // GROUP
+    m0 = mblk * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, D)
+    q = q_desc.load([m0, head * D])
+    q = (q * (scale * LOG2E)).to(q.dtype)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    lo_diag = m0 // BLOCK_N * BLOCK_N
+    for n0 in range(0, lo_diag, BLOCK_N):
+        k = k_desc.load([n0, kvh * D])
+        s = tl.dot(q, tl.trans(k))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = v_desc.load([n0, kvh * D])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    hi = tl.minimum(m0 + BLOCK_M, n_tokens)
+    for n0 in range(lo_diag, hi, BLOCK_N):
+        k = k_desc.load([n0, kvh * D])
+        k_pos = n0 + tl.arange(0, BLOCK_N)
+        s = tl.dot(q, tl.trans(k))
+        s = tl.where(k_pos[None, :] <= rows[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = v_desc.load([n0, kvh * D])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=(rows < n_tokens)[:, None])
+
+
+def tma_fn(q, k, v, block_m: int, block_n: int, warps: int, stages: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    out = torch.empty_like(q)
+    qd = TensorDescriptor.from_tensor(q.view(n, hq * d), [block_m, d])
+    kd = TensorDescriptor.from_tensor(k.view(n, hkv * d), [block_n, d])
+    vd = TensorDescriptor.from_tensor(v.view(n, hkv * d), [block_n, d])
+    grid = (triton.cdiv(n, block_m), hq)
+
+    def fn():
+        _prefill_tma_kernel[grid](out, qd, kd, vd, n, d**-0.5, q.stride(0), q.stride(1), GROUP=hq // hkv, D=d,
+                                  BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        return out
+
+    return fn
+
+
 def variant_fn(q, k, v, bt, paged: bool, block_m: int, block_n: int, warps: int, stages: int):
     n, hq, d = q.shape
     hkv = k.shape[-2]
@@ -109,6 +172,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", default="1000,4096,16384")
     ap.add_argument("--heads", default="32:8")
+    ap.add_argument("--kinds", default="contiguous,paged,tma", help="K/V loads: contiguous, paged, tma")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     hq, hkv = (int(x) for x in args.heads.split(":"))
@@ -129,28 +193,32 @@ def main() -> None:
             q.transpose(0, 1)[None], kf.transpose(0, 1)[None], vf.transpose(0, 1)[None], is_causal=True,
             enable_gqa=True))
         row = {"tokens": n, "engine_us": engine * 1e3, "sdpa_us": sdpa * 1e3}
-        for paged in (False, True):
+        for kind in args.kinds.split(","):
+            paged = kind == "paged"
             best = None
             for bm, bn, w, st in configs:
-                fn = variant_fn(q, kc if paged else kf, vc if paged else vf, bt[0], paged, bm, bn, w, st)
+                if kind == "tma":
+                    fn = tma_fn(q, kf, vf, bm, bn, w, st)
+                else:
+                    fn = variant_fn(q, kc if paged else kf, vc if paged else vf, bt[0], paged, bm, bn, w, st)
                 try:
                     diff = (fn().float() - ref.float()).abs().max().item()
                     t = gpu_time_ms(fn)
                 except Exception as exc:  # out of shared memory or registers
-                    print(f"   {'paged' if paged else 'contig'} {bm}/{bn}/{w}/{st}: {type(exc).__name__}")
+                    print(f"   {kind} {bm}/{bn}/{w}/{st}: {type(exc).__name__}: {str(exc)[:120]}")
                     continue
                 if diff > 0.05:
-                    print(f"   {'paged' if paged else 'contig'} {bm}/{bn}/{w}/{st}: WRONG, max diff {diff}")
+                    print(f"   {kind} {bm}/{bn}/{w}/{st}: WRONG, max diff {diff}")
                     continue
                 if best is None or t < best[0]:
                     best = (t, f"{bm}/{bn}/{w}/{st}", diff)
-            key = "paged" if paged else "contiguous"
-            row[key] = {"us": best[0] * 1e3, "cfg": best[1], "max_diff": best[2]}
+            if best is not None:
+                row[kind] = {"us": best[0] * 1e3, "cfg": best[1], "max_diff": best[2]}
         rows.append(row)
         print(f"{n:6d} tokens: engine {engine * 1e3:8.1f} us {tflops(engine):4.0f} TF/s | SDPA {sdpa * 1e3:8.1f} us "
-              f"{tflops(sdpa):4.0f} | one head/program contiguous {row['contiguous']['us']:8.1f} us "
-              f"{tflops(row['contiguous']['us'] / 1e3):4.0f} ({row['contiguous']['cfg']}) | paged "
-              f"{row['paged']['us']:8.1f} us {tflops(row['paged']['us'] / 1e3):4.0f} ({row['paged']['cfg']})", flush=True)
+              f"{tflops(sdpa):4.0f} | one head a program: " + " | ".join(
+                  f"{k} {row[k]['us']:8.1f} us {tflops(row[k]['us'] / 1e3):4.0f} ({row[k]['cfg']})"
+                  for k in args.kinds.split(",") if k in row), flush=True)
     with open(os.path.join(args.out, f"prefill_kernel_variants_{hq}_{hkv}.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -11,6 +11,7 @@ _ON_GPU = torch.cuda.is_available()  # without a GPU, conftest.py runs the kerne
 triton = pytest.importorskip("triton", reason="triton is not importable; the Triton backend cannot be tested")
 
 from pagedllm.attention.backends import torch_ref  # noqa: E402
+from pagedllm.attention.kernels import attend_tile as at_mod  # noqa: E402
 from pagedllm.attention.kernels import launch_config as lc  # noqa: E402
 from pagedllm.attention.kernels import paged_attention as pa_mod  # noqa: E402
 from pagedllm.attention.kernels import reshape_and_cache as rc_mod  # noqa: E402
@@ -136,16 +137,19 @@ def test_decode_order_changes_nothing(num_splits):
     assert torch.equal(bad[0], outs[0][0][0]) and not torch.equal(bad, outs[0][0])
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_chunk_keys_from_step_rows_or_cache_are_identical(num_splits):
-    # Prompt tiles read the step's own keys from its key/value rows; through the cache they must give the same bits.
+@pytest.mark.parametrize("num_splits,tma", [(1, True), (3, True), (1, False)])
+def test_chunk_keys_from_step_rows_or_cache_are_identical(num_splits, tma):
+    # Prompt tiles read the step's own keys from its key/value rows (by TMA or by pointers); through the
+    # cache they must give the same bits.
     reqs = [(70, 150), (0, 130), (20, 1), (3, 66)]
-    query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, torch.float32, 13, 1,
+    query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, torch.float16, 13, 1,
                                                                  device=DEVICE)
+    descs = at_mod.chunk_descriptors(key, value, key.shape[0], 64, tma)
+    assert (descs[0] is not None) == tma  # the interpreter emulates TMA, and an H200 has it
     outs = []
     for from_step in (True, False):
         impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
-        impl.num_splits, impl.chunk_kv_from_step = num_splits, from_step
+        impl.num_splits, impl.chunk_kv_from_step, impl.chunk_kv_tma = num_splits, from_step, tma
         outs.append(impl.forward(query, key, value, kv_cache.clone(), metadata()))
     assert torch.equal(outs[0], outs[1])
     # The rows are really read: different step keys (cache written from the originals) change the chunk rows only.
@@ -153,9 +157,9 @@ def test_chunk_keys_from_step_rows_or_cache_are_identical(num_splits):
     cache = kv_cache.clone()
     rc_mod.reshape_and_cache(key, value, cache[0], cache[1], md.slot_mapping)
     moved = pa_mod.paged_attention(
-        query, cache[0], cache[1], md.block_table, md.seq_lens, md.query_start_loc, num_reqs=md.num_reqs,
+        query[: md.num_actual_tokens], cache[0], cache[1], md.block_table, md.seq_lens, md.query_start_loc, num_reqs=md.num_reqs,
         max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, scale=0.125, num_splits=num_splits,
-        chunk_kv=(key + 1.0, value),
+        chunk_kv=(key + 1.0, value), chunk_tma=tma,
     )
     assert not torch.equal(moved[:150], outs[0][:150]) and torch.equal(moved[150 + 130], outs[0][150 + 130])
 

@@ -23,6 +23,8 @@ class TritonImpl(AttentionImpl):
     # Other launches read the step's own keys from its key/value rows instead of through the block
     # table (the same values; prompt attention ran ~20% faster that way on an H200).
     chunk_kv_from_step: bool = True
+    # ... fetched by TMA where the GPU has it (Hopper and later).
+    chunk_kv_tma: bool = True
 
     def forward(
         self,
@@ -82,6 +84,7 @@ class TritonImpl(AttentionImpl):
             qk_norm=qk_norm,
             decode_order=md.decode_order if md.max_query_len == 1 and self.use_decode_order else None,
             chunk_kv=chunk_kv,
+            chunk_tma=self.chunk_kv_tma,
         )
         return out
 

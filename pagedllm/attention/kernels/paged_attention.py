@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.kernels.attend_tile import _attend_tile
+from pagedllm.attention.kernels.attend_tile import _attend_tile, chunk_descriptors
 from pagedllm.attention.kernels.launch_config import KernelConfig, choose_num_splits, default_config, device_sm_count
 from pagedllm.attention.kernels.decode_qk import transform_heads, transform_new_k
 from pagedllm.attention.kernels.split_reduce import _reduce_splits_kernel
@@ -55,6 +55,8 @@ def _paged_attention_kernel(
     new_k_ptr,  # [T, Hkv, D] this step's keys, last dim contiguous (WRITE_KV and CHUNK_KV only)
     new_v_ptr,  # [T, Hkv, D] this step's values (WRITE_KV and CHUNK_KV only)
     slot_mapping_ptr,  # [T] int64 cache slot of each new token, < 0 for padding (WRITE_KV only)
+    k_desc,  # (CHUNK_TMA) tensor descriptor of new_k as [T, Hkv * D]; else None
+    v_desc,  # (CHUNK_TMA) the same for new_v
     inv_freq_ptr,  # [R/2] float32 rotary inverse frequencies (ROPE only)
     rope_scaling,  # cos/sin factor (ROPE only)
     qw_ptr,  # [D] q_norm weight (QK_NORM only)
@@ -89,6 +91,7 @@ def _paged_attention_kernel(
     ORDERED: tl.constexpr,  # (DECODE_ONLY) program i serves request order[i] instead
     WRITE_KV: tl.constexpr,  # (DECODE_ONLY) also store the new token's K/V into the cache
     CHUNK_KV: tl.constexpr,  # (not DECODE_ONLY) read the step's own keys from new_k/new_v (cached copy identical)
+    CHUNK_TMA: tl.constexpr,  # (CHUNK_KV) ... through k_desc/v_desc
     ROPE: tl.constexpr,  # (WRITE_KV) q and the new k arrive unrotated: rotate them here (neox)
     ROT_HALF: tl.constexpr,  # rotary channels / 2 (ROPE only)
     QK_NORM: tl.constexpr,  # (WRITE_KV) q and the new k arrive before their per-head RMSNorm: apply it here
@@ -195,37 +198,38 @@ def _paged_attention_kernel(
         full_mid = full_hi
         masked_mid = kv_hi
     chunk_tok0 = (q_start - ctx_len).to(tl.int64)
+    desc_col = kv_head * HEAD_SIZE
     nk_head_ptr = new_k_ptr + kv_head * stride_nkh
     nv_head_ptr = new_v_ptr + kv_head * stride_nvh
     for n0 in range(tile_lo, full_mid, TILE_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr, chunk_tok0,
+            acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr, chunk_tok0, k_desc, v_desc, desc_col,
             scale, soft_cap, window,
             stride_kb, stride_kp, stride_vb, stride_vp,
-            HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, False, False, USE_SOFT_CAP, DOT_PRECISION, False,
+            HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, False, False, USE_SOFT_CAP, DOT_PRECISION, False, False,
         )
     if CHUNK_KV:
         for n0 in range(full_mid, full_hi, TILE_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, nk_head_ptr, nv_head_ptr, chunk_tok0,
+                acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, nk_head_ptr, nv_head_ptr, chunk_tok0, k_desc, v_desc, desc_col,
                 scale, soft_cap, window,
                 stride_kb, stride_nkt, stride_vb, stride_nvt,
-                HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, False, False, USE_SOFT_CAP, DOT_PRECISION, True,
+                HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, False, False, USE_SOFT_CAP, DOT_PRECISION, True, CHUNK_TMA,
             )
     for n0 in range(full_hi, masked_mid, TILE_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr, chunk_tok0,
+            acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr, chunk_tok0, k_desc, v_desc, desc_col,
             scale, soft_cap, window,
             stride_kb, stride_kp, stride_vb, stride_vp,
-            HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, False,
+            HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, False, False,
         )
     if CHUNK_KV:
         for n0 in range(masked_mid, kv_hi, TILE_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, nk_head_ptr, nv_head_ptr, chunk_tok0,
+                acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, nk_head_ptr, nv_head_ptr, chunk_tok0, k_desc, v_desc, desc_col,
                 scale, soft_cap, window,
                 stride_kb, stride_nkt, stride_vb, stride_nvt,
-                HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, True,
+                HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, True, CHUNK_TMA,
             )
 
     if IS_SPLIT:
@@ -271,6 +275,7 @@ def paged_attention(
     qk_norm: tuple[torch.Tensor, torch.Tensor, float, float, bool] | None = None,
     decode_order: torch.Tensor | None = None,  # [B] int32, a permutation of the requests
     chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    chunk_tma: bool = True,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of every query token over its request's paged context (cached prefix + causal self).
 
@@ -288,6 +293,7 @@ def paged_attention(
     ``chunk_kv`` = (key [T, Hkv, D], value [T, Hkv, D]) in the cache's dtype, outside pure-decode batches:
     this step's keys, already written to the cache. Tiles of the step's own tokens then read them
     from these rows rather than through the block table; the values, hence the results, are the same.
+    ``chunk_tma``: fetch those rows with TMA where the device and the tensors allow (attend_tile.py).
     """
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -354,6 +360,9 @@ def paged_attention(
         q_w = k_w = query
         q_eps = k_eps = 0.0
         gemma_norm = False
+    k_desc = v_desc = None
+    if chunk_kv is not None:
+        k_desc, v_desc = chunk_descriptors(new_k, new_v, num_tokens, cfg.tile_n, chunk_tma)
     pdl = pdl_launch_args(query)
     # fp32 inputs would otherwise go through TF32 tensor cores and miss fp32 parity.
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
@@ -367,6 +376,7 @@ def paged_attention(
         block_table, seq_lens, query_start_loc,
         decode_order if ordered else seq_lens,
         new_k, new_v, slot_mapping,
+        k_desc, v_desc,
         inv_freq, rope_scaling,
         q_w, k_w, float(q_eps), float(k_eps),
         num_reqs, num_q_heads, num_splits,
@@ -395,6 +405,7 @@ def paged_attention(
         ORDERED=ordered,
         WRITE_KV=new_kv is not None,
         CHUNK_KV=chunk_kv is not None,
+        CHUNK_TMA=k_desc is not None,
         ROPE=rope is not None,
         ROT_HALF=inv_freq.numel() if rope is not None else 1,
         QK_NORM=qk_norm is not None,
