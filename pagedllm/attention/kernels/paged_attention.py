@@ -362,7 +362,8 @@ def paged_attention(
         gemma_norm = False
     k_desc = v_desc = None
     if chunk_kv is not None:
-        k_desc, v_desc = chunk_descriptors(new_k, new_v, num_tokens, cfg.tile_n, chunk_tma)
+        # Not under a sliding window: Triton 3.6's TMA variant of the windowed kernel crashes ptxas (sm_90a).
+        k_desc, v_desc = chunk_descriptors(new_k, new_v, num_tokens, cfg.tile_n, chunk_tma and sliding_window is None)
     pdl = pdl_launch_args(query)
     # fp32 inputs would otherwise go through TF32 tensor cores and miss fp32 parity.
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
