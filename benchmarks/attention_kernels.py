@@ -322,6 +322,7 @@ def prefill_section(results, args, hq, hkv, d, bs, dtype) -> None:
     _, kv_cache, block_table = tensors[:3]
     rows = [kv_cache[i][block_table[0].long()].flatten(0, 1)[:n].contiguous() for i in range(2)]
     ms_rows = time_attention(*tensors, n, n, chunk_kv=tuple(rows))
+    ms_head = time_attention(*tensors, n, n, chunk_kv=tuple(rows), prompt_per_head=True)
     q = torch.randn(1, hq, n, d, device="cuda", dtype=dtype)
     k = torch.randn(1, hkv, n, d, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
@@ -330,8 +331,10 @@ def prefill_section(results, args, hq, hkv, d, bs, dtype) -> None:
     )
     print(f"triton paged (default {default_config(d, hq // hkv, n)}) {ms * 1e3:8.1f} us {tflops(ms):6.1f} TFLOP/s"
           f" | keys from the step's rows {ms_rows * 1e3:8.1f} us {tflops(ms_rows):6.1f} TFLOP/s"
+          f" | + one query head a program {ms_head * 1e3:8.1f} us {tflops(ms_head):6.1f} TFLOP/s"
           f" | torch SDPA {sdpa * 1e3:8.1f} us {tflops(sdpa):6.1f} TFLOP/s", flush=True)
-    results["prefill"] = {"tokens": n, "us": ms * 1e3, "rows_us": ms_rows * 1e3, "sdpa_us": sdpa * 1e3}
+    results["prefill"] = {"tokens": n, "us": ms * 1e3, "rows_us": ms_rows * 1e3, "per_head_us": ms_head * 1e3,
+                          "sdpa_us": sdpa * 1e3}
     if args.sweep:
         best = (ms_rows, "default")
         for block_m, tile_n, warps, stages in itertools.product((32, 64, 128, 256), (32, 64, 128), (4, 8), (2, 3)):
@@ -345,6 +348,21 @@ def prefill_section(results, args, hq, hkv, d, bs, dtype) -> None:
             best = min(best, (t, str(cfg)), key=lambda x: x[0])
         print(f"   prefill sweep best: {best[0] * 1e3:8.1f} us {tflops(best[0]):6.1f} TFLOP/s with {best[1]}")
         results["prefill"]["best"] = {"us": best[0] * 1e3, "cfg": best[1]}
+        # The per-query-head launch: rows are tokens; the grouped launch only lends its key tile here.
+        best = (ms_head, "per-head default")
+        for block_m, tile_n, warps, stages in itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3, 4)):
+            cfg = KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
+            grouped = KernelConfig(block_m=64, tile_n=tile_n, num_warps=4, num_stages=2)
+            try:
+                t = time_attention(*tensors, n, n, config=grouped, chunk_kv=tuple(rows), prompt_per_head=True,
+                                   config_per_head=cfg)
+            except Exception as exc:  # out of shared memory or registers
+                print(f"   per head {cfg}: {type(exc).__name__}")
+                continue
+            print(f"   per head bm {block_m:3d} tn {tile_n:3d} w {warps} s {stages}: {t * 1e3:7.1f} us {tflops(t):6.1f} TFLOP/s")
+            best = min(best, (t, str(cfg)), key=lambda x: x[0])
+        print(f"   per-head sweep best: {best[0] * 1e3:8.1f} us {tflops(best[0]):6.1f} TFLOP/s with {best[1]}")
+        results["prefill"]["per_head_best"] = {"us": best[0] * 1e3, "cfg": best[1]}
     del tensors
 
 

@@ -6,7 +6,8 @@ Variants set environment switches over the defaults (``base``): ``nopdl`` is PAG
 programmatic dependent launch, which is on by default on sm90), ``gemm`` is PAGEDLLM_TRITON_GEMM=1 (the skinny GEMM for 2-256-token products), and ``qknorm`` turns on
 the Qwen3 q/k RMSNorm inside the decode attention kernel (``TritonImpl.fuse_decode_qk_norm``), and ``noorder`` has
 decode attention take requests in batch order instead of longest context first (``TritonImpl.use_decode_order``), and
-``pagedrows`` has prompt attention read the step's own keys through the block table (``TritonImpl.chunk_kv_from_step``). Each variant runs
+``pagedrows`` has prompt attention read the step's own keys through the block table (``TritonImpl.chunk_kv_from_step``),
+and ``perhead`` serves prompt chunks one query head a program (``TritonImpl.prompt_per_head``). Each variant runs
 (1) workload 3, Llama-3-8B batch 1, 1000-token prompt, time per output token, and (2) workload 1,
 Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s; with ``--workload2`` also (3) workload 2. Random weights, bf16, greedy. Prints a
 table of both figures per variant and their ratio to ``base``; writes one JSON file.
@@ -35,9 +36,11 @@ VARIANTS = {
     "noorder": {"BENCH_NO_DECODE_ORDER": "1"},
     # This script's child turns off TritonImpl.chunk_kv_from_step (prompt tiles read through the block table).
     "pagedrows": {"BENCH_PAGED_CHUNK_KEYS": "1"},
+    # This script's child turns on TritonImpl.prompt_per_head (prompt chunks one query head a program).
+    "perhead": {"BENCH_PROMPT_PER_HEAD": "1"},
 }
 _BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK_NORM", "BENCH_NO_DECODE_ORDER",
-                   "BENCH_PAGED_CHUNK_KEYS")
+                   "BENCH_PAGED_CHUNK_KEYS", "BENCH_PROMPT_PER_HEAD")
 
 
 def run_variant(args) -> dict:
@@ -55,6 +58,8 @@ def run_variant(args) -> dict:
         TritonImpl.use_decode_order = False
     if os.environ.get("BENCH_PAGED_CHUNK_KEYS") == "1":
         TritonImpl.chunk_kv_from_step = False
+    if os.environ.get("BENCH_PROMPT_PER_HEAD") == "1":
+        TritonImpl.prompt_per_head = True
     out: dict = {}
     llama = make_llm(args.smoke_model or LLAMA, args.smoke)
     in_len, out_len = (1000, 256) if not args.smoke else (20, 8)

@@ -33,7 +33,7 @@ def _tol(dtype):
 
 
 def _check(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, window=None, soft_cap=None,
-           num_splits=1, pad=0, seed=0, max_seq_len_bound=None):
+           num_splits=1, pad=0, seed=0, max_seq_len_bound=None, prompt_per_head=False):
     query, key, value, kv_cache, poisoned, metadata = build_paged_batch(
         reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad, device=DEVICE
     )
@@ -45,7 +45,7 @@ def _check(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, windo
     ref = torch_ref.TorchRefImpl(num_heads, head_size, scale, num_kv_heads, window, soft_cap)
     expected = ref.forward(query, key, value, kv_cache, md)
     impl = _BACKEND.TritonImpl(num_heads, head_size, scale, num_kv_heads, window, soft_cap)
-    impl.num_splits = num_splits
+    impl.num_splits, impl.prompt_per_head = num_splits, prompt_per_head
     out = impl.forward(query, key, value, poisoned, md)
 
     torch.testing.assert_close(out.float(), expected.float(), **_tol(dtype))
@@ -86,6 +86,21 @@ def test_triton_matches_torch_ref(reqs, num_heads, num_kv_heads, head_size, bloc
                                   num_splits, pad):
     _check(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, window=window, soft_cap=soft_cap,
            num_splits=num_splits, pad=pad, seed=len(reqs) + head_size)
+
+
+@pytest.mark.parametrize(
+    "reqs,num_heads,num_kv_heads,head_size,dtype,window,soft_cap,num_splits,pad",
+    [
+        pytest.param([(0, 40), (20, 1), (70, 150), (5, 1)], 4, 2, 64, torch.float16, None, None, 1, 2, id="mixed-gqa2"),
+        pytest.param([(30, 9), (45, 1), (0, 70)], 8, 1, 64, torch.float32, 24, None, 1, 0, id="window-gqa8"),
+        pytest.param([(25, 6), (33, 1), (0, 33)], 6, 2, 96, torch.float32, None, 15.0, 3, 1, id="softcap-d96-split"),
+    ],
+)
+def test_prompt_chunks_one_head_a_program(reqs, num_heads, num_kv_heads, head_size, dtype, window, soft_cap,
+                                          num_splits, pad):
+    # Prompt chunks in their own per-query-head launch, single tokens in the grouped one: same results.
+    _check(reqs, num_heads, num_kv_heads, head_size, 16, dtype, window=window, soft_cap=soft_cap,
+           num_splits=num_splits, pad=pad, seed=21, prompt_per_head=True)
 
 
 def test_many_requests_cross_search_block():

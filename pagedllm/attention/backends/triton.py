@@ -25,6 +25,9 @@ class TritonImpl(AttentionImpl):
     chunk_kv_from_step: bool = True
     # ... fetched by TMA where the GPU has it (Hopper and later).
     chunk_kv_tma: bool = True
+    # Prompt chunks in a launch of their own, one query head a program (see paged_attention); off until
+    # measured in the engine on a GPU.
+    prompt_per_head: bool = False
 
     def forward(
         self,
@@ -85,6 +88,7 @@ class TritonImpl(AttentionImpl):
             decode_order=md.decode_order if md.max_query_len == 1 and self.use_decode_order else None,
             chunk_kv=chunk_kv,
             chunk_tma=self.chunk_kv_tma,
+            prompt_per_head=self.prompt_per_head,
         )
         return out
 

@@ -6,7 +6,9 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.kernels.attend_tile import _attend_tile, chunk_descriptors
-from pagedllm.attention.kernels.launch_config import KernelConfig, choose_num_splits, default_config, device_sm_count
+from pagedllm.attention.kernels.launch_config import (
+    KernelConfig, choose_num_splits, default_config, device_sm_count, per_head_config,
+)
 from pagedllm.attention.kernels.decode_qk import transform_heads, transform_new_k
 from pagedllm.attention.kernels.split_reduce import _reduce_splits_kernel
 from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
@@ -98,11 +100,21 @@ def _paged_attention_kernel(
     GEMMA_NORM: tl.constexpr,  # that norm's weight is an offset from 1
     EXACT: tl.constexpr,  # (ROPE) kernel_math.exact_rounding
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
+    PER_HEAD: tl.constexpr = False,  # (not DECODE_ONLY) rows are BLOCK_M tokens of one query head
+    ROWS: tl.constexpr = 0,  # (not DECODE_ONLY) serve all requests (0), only prompt chunks (1), only single tokens (2)
 ):
     wait_for_previous_kernel(USE_GDC, False)
-    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
+    if PER_HEAD:
+        BLOCK_Q: tl.constexpr = BLOCK_M
+    else:
+        BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
     pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # The query head with PER_HEAD, else the KV head whose group fills the rows.
+    head_slot = tl.program_id(1)
+    if PER_HEAD:
+        kv_head = head_slot // GROUP
+    else:
+        kv_head = head_slot
     split = tl.program_id(2)
 
     if DECODE_ONLY:
@@ -119,18 +131,28 @@ def _paged_attention_kernel(
         q_start = tl.load(query_start_loc_ptr + req)
         q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
         q_tok0 = (pid - (q_start // BLOCK_Q + req)) * BLOCK_Q
-        # Surplus slots of the host-sized grid.
+        # Surplus slots of the host-sized grid, and requests the other launch of a split pair serves.
         if q_tok0 >= q_len:
+            return
+        if ROWS == 1 and q_len == 1:
+            return
+        if ROWS == 2 and q_len > 1:
             return
     seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len
 
     # Row r is query token q_tok0 + r // GROUP_P2 under head kv_head * GROUP + r % GROUP_P2: the whole
     # group shares one KV head, so each K/V tile is loaded once and feeds every head of the group.
+    # With PER_HEAD, row r is token q_tok0 + r under query head head_slot.
     rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    row_tok = q_tok0 + rows // GROUP_P2  # [BLOCK_M] token index within the request
-    row_head = kv_head * GROUP + rows % GROUP_P2  # [BLOCK_M] query head
-    row_valid = (row_tok < q_len) & (rows % GROUP_P2 < GROUP)  # [BLOCK_M]
+    if PER_HEAD:
+        row_tok = q_tok0 + rows
+        row_head = head_slot + rows * 0
+        row_valid = row_tok < q_len
+    else:
+        row_tok = q_tok0 + rows // GROUP_P2  # [BLOCK_M] token index within the request
+        row_head = kv_head * GROUP + rows % GROUP_P2  # [BLOCK_M] query head
+        row_valid = (row_tok < q_len) & (rows % GROUP_P2 < GROUP)  # [BLOCK_M]
     q_pos = ctx_len + row_tok  # [BLOCK_M] position in the sequence
     dims = tl.arange(0, HEAD_SIZE_P2)  # [HEAD_SIZE_P2]
     dim_valid = dims < HEAD_SIZE
@@ -276,6 +298,8 @@ def paged_attention(
     decode_order: torch.Tensor | None = None,  # [B] int32, a permutation of the requests
     chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     chunk_tma: bool = True,
+    prompt_per_head: bool = False,
+    config_per_head: KernelConfig | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of every query token over its request's paged context (cached prefix + causal self).
 
@@ -294,6 +318,9 @@ def paged_attention(
     this step's keys, already written to the cache. Tiles of the step's own tokens then read them
     from these rows rather than through the block table; the values, hence the results, are the same.
     ``chunk_tma``: fetch those rows with TMA where the device and the tensors allow (attend_tile.py).
+    ``prompt_per_head``: outside pure decode, serve prompt chunks in a launch of its own whose programs
+    each take BLOCK_M tokens of one query head (``config_per_head``, else ``per_head_config``); single
+    tokens keep the grouped launch.
     """
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -370,52 +397,64 @@ def paged_attention(
     ordered = decode_only and decode_order is not None
     if ordered:
         assert decode_order.dtype == torch.int32 and decode_order.shape[0] >= num_reqs
-    grid = (num_reqs if decode_only else num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
-    _paged_attention_kernel[grid](
-        out, part_acc, part_ml,
-        query, k_cache, v_cache,
-        block_table, seq_lens, query_start_loc,
-        decode_order if ordered else seq_lens,
-        new_k, new_v, slot_mapping,
-        k_desc, v_desc,
-        inv_freq, rope_scaling,
-        q_w, k_w, float(q_eps), float(k_eps),
-        num_reqs, num_q_heads, num_splits,
-        scale,
-        soft_cap if soft_cap is not None else 1.0,
-        sliding_window if sliding_window is not None else 0,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0),
-        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
-        HEAD_SIZE=head_size,
-        HEAD_SIZE_P2=head_size_p2,
-        GROUP=group,
-        GROUP_P2=group_p2,
-        BLOCK_M=cfg.block_m,
-        TILE_N=cfg.tile_n,
-        BLOCK_SIZE=block_size,
-        USE_WINDOW=sliding_window is not None,
-        USE_SOFT_CAP=soft_cap is not None,
-        IS_SPLIT=is_split,
-        DOT_PRECISION=dot_precision,
-        SEARCH_BLOCK=_SEARCH_BLOCK,
-        DECODE_ONLY=decode_only,
-        ORDERED=ordered,
-        WRITE_KV=new_kv is not None,
-        CHUNK_KV=chunk_kv is not None,
-        CHUNK_TMA=k_desc is not None,
-        ROPE=rope is not None,
-        ROT_HALF=inv_freq.numel() if rope is not None else 1,
-        QK_NORM=qk_norm is not None,
-        GEMMA_NORM=bool(gemma_norm),
-        EXACT=rope is not None and exact_rounding(query),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **pdl,
-    )
+    def launch(grid: tuple[int, int, int], cfg: KernelConfig, per_head: bool = False, rows: int = 0) -> None:
+        _paged_attention_kernel[grid](
+            out, part_acc, part_ml,
+            query, k_cache, v_cache,
+            block_table, seq_lens, query_start_loc,
+            decode_order if ordered else seq_lens,
+            new_k, new_v, slot_mapping,
+            k_desc, v_desc,
+            inv_freq, rope_scaling,
+            q_w, k_w, float(q_eps), float(k_eps),
+            num_reqs, num_q_heads, num_splits,
+            scale,
+            soft_cap if soft_cap is not None else 1.0,
+            sliding_window if sliding_window is not None else 0,
+            query.stride(0), query.stride(1),
+            out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_table.stride(0),
+            new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
+            HEAD_SIZE=head_size,
+            HEAD_SIZE_P2=head_size_p2,
+            GROUP=group,
+            GROUP_P2=group_p2,
+            BLOCK_M=cfg.block_m,
+            TILE_N=cfg.tile_n,
+            BLOCK_SIZE=block_size,
+            USE_WINDOW=sliding_window is not None,
+            USE_SOFT_CAP=soft_cap is not None,
+            IS_SPLIT=is_split,
+            DOT_PRECISION=dot_precision,
+            SEARCH_BLOCK=_SEARCH_BLOCK,
+            DECODE_ONLY=decode_only,
+            ORDERED=ordered,
+            WRITE_KV=new_kv is not None,
+            CHUNK_KV=chunk_kv is not None,
+            CHUNK_TMA=k_desc is not None,
+            ROPE=rope is not None,
+            ROT_HALF=inv_freq.numel() if rope is not None else 1,
+            QK_NORM=qk_norm is not None,
+            GEMMA_NORM=bool(gemma_norm),
+            EXACT=rope is not None and exact_rounding(query),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            PER_HEAD=per_head,
+            ROWS=rows,
+            **pdl,
+        )
+
+    if decode_only or not prompt_per_head:
+        launch((num_reqs if decode_only else num_tokens // block_q + num_reqs, num_kv_heads, num_splits), cfg)
+    else:
+        # Prompt chunks: BLOCK_M tokens of one query head a program; the step's single tokens (decodes)
+        # keep the grouped rows, which read each KV tile once for the whole group.
+        head_cfg = config_per_head or per_head_config(cfg, max_query_len)
+        assert head_cfg.tile_n == cfg.tile_n  # the TMA descriptors' block
+        launch((num_tokens // head_cfg.block_m + num_reqs, num_q_heads, num_splits), head_cfg, True, 1)
+        launch((num_tokens // block_q + num_reqs, num_kv_heads, num_splits), cfg, False, 2)
     if is_split:
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
             out, part_acc, part_ml,
