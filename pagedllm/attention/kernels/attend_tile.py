@@ -73,7 +73,8 @@ def _attend_tile(
         tma_row = (chunk_tok0 + n0).to(tl.int32)
         k = k_desc.load([tma_row, desc_col])  # [TILE_N, D]
     elif CHUNK:
-        # Contiguous rows: no block-table load and no block arithmetic, which costs a paged tile ~20%.
+        # Contiguous rows: no block-table load and no block arithmetic (together ~20% of a plain
+        # prompt kernel's time on an H200).
         tok = chunk_tok0 + k_pos.to(tl.int64)  # [TILE_N]
         k_off = tok[:, None] * stride_kp + dims[None, :]
         v_off = tok[:, None] * stride_vp + dims[None, :]
