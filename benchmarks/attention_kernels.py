@@ -336,33 +336,28 @@ def prefill_section(results, args, hq, hkv, d, bs, dtype) -> None:
     results["prefill"] = {"tokens": n, "us": ms * 1e3, "rows_us": ms_rows * 1e3, "per_head_us": ms_head * 1e3,
                           "sdpa_us": sdpa * 1e3}
     if args.sweep:
-        best = (ms_rows, "default")
-        for block_m, tile_n, warps, stages in itertools.product((32, 64, 128, 256), (32, 64, 128), (4, 8), (2, 3)):
-            cfg = KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
-            try:
-                t = time_attention(*tensors, n, n, config=cfg, chunk_kv=tuple(rows))
-            except Exception as exc:  # out of shared memory or registers
-                print(f"   {cfg}: {type(exc).__name__}")
-                continue
-            print(f"   bm {block_m:3d} tn {tile_n:3d} w {warps} s {stages}: {t * 1e3:7.1f} us {tflops(t):6.1f} TFLOP/s")
-            best = min(best, (t, str(cfg)), key=lambda x: x[0])
-        print(f"   prefill sweep best: {best[0] * 1e3:8.1f} us {tflops(best[0]):6.1f} TFLOP/s with {best[1]}")
-        results["prefill"]["best"] = {"us": best[0] * 1e3, "cfg": best[1]}
-        # The per-query-head launch: rows are tokens; the grouped launch only lends its key tile here.
-        best = (ms_head, "per-head default")
-        for block_m, tile_n, warps, stages in itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3, 4)):
-            cfg = KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
-            grouped = KernelConfig(block_m=64, tile_n=tile_n, num_warps=4, num_stages=2)
-            try:
-                t = time_attention(*tensors, n, n, config=grouped, chunk_kv=tuple(rows), prompt_per_head=True,
-                                   config_per_head=cfg)
-            except Exception as exc:  # out of shared memory or registers
-                print(f"   per head {cfg}: {type(exc).__name__}")
-                continue
-            print(f"   per head bm {block_m:3d} tn {tile_n:3d} w {warps} s {stages}: {t * 1e3:7.1f} us {tflops(t):6.1f} TFLOP/s")
-            best = min(best, (t, str(cfg)), key=lambda x: x[0])
-        print(f"   per-head sweep best: {best[0] * 1e3:8.1f} us {tflops(best[0]):6.1f} TFLOP/s with {best[1]}")
-        results["prefill"]["per_head_best"] = {"us": best[0] * 1e3, "cfg": best[1]}
+        def sweep(label: str, shapes, default_ms: float, **kw) -> dict:
+            best = (default_ms, "default")
+            for block_m, tile_n, warps, stages in shapes:
+                cfg = KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
+                if label:  # the per-head launch: the grouped launch lends it only its key tile
+                    kw["config_per_head"] = cfg
+                    cfg = KernelConfig(block_m=64, tile_n=tile_n, num_warps=4, num_stages=2)
+                try:
+                    t = time_attention(*tensors, n, n, config=cfg, chunk_kv=tuple(rows), **kw)
+                except Exception as exc:  # out of shared memory or registers
+                    print(f"   {label}bm {block_m} tn {tile_n} w {warps} s {stages}: {type(exc).__name__}")
+                    continue
+                print(f"   {label}bm {block_m:3d} tn {tile_n:3d} w {warps} s {stages}: {t * 1e3:7.1f} us {tflops(t):6.1f} TFLOP/s")
+                best = min(best, (t, f"bm {block_m} tn {tile_n} w {warps} s {stages}"), key=lambda x: x[0])
+            print(f"   {label}prefill sweep best: {best[0] * 1e3:8.1f} us {tflops(best[0]):6.1f} TFLOP/s with {best[1]}")
+            return {"us": best[0] * 1e3, "cfg": best[1]}
+
+        results["prefill"]["best"] = sweep("", itertools.product((32, 64, 128, 256), (32, 64, 128), (4, 8), (2, 3)),
+                                           ms_rows)
+        results["prefill"]["per_head_best"] = sweep(
+            "per head ", itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3, 4)), ms_head, prompt_per_head=True
+        )
     del tensors
 
 

@@ -86,6 +86,23 @@ def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, n_tokens, scale,
 
 
 @triton.jit
+def _tma_tile(acc, m_i, l_i, q, n0, q_pos, k_desc, v_desc, col, D: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASK: tl.constexpr):
+    k = k_desc.load([n0, col])
+    s = tl.dot(q, tl.trans(k))
+    if MASK:
+        k_pos = n0 + tl.arange(0, BLOCK_N)
+        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = v_desc.load([n0, col])
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _prefill_tma_kernel(out_ptr, q_desc, k_desc, v_desc, n_tokens, scale, stride_qt, stride_qh,
                         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # The same kernel with Q, K and V tiles fetched by the tensor memory accelerator (Hopper's TMA).
@@ -102,28 +119,10 @@ def _prefill_tma_kernel(out_ptr, q_desc, k_desc, v_desc, n_tokens, scale, stride
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     lo_diag = m0 // BLOCK_N * BLOCK_N
     for n0 in range(0, lo_diag, BLOCK_N):
-        k = k_desc.load([n0, kvh * D])
-        s = tl.dot(q, tl.trans(k))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = v_desc.load([n0, kvh * D])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        acc, m_i, l_i = _tma_tile(acc, m_i, l_i, q, n0, rows, k_desc, v_desc, kvh * D, D, BLOCK_N, False)
     hi = tl.minimum(m0 + BLOCK_M, n_tokens)
     for n0 in range(lo_diag, hi, BLOCK_N):
-        k = k_desc.load([n0, kvh * D])
-        k_pos = n0 + tl.arange(0, BLOCK_N)
-        s = tl.dot(q, tl.trans(k))
-        s = tl.where(k_pos[None, :] <= rows[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = v_desc.load([n0, kvh * D])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        acc, m_i, l_i = _tma_tile(acc, m_i, l_i, q, n0, rows, k_desc, v_desc, kvh * D, D, BLOCK_N, True)
     o = acc / l_i[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_qt + head * stride_qh + dims[None, :],
              o.to(out_ptr.dtype.element_ty), mask=(rows < n_tokens)[:, None])

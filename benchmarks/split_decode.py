@@ -18,10 +18,8 @@ import os
 import torch
 
 from gpu_measure import make_llm, median_event_ms
+from kernel_breakdown import MODELS
 from pagedllm.attention import AttentionMetadata
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-MODELS = {"qwen": os.path.join(HERE, "shapes", "qwen3-0.6b"), "llama": os.path.join(HERE, "shapes", "llama-3-8b")}
 
 
 def decode_batch(runner, batch: int, ctx: int, first_block: int) -> tuple[dict, int]:  # (inputs, next free block)

@@ -121,6 +121,47 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _attend_ranges(
+    acc, m_i, l_i, q,
+    lo,  # first tile start
+    mid,  # tiles from here on lie in the step's own tokens (CHUNK_KV); before it they go through the cache
+    hi,  # end of the range
+    kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr,
+    nk_head_ptr,  # -> the step's new keys at this KV head (CHUNK_KV)
+    nv_head_ptr,  # -> the step's new values at this KV head (CHUNK_KV)
+    chunk_tok0, k_desc, v_desc, desc_col, scale, soft_cap, window,
+    stride_kb, stride_kp, stride_vb, stride_vp,
+    stride_nkt, stride_nvt,  # token strides of the new keys / values
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_P2: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    CHUNK_KV: tl.constexpr,
+    CHUNK_TMA: tl.constexpr,
+):
+    # The tiles [lo, mid) through the block table, then (CHUNK_KV) [mid, hi) from the step's rows.
+    for n0 in range(lo, mid, TILE_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr, chunk_tok0, k_desc, v_desc, desc_col,
+            scale, soft_cap, window, stride_kb, stride_kp, stride_vb, stride_vp,
+            HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, MASKED, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, False, False,
+        )
+    if CHUNK_KV:
+        for n0 in range(mid, hi, TILE_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, nk_head_ptr, nv_head_ptr, chunk_tok0, k_desc, v_desc,
+                desc_col, scale, soft_cap, window, stride_kb, stride_nkt, stride_vb, stride_nvt,
+                HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, MASKED, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, True,
+                CHUNK_TMA,
+            )
+    return acc, m_i, l_i
+
+
 def chunk_descriptors(
     new_k: torch.Tensor,  # [>= T, Hkv, D], last dim contiguous
     new_v: torch.Tensor,  # [>= T, Hkv, D]

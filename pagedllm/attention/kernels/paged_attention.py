@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.kernels.attend_tile import _attend_tile, chunk_descriptors
+from pagedllm.attention.kernels.attend_tile import _attend_ranges, chunk_descriptors
 from pagedllm.attention.kernels.launch_config import (
     KernelConfig, choose_num_splits, default_config, device_sm_count, per_head_config,
 )
@@ -223,36 +223,19 @@ def _paged_attention_kernel(
     desc_col = kv_head * HEAD_SIZE
     nk_head_ptr = new_k_ptr + kv_head * stride_nkh
     nv_head_ptr = new_v_ptr + kv_head * stride_nvh
-    for n0 in range(tile_lo, full_mid, TILE_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr, chunk_tok0, k_desc, v_desc, desc_col,
-            scale, soft_cap, window,
-            stride_kb, stride_kp, stride_vb, stride_vp,
-            HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, False, False, USE_SOFT_CAP, DOT_PRECISION, False, False,
-        )
-    if CHUNK_KV:
-        for n0 in range(full_mid, full_hi, TILE_N):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, nk_head_ptr, nv_head_ptr, chunk_tok0, k_desc, v_desc, desc_col,
-                scale, soft_cap, window,
-                stride_kb, stride_nkt, stride_vb, stride_nvt,
-                HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, False, False, USE_SOFT_CAP, DOT_PRECISION, True, CHUNK_TMA,
-            )
-    for n0 in range(full_hi, masked_mid, TILE_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr, chunk_tok0, k_desc, v_desc, desc_col,
-            scale, soft_cap, window,
-            stride_kb, stride_kp, stride_vb, stride_vp,
-            HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, False, False,
-        )
-    if CHUNK_KV:
-        for n0 in range(masked_mid, kv_hi, TILE_N):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, n0, kv_hi, q_pos, bt_row, nk_head_ptr, nv_head_ptr, chunk_tok0, k_desc, v_desc, desc_col,
-                scale, soft_cap, window,
-                stride_kb, stride_nkt, stride_vb, stride_nvt,
-                HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, True, CHUNK_TMA,
-            )
+    # Unmasked tiles, then the masked ones: each range through the cache first, then the chunk's rows.
+    acc, m_i, l_i = _attend_ranges(
+        acc, m_i, l_i, q, tile_lo, full_mid, full_hi, kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr,
+        nk_head_ptr, nv_head_ptr, chunk_tok0, k_desc, v_desc, desc_col, scale, soft_cap, window,
+        stride_kb, stride_kp, stride_vb, stride_vp, stride_nkt, stride_nvt,
+        HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, False, False, USE_SOFT_CAP, DOT_PRECISION, CHUNK_KV, CHUNK_TMA,
+    )
+    acc, m_i, l_i = _attend_ranges(
+        acc, m_i, l_i, q, full_hi, masked_mid, kv_hi, kv_hi, q_pos, bt_row, k_head_ptr, v_head_ptr,
+        nk_head_ptr, nv_head_ptr, chunk_tok0, k_desc, v_desc, desc_col, scale, soft_cap, window,
+        stride_kb, stride_kp, stride_vb, stride_vp, stride_nkt, stride_nvt,
+        HEAD_SIZE, HEAD_SIZE_P2, TILE_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, CHUNK_KV, CHUNK_TMA,
+    )
 
     if IS_SPLIT:
         # Every (token, head, split) is written, empty partitions included (max -inf, sum 0), so the
