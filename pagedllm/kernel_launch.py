@@ -25,7 +25,8 @@ import triton.language as tl
 
 
 @functools.cache
-def _device_supports_pdl(index: int) -> bool:
+def device_is_hopper_or_later(index: int) -> bool:
+    """Compute capability >= 9.0: PDL and TMA exist."""
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
@@ -41,7 +42,7 @@ def use_pdl(t: torch.Tensor) -> bool:
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False  # the interpreter runs programs one by one and knows no grid dependency control
-    return _device_supports_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return device_is_hopper_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def pdl_launch_args(t: torch.Tensor) -> dict:

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernel_launch import device_is_hopper_or_later
+
 # A constexpr global, because jitted code may only read constexpr globals.
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -179,7 +181,8 @@ def chunk_descriptors(
 
     num_kv_heads, head_size = new_k.shape[1], new_k.shape[2]
     # On the GPU, the 16-bit K/V of D <= 128 that the H200 measurements covered; the interpreter takes all.
-    on_device = (new_k.is_cuda and torch.cuda.get_device_capability(new_k.device)[0] >= 9
+    on_device = (new_k.is_cuda and device_is_hopper_or_later(
+        new_k.device.index if new_k.device.index is not None else torch.cuda.current_device())
                  and new_k.element_size() == 2 and head_size <= 128)
     usable = enabled and num_tokens > 0 and (on_device or os.environ.get("TRITON_INTERPRET") == "1")
     usable = usable and head_size == triton.next_power_of_2(head_size) and head_size >= 16
