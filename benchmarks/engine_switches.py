@@ -7,7 +7,8 @@ programmatic dependent launch, which is on by default on sm90), ``gemm`` is PAGE
 the Qwen3 q/k RMSNorm inside the decode attention kernel (``TritonImpl.fuse_decode_qk_norm``), and ``noorder`` has
 decode attention take requests in batch order instead of longest context first (``TritonImpl.use_decode_order``), and
 ``pagedrows`` has prompt attention read the step's own keys through the block table (``TritonImpl.chunk_kv_from_step``),
-and ``perhead`` serves prompt chunks one query head a program (``TritonImpl.prompt_per_head``). Each variant runs
+and ``perhead`` serves prompt chunks one query head a program (``TritonImpl.prompt_per_head``), and ``fp8kv`` keeps
+the KV cache in float8 e4m3 (``kv_cache_dtype="fp8"``, an engine option rather than a switch). Each variant runs
 (1) workload 3, Llama-3-8B batch 1, 1000-token prompt, time per output token, and (2) workload 1,
 Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s; with ``--workload2`` also (3) workload 2. Random weights, bf16, greedy. Prints a
 table of both figures per variant and their ratio to ``base``; writes one JSON file.
@@ -38,9 +39,11 @@ VARIANTS = {
     "pagedrows": {"BENCH_PAGED_CHUNK_KEYS": "1"},
     # This script's child turns on TritonImpl.prompt_per_head (prompt chunks one query head a program).
     "perhead": {"BENCH_PROMPT_PER_HEAD": "1"},
+    # This script's child builds its engines with kv_cache_dtype="fp8".
+    "fp8kv": {"BENCH_KV_CACHE_DTYPE": "fp8"},
 }
 _BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK_NORM", "BENCH_NO_DECODE_ORDER",
-                   "BENCH_PAGED_CHUNK_KEYS", "BENCH_PROMPT_PER_HEAD")
+                   "BENCH_PAGED_CHUNK_KEYS", "BENCH_PROMPT_PER_HEAD", "BENCH_KV_CACHE_DTYPE")
 
 
 def run_variant(args) -> dict:
@@ -61,7 +64,8 @@ def run_variant(args) -> dict:
     if os.environ.get("BENCH_PROMPT_PER_HEAD") == "1":
         TritonImpl.prompt_per_head = True
     out: dict = {}
-    llama = make_llm(args.smoke_model or LLAMA, args.smoke)
+    engine_kw = {"kv_cache_dtype": os.environ.get("BENCH_KV_CACHE_DTYPE", "auto")}
+    llama = make_llm(args.smoke_model or LLAMA, args.smoke, **engine_kw)
     in_len, out_len = (1000, 256) if not args.smoke else (20, 8)
     out["batch1"] = measure_latency(llama, 1, in_len, out_len, num_iters=2, num_warmup=1)
     if args.workload2:
@@ -80,7 +84,7 @@ def run_variant(args) -> dict:
         import torch
 
         torch.cuda.empty_cache()
-    qwen = make_llm(args.smoke_model or QWEN, args.smoke)
+    qwen = make_llm(args.smoke_model or QWEN, args.smoke, **engine_kw)
     vocab = qwen.llm_engine.config.model_config.vocab_size
     n, hi = (256, 1024) if not args.smoke else (12, 60)
     warm_up(qwen)

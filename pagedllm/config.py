@@ -16,6 +16,24 @@ _DTYPE_NAMES = {
 }
 
 
+# KV cache element types a cache may hold instead of the model's: vLLM's names. Plain "fp8" is e4m3,
+# the format with more mantissa; values are stored unscaled (scale 1.0) and saturate at the format's
+# largest finite value, as vLLM stores them when a checkpoint brings no KV scales.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+_KV_CACHE_TORCH_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type: ``auto`` is the model's dtype, the fp8 names their torch float8 types."""
+    import torch
+
+    if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype not in _KV_CACHE_TORCH_NAMES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {cache_dtype!r}")
+    return getattr(torch, _KV_CACHE_TORCH_NAMES[cache_dtype])
+
+
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device_type: str) -> torch.dtype:
     """``auto`` keeps the checkpoint's dtype on GPUs; on CPUs half types are slow, so it means float32."""
     import torch
@@ -76,9 +94,9 @@ class ModelConfig:
         head_dim = getattr(self.hf_config, "head_dim", None)
         return int(head_dim or self.hf_config.hidden_size // self.num_heads)
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V across all layers for one token."""
-        elem = self.dtype.itemsize
+    def kv_bytes_per_token(self, cache_dtype: torch.dtype | None = None) -> int:
+        """Bytes of K and V across all layers for one token, in ``cache_dtype`` (default: the model's dtype)."""
+        elem = (cache_dtype or self.dtype).itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * elem
 
 
@@ -90,6 +108,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     prefix_hash_algo: str = "sha256"
+    cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -139,3 +158,8 @@ class EngineConfig:
     load_config: LoadConfig
     attention_backend: str | None = None
     enforce_eager: bool = False
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The element type the KV cache is allocated in."""
+        return resolve_kv_cache_dtype(self.cache_config.cache_dtype, self.model_config.dtype)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.config import (
+    KV_CACHE_DTYPES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -31,6 +32,7 @@ class EngineArgs:
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
@@ -61,6 +63,11 @@ class EngineArgs:
         parser.add_argument("--seed", type=int, default=d.seed)
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument("--block-size", type=int, default=d.block_size, choices=[8, 16, 32, 64])
+        parser.add_argument(
+            "--kv-cache-dtype", type=str, default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+            help="element type of the KV cache: auto is the model's dtype; fp8 (= fp8_e4m3) and fp8_e5m2 halve "
+            "its memory and the bytes decode attention reads, storing values unscaled (CUDA, or the torch_ref backend)",
+        )
         parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -97,6 +104,8 @@ class EngineArgs:
     def _check(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64; got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1:
@@ -152,6 +161,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
+                cache_dtype=self.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

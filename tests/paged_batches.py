@@ -19,6 +19,8 @@ def build_paged_batch(
     seed: int,
     pad: int = 0,
     device: torch.device | str = "cpu",
+    cache_dtype: torch.dtype | None = None,
+    kv_on_cache_grid: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Callable[[], AttentionMetadata]]:
     """A mixed batch; ``reqs`` is (cached context, new tokens) per request, ``pad`` padding tokens follow.
 
@@ -26,6 +28,9 @@ def build_paged_batch(
     poisoned cache, metadata factory). In the poisoned copy every slot that holds no token of any
     request is NaN, so a backend that reads past a sequence's end or outside its block table shows up
     as NaN. The factory makes a fresh AttentionMetadata per call (backends cache per-step plans in it).
+    ``cache_dtype``: the caches' element type when it differs from ``dtype`` (float8); with
+    ``kv_on_cache_grid`` the new keys and values are values that type holds exactly, so that writing
+    them involves no rounding (Triton's interpreter rounds float8 wrongly across a power of two).
     """
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in reqs]
@@ -55,9 +60,13 @@ def build_paged_batch(
     query = rnd(num_tokens + pad, num_heads, head_size)
     key = rnd(num_tokens + pad, num_kv_heads, head_size)
     value = rnd(num_tokens + pad, num_kv_heads, head_size)
+    if cache_dtype is not None and kv_on_cache_grid:
+        key, value = key.to(cache_dtype).to(dtype), value.to(cache_dtype).to(dtype)
     slot_mapping = torch.cat(slots + [torch.full((pad,), -1, dtype=torch.long)])
     poisoned = kv_cache.clone()
     poisoned.view(2, -1, num_kv_heads, head_size)[:, ~live] = float("nan")
+    if cache_dtype is not None:
+        kv_cache, poisoned = kv_cache.to(cache_dtype), poisoned.to(cache_dtype)
 
     def metadata() -> AttentionMetadata:
         return AttentionMetadata(

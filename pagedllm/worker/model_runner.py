@@ -155,7 +155,8 @@ class ModelRunner:
         # request's end). On the CPU, zero-filling gigabytes up front took seconds of start-up; left
         # unwritten, the OS maps each page when a block first fills. A GPU memset is nearly free: keep it.
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty
-        self.kv_caches = [alloc(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
+        dtype = self.config.kv_cache_dtype
+        self.kv_caches = [alloc(shape, dtype=dtype, device=self.device) for _ in range(mc.num_layers)]
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def _decode_metadata(self, num_reqs: int, dev: DeviceInputs) -> AttentionMetadata:
@@ -452,7 +453,8 @@ class ModelRunner:
         mc = self.model_config
         n_blocks = -(-num_tokens // self.block_size)
         shape = self.attn_backend.get_kv_cache_shape(n_blocks, self.block_size, mc.num_kv_heads, mc.head_size)
-        caches = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
+        dtype = self.config.kv_cache_dtype
+        caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(mc.num_layers)]
         md = AttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=1,

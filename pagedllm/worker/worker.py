@@ -93,7 +93,7 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         cc, mc = self.config.cache_config, self.config.model_config
-        block_bytes = cc.block_size * mc.kv_bytes_per_token()
+        block_bytes = cc.block_size * mc.kv_bytes_per_token(self.config.kv_cache_dtype)
         t0 = time.perf_counter()
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override

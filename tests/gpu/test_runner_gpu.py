@@ -89,6 +89,21 @@ def test_fp32_gpu_greedy_matches_cpu_torch_ref(any_tiny_path):
     assert any(tokens), tokens  # the prefill ran as a padded mixed-batch graph
 
 
+def test_fp32_gpu_greedy_with_float8_cache_matches_cpu_torch_ref(tiny_path):
+    # The same float8 cache contents on both paths (rounding of GPU-computed keys could in principle land
+    # one value on the other side of a float8 rounding step; at this size that is rare).
+    prompts = _prompts(5, seed=3)
+    max_tokens = [6, 11, 15, 20, 24]
+    cpu = _llm(tiny_path, device="cpu", attention_backend="torch_ref", dtype="float32", kv_cache_dtype="fp8")
+    ref = [o.outputs[0].token_ids for o in _generate(cpu, prompts, max_tokens)]
+    _free(cpu)
+    gpu = _llm(tiny_path, device="cuda", dtype="float32", kv_cache_memory_bytes=_KV_BYTES, kv_cache_dtype="fp8")
+    assert _runner(gpu).kv_caches[0].dtype == torch.float8_e4m3fn
+    got = [o.outputs[0].token_ids for o in _generate(gpu, prompts, max_tokens)]
+    _free(gpu)
+    assert got == ref
+
+
 @pytest.mark.parametrize("model", ["qwen3", "gemma3"])
 def test_fp32_gpu_greedy_with_qk_norm_in_decode_attention(model, tmp_path, monkeypatch):
     # The opt-in fusion of the per-head q/k RMSNorm into the decode attention kernel, against the CPU path.

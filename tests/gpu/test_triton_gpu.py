@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 DEVICE = torch.device("cuda")
 
 
-def _build(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad=0):
+def _build(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad=0, cache_dtype=None):
     """A paged mixed batch with shuffled blocks; ``reqs`` is (cached context, new tokens) per request."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     seq_lens = [c + q for c, q in reqs]
@@ -33,7 +33,7 @@ def _build(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pa
     def rnd(*shape):
         return torch.randn(*shape, generator=gen, device=DEVICE, dtype=torch.float32).to(dtype)
 
-    kv_cache = rnd(2, num_blocks, block_size, num_kv_heads, head_size)
+    kv_cache = rnd(2, num_blocks, block_size, num_kv_heads, head_size).to(cache_dtype or dtype)
     query = rnd(num_tokens + pad, num_heads, head_size)
     key = rnd(num_tokens + pad, num_kv_heads, head_size)
     value = rnd(num_tokens + pad, num_kv_heads, head_size)
@@ -57,11 +57,12 @@ def _build(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pa
 
 
 def _compare(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, window=None, soft_cap=None,
-             num_splits=None, pad=0, seed=0):
+             num_splits=None, pad=0, seed=0, cache_dtype=None):
     from pagedllm.attention.backends.torch_ref import TorchRefImpl
     from pagedllm.attention.backends.triton import TritonImpl
 
-    query, key, value, kv_cache, md = _build(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad)
+    query, key, value, kv_cache, md = _build(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad,
+                                             cache_dtype)
     scale = head_size**-0.5
     ref_cache = kv_cache.clone()
     expected = TorchRefImpl(num_heads, head_size, scale, num_kv_heads, window, soft_cap).forward(
@@ -71,7 +72,8 @@ def _compare(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, win
     impl.num_splits = num_splits
     out = impl.forward(query, key, value, kv_cache, md)
     torch.cuda.synchronize()
-    assert torch.equal(kv_cache, ref_cache), "cache write differs from torch_ref"
+    # Bytes: float8 has no torch.equal; every write must round (and saturate) exactly as torch_ref's.
+    assert torch.equal(kv_cache.view(torch.uint8), ref_cache.view(torch.uint8)), "cache write differs from torch_ref"
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-2
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
@@ -98,6 +100,34 @@ def test_few_long_decodes(dtype, num_splits):
     # None is the heuristic, which splits here; 1 and 16 pin both paths on the same data.
     reqs = [(8000, 1), (3000, 1), (12000, 1)]
     _compare(reqs, 32, 8, 128, 16, dtype, num_splits=num_splits, seed=2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_float8_cache(cache_dtype, num_splits):
+    # bf16 activations over a float8 cache: a mixed batch (separate write, prompt keys through the cache),
+    # then pure decode (fused write), split or not; values rounded on the GPU as torch rounds them.
+    reqs = _mixed_reqs(7, 20, 3000, [(0, 512), (1000, 256), (37, 3)])
+    _compare(reqs, 32, 8, 128, 16, torch.bfloat16, num_splits=num_splits, pad=5, seed=11, cache_dtype=cache_dtype)
+    _compare([(8000, 1), (300, 1), (2500, 1)], 32, 8, 128, 16, torch.bfloat16, num_splits=num_splits, seed=12,
+             cache_dtype=cache_dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_float8_cache_write_saturates_like_torch_ref(cache_dtype):
+    from pagedllm.attention.backends.torch_ref import write_kv_cache
+    from pagedllm.attention.kernels.reshape_and_cache import reshape_and_cache
+
+    fmax = torch.finfo(cache_dtype).max
+    key = torch.randn(64, 8, 128, device=DEVICE) * (fmax / 2)  # about a third beyond the largest value
+    value = torch.randn(64, 8, 128, device=DEVICE).to(torch.bfloat16)
+    slots = torch.randperm(128, device=DEVICE)[:64]
+    ref = torch.zeros(2, 8, 16, 8, 128, dtype=cache_dtype, device=DEVICE)
+    got = ref.clone()
+    write_kv_cache(key, value, ref, slots)
+    reshape_and_cache(key, value, got[0], got[1], slots)
+    assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    assert got[0].float().abs().max() == fmax and not got.float().isnan().any()
 
 
 def test_heuristic_splits_few_decodes_on_this_gpu():

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionBackend, AttentionImpl
-from pagedllm.attention.backends.torch_ref import write_kv_cache
+from pagedllm.attention.backends.torch_ref import to_cache_dtype, write_kv_cache
 from pagedllm.attention.metadata import AttentionMetadata
 
 # Query rows of a prefill chunk attended to at once: bounds the mask (and, with a soft cap, the
@@ -216,9 +216,9 @@ class CpuAttentionImpl(AttentionImpl):
         out: torch.Tensor,  # [T, Hq, D]; rows start .. end - 1 are written
     ) -> None:
         if chunk.slots is None:
-            # No cached prefix: position p is this step's row start + p.
-            k = key[chunk.start + chunk.first_key : chunk.end]
-            v = value[chunk.start + chunk.first_key : chunk.end]
+            # No cached prefix: position p is this step's row start + p, rounded as the cache holds it.
+            k = to_cache_dtype(key[chunk.start + chunk.first_key : chunk.end], k_flat.dtype)
+            v = to_cache_dtype(value[chunk.start + chunk.first_key : chunk.end], v_flat.dtype)
         else:
             k = k_flat.index_select(0, chunk.slots)
             v = v_flat.index_select(0, chunk.slots)

@@ -10,6 +10,15 @@ from pagedllm.attention.metadata import AttentionMetadata
 _DECODE_GROUP = 64
 
 
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in the cache's element type. Float8 saturates at its largest finite value (as the kernels'
+    conversion does) instead of overflowing to inf or NaN."""
+    if dtype.itemsize == 1 and x.dtype != dtype:
+        fmax = torch.finfo(dtype).max
+        x = x.float().clamp(-fmax, fmax)
+    return x.to(dtype)
+
+
 def write_kv_cache(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
@@ -22,8 +31,12 @@ def write_kv_cache(
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
-    flat_k.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    key, value = to_cache_dtype(key, kv_cache.dtype), to_cache_dtype(value, kv_cache.dtype)
+    if kv_cache.dtype.itemsize == 1:
+        # torch has no index_copy for float8 on the CPU; bytes copy the same.
+        flat_k, flat_v, key, value = (t.view(torch.uint8) for t in (flat_k, flat_v, key, value))
+    flat_k.index_copy_(0, slot_mapping, key)
+    flat_v.index_copy_(0, slot_mapping, value)
 
 
 def gather_kv(
@@ -32,6 +45,9 @@ def gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # each [..., nblk * block_size, Hkv, D]
     k = kv_cache[0][block_ids.long()]
     v = kv_cache[1][block_ids.long()]
+    if kv_cache.dtype.itemsize == 1:
+        # Float8 values widen exactly; torch lacks most float8 operators (masked_fill, einsum).
+        k, v = k.float(), v.float()
     shape = (*block_ids.shape[:-1], -1, *kv_cache.shape[-2:])
     return k.reshape(shape), v.reshape(shape)
 

@@ -48,9 +48,10 @@ def _reshape_and_cache_kernel(
     v = tl.load(value_ptr + tok64 * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
     k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kcp + heads[:, None] * stride_kch + dims[None, :]
     v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vcp + heads[:, None] * stride_vch + dims[None, :]
-    # The cache may hold a narrower dtype than the activations (e.g. fp32 compute, fp16 cache).
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    # The cache may hold a narrower dtype than the activations (fp16 for fp32 compute, float8). Through
+    # float32, so that every source type takes one rounding (saturating for float8), as torch's cast does.
+    tl.store(k_dst, k.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(
