@@ -27,7 +27,7 @@ def copy_bandwidth(nbytes: int = 1 << 31) -> float:
 KV_LAYOUT = "nhd"
 
 
-def make_batch(seq_lens, query_len, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0):
+def make_batch(seq_lens, query_len, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0, cache_dtype=None):
     """Cache, query and metadata tensors for requests whose last ``query_len`` tokens are new; blocks shuffled."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     blocks = [math.ceil(s / block_size) for s in seq_lens]
@@ -44,6 +44,8 @@ def make_batch(seq_lens, query_len, num_heads, num_kv_heads, head_size, block_si
     else:
         kv_cache = torch.empty(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device="cuda")
     kv_cache.normal_(generator=gen)
+    if cache_dtype is not None and cache_dtype != dtype:
+        kv_cache = kv_cache.to(cache_dtype)  # float8: the same values, rounded
     num_tokens = len(seq_lens) * query_len
     query = torch.randn(num_tokens, num_heads, head_size, generator=gen, device="cuda").to(dtype)
     qsl = torch.arange(0, num_tokens + 1, query_len, dtype=torch.int32, device="cuda")
@@ -123,6 +125,8 @@ def main() -> None:
     parser.add_argument("--kv-layout", choices=("nhd", "hnd"), default="nhd",
                         help="physical order inside a cache block: tokens outermost (nhd) or heads (hnd)")
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size")
+    parser.add_argument("--kv-dtype", choices=("auto", "fp8", "fp8_e5m2"), default="auto",
+                        help="decode section: the KV cache's element type (auto: bf16, as the activations)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"))
     args = parser.parse_args()
     global KV_LAYOUT
@@ -137,21 +141,25 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     hq, hkv = (int(v) for v in args.heads.split(":"))
     d, bs, dtype = 128, args.block_size, torch.bfloat16  # 32:8 is Llama-3-8B attention, 16:8 Qwen3-0.6B
+    from pagedllm.config import resolve_kv_cache_dtype
+
+    cache_dtype = resolve_kv_cache_dtype(args.kv_dtype, dtype)
     results: dict = {"device": props.name, "sms": props.multi_processor_count}
     copy_bw = copy_bandwidth()
     results["copy_tbps"] = copy_bw
     print(f"{props.name}: {props.multi_processor_count} SMs; torch D2D copy {copy_bw:.2f} TB/s (read+write); "
           f"KV layout {args.kv_layout}, block size {bs}")
 
-    print(f"\n== decode, {hq}q/{hkv}kv heads, D=128, bf16, block 16; device time from CUDA-graph replay, L2 flushed;")
+    print(f"\n== decode, {hq}q/{hkv}kv heads, D=128, bf16, {cache_dtype} cache, block 16; device time from CUDA-graph "
+          "replay, L2 flushed;")
     print("   KV read bandwidth and its fraction of the copy rate; eager = do_bench wall time incl. launch cost")
     results["decode"] = []
     decode_cases = args.decode_cases.split(",") if "decode" in sections else []
     for case in decode_cases:
         batch, ctx, *forced = (int(v) for v in case.split(":"))  # BATCH:CONTEXT[:SPLITS]
         seq_lens = [ctx] * batch
-        tensors = make_batch(seq_lens, 1, hq, hkv, d, bs, dtype)
-        nbytes = kv_read_bytes(seq_lens, hkv, d, dtype)
+        tensors = make_batch(seq_lens, 1, hq, hkv, d, bs, dtype, cache_dtype=cache_dtype)
+        nbytes = kv_read_bytes(seq_lens, hkv, d, cache_dtype)
         sms = props.multi_processor_count
         splits = forced[0] if forced else choose_num_splits(batch, 1, ctx, hkv, sms)
         cfg = default_config(d, hq // hkv, 1, max_seq_len=ctx, num_reqs=batch, num_kv_heads=hkv, num_sms=sms,
