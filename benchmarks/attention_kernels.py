@@ -127,6 +127,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     parser.add_argument("--kv-dtype", choices=("auto", "fp8", "fp8_e5m2"), default="auto",
                         help="decode section: the KV cache's element type (auto: bf16, as the activations)")
+    parser.add_argument("--fp16-dots", action="store_true",
+                        help="decode section, float8 cache: products in float16 (float8_fp16_dots)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"))
     args = parser.parse_args()
     global KV_LAYOUT
@@ -165,6 +167,8 @@ def main() -> None:
         cfg = default_config(d, hq // hkv, 1, max_seq_len=ctx, num_reqs=batch, num_kv_heads=hkv, num_sms=sms,
                              split=splits > 1)
         kw = {"num_splits": splits} if forced else {}
+        if args.fp16_dots:
+            kw["float8_fp16_dots"] = True
         ms = time_attention(*tensors, 1, ctx, **kw)
         eager = time_attention_eager(*tensors, 1, ctx, **kw)
         bw = nbytes / (ms * 1e-3) / 1e12

@@ -41,9 +41,12 @@ VARIANTS = {
     "perhead": {"BENCH_PROMPT_PER_HEAD": "1"},
     # This script's child builds its engines with kv_cache_dtype="fp8".
     "fp8kv": {"BENCH_KV_CACHE_DTYPE": "fp8"},
+    # ... and has attention take its products in float16 there (TritonImpl.float8_fp16_dots).
+    "fp8kvf16": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_FP8_FP16_DOTS": "1"},
 }
 _BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK_NORM", "BENCH_NO_DECODE_ORDER",
-                   "BENCH_PAGED_CHUNK_KEYS", "BENCH_PROMPT_PER_HEAD", "BENCH_KV_CACHE_DTYPE")
+                   "BENCH_PAGED_CHUNK_KEYS", "BENCH_PROMPT_PER_HEAD", "BENCH_KV_CACHE_DTYPE",
+                   "BENCH_FP8_FP16_DOTS")
 
 
 def run_variant(args) -> dict:
@@ -63,6 +66,8 @@ def run_variant(args) -> dict:
         TritonImpl.chunk_kv_from_step = False
     if os.environ.get("BENCH_PROMPT_PER_HEAD") == "1":
         TritonImpl.prompt_per_head = True
+    if os.environ.get("BENCH_FP8_FP16_DOTS") == "1":
+        TritonImpl.float8_fp16_dots = True
     out: dict = {}
     engine_kw = {"kv_cache_dtype": os.environ.get("BENCH_KV_CACHE_DTYPE", "auto")}
     llama = make_llm(args.smoke_model or LLAMA, args.smoke, **engine_kw)

@@ -57,7 +57,7 @@ def _build(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pa
 
 
 def _compare(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, window=None, soft_cap=None,
-             num_splits=None, pad=0, seed=0, cache_dtype=None):
+             num_splits=None, pad=0, seed=0, cache_dtype=None, fp16_dots=False):
     from pagedllm.attention.backends.torch_ref import TorchRefImpl
     from pagedllm.attention.backends.triton import TritonImpl
 
@@ -69,7 +69,7 @@ def _compare(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, win
         query, key, value, ref_cache, md
     )
     impl = TritonImpl(num_heads, head_size, scale, num_kv_heads, window, soft_cap)
-    impl.num_splits = num_splits
+    impl.num_splits, impl.float8_fp16_dots = num_splits, fp16_dots
     out = impl.forward(query, key, value, kv_cache, md)
     torch.cuda.synchronize()
     # Bytes: float8 has no torch.equal; every write must round (and saturate) exactly as torch_ref's.
@@ -103,14 +103,15 @@ def test_few_long_decodes(dtype, num_splits):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("num_splits", [None, 1, 8])
-def test_float8_cache(cache_dtype, num_splits):
+@pytest.mark.parametrize("num_splits,fp16_dots", [(None, False), (1, False), (8, False), (None, True), (8, True)])
+def test_float8_cache(cache_dtype, num_splits, fp16_dots):
     # bf16 activations over a float8 cache: a mixed batch (separate write, prompt keys through the cache),
     # then pure decode (fused write), split or not; values rounded on the GPU as torch rounds them.
     reqs = _mixed_reqs(7, 20, 3000, [(0, 512), (1000, 256), (37, 3)])
-    _compare(reqs, 32, 8, 128, 16, torch.bfloat16, num_splits=num_splits, pad=5, seed=11, cache_dtype=cache_dtype)
+    _compare(reqs, 32, 8, 128, 16, torch.bfloat16, num_splits=num_splits, pad=5, seed=11, cache_dtype=cache_dtype,
+             fp16_dots=fp16_dots)
     _compare([(8000, 1), (300, 1), (2500, 1)], 32, 8, 128, 16, torch.bfloat16, num_splits=num_splits, seed=12,
-             cache_dtype=cache_dtype)
+             cache_dtype=cache_dtype, fp16_dots=fp16_dots)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])

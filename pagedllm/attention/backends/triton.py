@@ -28,6 +28,8 @@ class TritonImpl(AttentionImpl):
     # Prompt chunks in a launch of their own, one query head a program (see paged_attention); off until
     # measured in the engine on a GPU.
     prompt_per_head: bool = False
+    # Over a float8 cache with bfloat16 activations, products in float16 (cheaper widening of the tiles).
+    float8_fp16_dots: bool = False
 
     def forward(
         self,
@@ -89,6 +91,7 @@ class TritonImpl(AttentionImpl):
             chunk_kv=chunk_kv,
             chunk_tma=self.chunk_kv_tma,
             prompt_per_head=self.prompt_per_head,
+            float8_fp16_dots=self.float8_fp16_dots,
         )
         return out
 

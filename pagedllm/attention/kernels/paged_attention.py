@@ -101,6 +101,7 @@ def _paged_attention_kernel(
     EXACT: tl.constexpr,  # (ROPE) kernel_math.exact_rounding
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
     PER_HEAD: tl.constexpr = False,  # (not DECODE_ONLY) rows are BLOCK_M tokens of one query head
+    FP16_DOTS: tl.constexpr = False,  # (float8 cache, bf16 query) both products in float16, not bfloat16
     ROWS: tl.constexpr = 0,  # (not DECODE_ONLY) serve all requests (0), only prompt chunks (1), only single tokens (2)
 ):
     wait_for_previous_kernel(USE_GDC, False)
@@ -165,6 +166,11 @@ def _paged_attention_kernel(
         # Decode: the token sits at seq_len - 1. Every program of the request transforms its own copy of q.
         q = transform_heads(q, q_rows, q_mask, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, qw_ptr, q_eps,
                             HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
+
+    if FP16_DOTS:
+        # Float8 widens to float16 in one instruction per pair, to bfloat16 only through float32: with
+        # q in float16, the tiles convert cheaply (and p keeps more mantissa). Saturate, not overflow.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # Keys this program needs: up to its last token's position (causal), from its first token's
     # window start. Padded rows clamp to the request so no key beyond seq_len is touched.
@@ -284,6 +290,7 @@ def paged_attention(
     chunk_tma: bool = True,
     prompt_per_head: bool = False,
     config_per_head: KernelConfig | None = None,
+    float8_fp16_dots: bool = False,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of every query token over its request's paged context (cached prefix + causal self).
 
@@ -305,6 +312,7 @@ def paged_attention(
     ``prompt_per_head``: outside pure decode, serve prompt chunks in a launch of its own whose programs
     each take BLOCK_M tokens of one query head (``config_per_head``, else ``per_head_config``); single
     tokens keep the grouped launch.
+    ``float8_fp16_dots``: over a float8 cache with a bfloat16 query, take both products in float16.
     """
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -378,6 +386,7 @@ def paged_attention(
     pdl = pdl_launch_args(query)
     # fp32 inputs would otherwise go through TF32 tensor cores and miss fp32 parity.
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    fp16_dots = float8_fp16_dots and k_cache.element_size() == 1 and query.dtype == torch.bfloat16
     ordered = decode_only and decode_order is not None
     if ordered:
         assert decode_order.dtype == torch.int32 and decode_order.shape[0] >= num_reqs
@@ -427,6 +436,7 @@ def paged_attention(
             num_stages=cfg.num_stages,
             PER_HEAD=per_head,
             ROWS=rows,
+            FP16_DOTS=fp16_dots,
             **pdl,
         )
 
