@@ -103,6 +103,13 @@ class _BusyLoop:
         self.unscheduled: dict[str, Any] = {}
         self.prefilling: dict[str, Any] = {}
         self.running = True
+        # Outputs go out from inside the step, before its sampling launches (EngineCore.emit_outputs).
+        self.sent_in_step = False
+        core.emit_outputs = self._emit
+
+    def _emit(self, outputs) -> None:
+        self._send_outputs(outputs)
+        self.sent_in_step = True
 
     def run(self) -> None:
         zmq = self.zmq
@@ -121,8 +128,9 @@ class _BusyLoop:
                 # arrive meanwhile are taken in below and join the next step.
                 time.sleep(min(delay, _MAX_JIT_WAIT_S))
             handled = self._drain_inputs()
+            self.sent_in_step = False
             outputs = self.core.step() if self.core.has_unfinished_requests() else []
-            if outputs or handled or busy:
+            if not self.sent_in_step and (outputs or handled or busy):
                 self._send_outputs(outputs)
 
     def _drain_inputs(self) -> bool:

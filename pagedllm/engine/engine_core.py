@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
@@ -42,6 +43,9 @@ class EngineCore:
         self._jit = self.async_scheduling and config.scheduler_config.submit_just_in_time
         self._decode_device_s: dict[int, float] = {}
         self._submit_host_s = 0.0
+        # (Asynchronous mode) Called with each step's outputs as soon as they are known, instead of
+        # ``step`` returning them: the serving loop sends them on from here (core_proc.py).
+        self.emit_outputs: Callable[[list[EngineCoreOutput]], None] | None = None
         self._output_at: float | None = None
 
     def _check_cache_fits(self, num_blocks: int) -> None:
@@ -89,12 +93,15 @@ class EngineCore:
         is dropped, since the request is gone by then.
         """
         submitted: SchedulerOutput | None = None
+        # With an emitter, step N's outputs leave before step N+1's sampling is launched: that launch
+        # then runs while the forward pass does, instead of delaying every token's delivery.
+        emit = self.emit_outputs if self._in_flight is not None else None
         if self.scheduler.has_unfinished_requests():
             t0 = time.perf_counter()
             submitted = self.scheduler.schedule()
             schedule_s = time.perf_counter() - t0
             # Submitted even when empty: the runner must still forget finished requests.
-            launch_s = self.executor.submit(submitted) or 0.0
+            launch_s = self.executor.submit(submitted, defer_sampling=emit is not None) or 0.0
             # Only the host work before the device has the step queued: the submit then also waits for
             # step N's results (nearly a whole step) and launches sampling behind the forward pass, and
             # budgeting those would widen the just-in-time margin until it never delays at all.
@@ -108,6 +115,10 @@ class EngineCore:
             if self._jit:
                 self._record_device_time(self._in_flight, runner_output.device_time_s)
             outputs = self.scheduler.update_from_output(self._in_flight, runner_output)
+            if emit is not None:
+                emit(outputs)
+                outputs = []
+        self.executor.launch_sampling()
         self._in_flight = submitted
         return outputs
 

@@ -25,18 +25,22 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step to completion and returns its output."""
 
-    def submit(self, scheduler_output: SchedulerOutput) -> float:
+    def submit(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> float:
         """Launches one step; a non-empty one's output comes from a later ``take_output``. Returns the
         host seconds from the call until the step's device work was queued: the part of the call that
-        a device finishing the previous step would wait for.
+        a device finishing the previous step would wait for. ``defer_sampling``: the step's sampling may
+        wait for ``launch_sampling``, so that the previous step's output can be taken first.
 
         This default runs the step at once (no device runs ahead, so 0.0); executors whose workers can
-        run ahead override both.
+        run ahead override all three.
         """
         output = self.execute_model(scheduler_output)
         if not scheduler_output.is_empty:
             self._outputs.append(output)
         return 0.0
+
+    def launch_sampling(self) -> None:
+        """Launches the sampling that a ``submit(..., defer_sampling=True)`` left behind, if any."""
 
     def take_output(self) -> ModelRunnerOutput:
         """The output of the oldest submitted non-empty step not yet taken (waits for it)."""
@@ -65,8 +69,11 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
-    def submit(self, scheduler_output: SchedulerOutput) -> float:
-        return self.worker.submit(scheduler_output)
+    def submit(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> float:
+        return self.worker.submit(scheduler_output, defer_sampling)
+
+    def launch_sampling(self) -> None:
+        self.worker.launch_sampling()
 
     def take_output(self) -> ModelRunnerOutput:
         return self.worker.take_output()

@@ -127,6 +127,8 @@ class ModelRunner:
         # The last submitted step while its output is not resolved, and resolved outputs not yet taken.
         self._in_flight: _StepInFlight | None = None
         self._done: deque[ModelRunnerOutput] = deque()
+        # A submitted step whose sampling is not launched yet: (inputs, device views, hidden, start event).
+        self._deferred: tuple | None = None
         # Device time of each step, for the engine core's just-in-time submission (two timed events a step).
         self.time_steps = device.type == "cuda" and sc.submit_just_in_time
 
@@ -273,7 +275,7 @@ class ModelRunner:
         return self.take_output()
 
     @torch.inference_mode()
-    def submit(self, so: SchedulerOutput) -> float:
+    def submit(self, so: SchedulerOutput, defer_sampling: bool = False) -> float:
         """Launches one step: inputs, forward pass, sampling, and the copy of the sampled ids to the host.
 
         Nothing here waits for this step. If the previous step is still in flight, its sampled ids feed
@@ -281,8 +283,11 @@ class ModelRunner:
         this step's forward pass is queued, so the device never idles on it. Returns the host seconds
         until that forward pass was queued: what just-in-time submission must budget before the device
         runs out of work (the wait and the sampling launches after it are not on that path).
+        ``defer_sampling``: stop after resolving the previous step, so that its output can be taken and
+        sent on while the forward pass runs; ``launch_sampling`` (or the next call here) then finishes.
         """
         t_call = time.perf_counter()
+        self.launch_sampling()
         self.input_batch.update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return 0.0
@@ -305,6 +310,17 @@ class ModelRunner:
             # seeds and stop checks read each request's output so far).
             self._done.append(self._resolve(prev))
             self._in_flight = None
+        self._deferred = (b, dev, hidden, start_event)
+        if not defer_sampling:
+            self.launch_sampling()
+        return launch_s
+
+    def launch_sampling(self) -> None:
+        """Launches the sampling of the step whose forward pass ``submit`` left it behind, if any."""
+        if self._deferred is None:
+            return
+        b, dev, hidden, start_event = self._deferred
+        self._deferred = None
         prompt_logprobs = self._prompt_logprobs(b, hidden)
         step = _StepInFlight(b.req_ids, prompt_logprobs, start_event=start_event)
         num_sampled = len(b.logits_indices)
@@ -337,12 +353,12 @@ class ModelRunner:
                 step.event = torch.cuda.Event(enable_timing=start_event is not None)
                 step.event.record()
         self._in_flight = step
-        return launch_s
 
     def take_output(self) -> ModelRunnerOutput:
         """The output of the oldest submitted step not yet taken; waits for it if it is still running."""
         if self._done:
             return self._done.popleft()
+        self.launch_sampling()
         if self._in_flight is None:
             raise RuntimeError("take_output() without a submitted step")
         step, self._in_flight = self._in_flight, None

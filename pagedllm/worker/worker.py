@@ -193,8 +193,11 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
-    def submit(self, scheduler_output: SchedulerOutput) -> float:
-        return self.model_runner.submit(scheduler_output)
+    def submit(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> float:
+        return self.model_runner.submit(scheduler_output, defer_sampling)
+
+    def launch_sampling(self) -> None:
+        self.model_runner.launch_sampling()
 
     def take_output(self) -> ModelRunnerOutput:
         return self.model_runner.take_output()

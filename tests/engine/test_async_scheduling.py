@@ -113,3 +113,38 @@ def test_async_stop_string_and_abort_free_everything(model_path):
             finished[o.request_id] = o
     assert set(finished) == {"keep"} and len(finished["keep"].outputs[0].token_ids) == 6
     assert _free(llm)
+
+
+def _core_run(llm: LLM, emit: bool) -> tuple[dict, list[bool]]:
+    """Drives the engine core directly; with ``emit``, outputs come through ``emit_outputs``."""
+    engine = llm.llm_engine
+    core = engine.engine_core
+    runner = core.executor.worker.model_runner
+    tokens: dict[str, list[int]] = {}
+    sampling_pending: list[bool] = []
+
+    def collect(outputs, emitted=False):
+        if emitted:
+            sampling_pending.append(runner._deferred is not None)
+        for o in outputs:
+            tokens.setdefault(o.req_id, []).extend(o.new_token_ids)
+
+    core.emit_outputs = (lambda outs: collect(outs, True)) if emit else None
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=5 + 3 * i, ignore_eos=True))
+    while core.has_unfinished_requests():
+        collect(core.step())
+    core.emit_outputs = None
+    return tokens, sampling_pending
+
+
+def test_outputs_leave_before_the_next_steps_sampling(model_path):
+    # The serving loop's emitter gets each step's outputs while the next step's sampling still waits to
+    # be launched, and the tokens are those of the plain asynchronous loop.
+    expected, _ = _core_run(_llm(model_path, True), emit=False)
+    llm = _llm(model_path, True)
+    got, sampling_pending = _core_run(llm, emit=True)
+    assert got == expected and {len(t) for t in got.values()} == {5 + 3 * i for i in range(len(PROMPTS))}
+    # Every emission but the last (nothing left to submit) came before a launched step's sampling.
+    assert sampling_pending[:-1] and all(sampling_pending[:-1]) and not sampling_pending[-1]
+    assert llm.llm_engine.engine_core.executor.worker.model_runner._deferred is None and _free(llm)

@@ -11,10 +11,12 @@ def servers(tmp_path_factory):
     mistral = make_model("mistral", root / "mistral")
     qwen = make_model("qwen3", root / "qwen3", tie=True)
     launched = {
+        # Asynchronous scheduling, as on a GPU: the core sends each step's outputs before the next
+        # step's sampling is launched (EngineCore.emit_outputs), under every test of this server.
         "completions": Server(
             "completions", mistral,
             ["--served-model-name", "tiny-mistral", "alias", "--max-n", "8",
-             "--max-request-body-bytes", "65536", "--max-header-bytes", "8192"],
+             "--max-request-body-bytes", "65536", "--max-header-bytes", "8192", "--async-scheduling"],
             root, api_key=API_KEY,
         ),
         # Small limits so overload is easy to reach; test_openai_engine_failure kills its engine
