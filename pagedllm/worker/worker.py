@@ -152,8 +152,9 @@ class Worker:
         fits = capacity / sc.max_model_len
         logger.info("GPU memory: %s", mem.summary())
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens, %.2f sequences of max_model_len %d",
-            num_blocks, cc.block_size, capacity, fits, sc.max_model_len,
+            "KV cache (%s): %d blocks of %d tokens = %d tokens, %.2f sequences of max_model_len %d",
+            str(self.config.kv_cache_dtype).removeprefix("torch."), num_blocks, cc.block_size, capacity, fits,
+            sc.max_model_len,
         )
         if capacity < sc.max_model_len:
             raise ValueError(

@@ -109,8 +109,8 @@ class _WaitingExecutor(_TimedExecutor):
         super().__init__(config, device_s)
         self.clock = clock
 
-    def submit(self, so) -> float:
-        super().submit(so)
+    def submit(self, so, defer_sampling=False) -> float:
+        super().submit(so, defer_sampling)
         self.clock.now += 0.0003 + 0.003 + 0.0002
         return 0.0003
 
