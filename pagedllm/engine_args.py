@@ -65,8 +65,9 @@ class EngineArgs:
         parser.add_argument("--block-size", type=int, default=d.block_size, choices=[8, 16, 32, 64])
         parser.add_argument(
             "--kv-cache-dtype", type=str, default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
-            help="element type of the KV cache: auto is the model's dtype; fp8 (= fp8_e4m3) and fp8_e5m2 halve "
-            "its memory and the bytes decode attention reads, storing values unscaled (CUDA, or the torch_ref backend)",
+            help="element type of the KV cache: auto is the model's dtype; fp8 (= fp8_e4m3) and fp8_e5m2 store "
+            "values unscaled in one byte, which holds twice the tokens of a 16-bit cache and halves what decode "
+            "attention reads",
         )
         parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
