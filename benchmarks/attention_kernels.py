@@ -129,6 +129,8 @@ def main() -> None:
                         help="decode section: the KV cache's element type (auto: bf16, as the activations)")
     parser.add_argument("--fp16-dots", action="store_true",
                         help="decode section, float8 cache: products in float16 (float8_fp16_dots)")
+    parser.add_argument("--configs", default="",
+                        help="decode section: also time these launch shapes, TILE:WARPS:STAGES[:MAXREGS],...")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"))
     args = parser.parse_args()
     global KV_LAYOUT
@@ -165,7 +167,7 @@ def main() -> None:
         sms = props.multi_processor_count
         splits = forced[0] if forced else choose_num_splits(batch, 1, ctx, hkv, sms)
         cfg = default_config(d, hq // hkv, 1, max_seq_len=ctx, num_reqs=batch, num_kv_heads=hkv, num_sms=sms,
-                             split=splits > 1)
+                             split=splits > 1, cache_bytes=torch.finfo(cache_dtype).bits // 8)
         kw = {"num_splits": splits} if forced else {}
         if args.fp16_dots:
             kw["float8_fp16_dots"] = True
@@ -174,7 +176,8 @@ def main() -> None:
         bw = nbytes / (ms * 1e-3) / 1e12
         row = {"batch": batch, "ctx": ctx, "splits": splits, "us": ms * 1e3, "eager_us": eager * 1e3, "tbps": bw,
                "frac_of_copy": bw / copy_bw}
-        line = (f"batch {batch:4d} ctx {ctx:5d} splits {splits:2d} tile {cfg.tile_n:3d}: {ms * 1e3:8.1f} us  {bw:5.2f} TB/s  "
+        line = (f"batch {batch:4d} ctx {ctx:5d} splits {splits:2d} tile {cfg.tile_n:3d} warps {cfg.num_warps} regs "
+                f"{cfg.max_regs or '-'}: {ms * 1e3:8.1f} us  {bw:5.2f} TB/s  "
                 f"{bw / copy_bw:5.1%}  (eager {eager * 1e3:7.1f} us)")
         if args.sweep:
             best = (ms, None)
@@ -190,6 +193,16 @@ def main() -> None:
             row["best_cfg"] = str(best[1])
             row["best_tbps"] = bw_best
             line += f" | best {bw_best:5.2f} TB/s ({bw_best / copy_bw:5.1%}) with {best[1]}"
+        if args.configs:
+            row["configs"] = {}
+            for spec in args.configs.split(","):
+                tile_n, warps, stages, *regs = spec.split(":")
+                cfg = KernelConfig(block_m=16, tile_n=int(tile_n), num_warps=int(warps), num_stages=int(stages),
+                                   max_regs=int(regs[0]) if regs else None)
+                ckw = dict(kw, config=cfg, num_splits=splits)
+                t = time_attention(*tensors, 1, ctx, **ckw)
+                row["configs"][spec] = {"us": t * 1e3, "tbps": nbytes / (t * 1e-3) / 1e12}
+                line += f"\n      {spec:>10s}: {t * 1e3:8.1f} us  {nbytes / (t * 1e-3) / 1e12:5.2f} TB/s"
         print(line, flush=True)
         results["decode"].append(row)
         del tensors

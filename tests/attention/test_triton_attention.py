@@ -345,6 +345,11 @@ def test_default_config_choices():
     assert dc(128, 32, 1).block_m == 32  # a group wider than 16 heads still fits one program
     prefill = dc(256, 3, 700)
     assert prefill.block_m % 4 == 0 and prefill.block_m <= 64
+    # A float8 cache caps 4-warp decode programs at 128 registers (4 programs an SM); nothing else.
+    assert full.max_regs is None
+    assert dc(128, 4, 1, max_seq_len=4096, num_reqs=256, num_kv_heads=8, num_sms=132, cache_bytes=1).max_regs == 128
+    assert dc(128, 2, 1, max_seq_len=1024, num_reqs=64, num_kv_heads=8, num_sms=132, cache_bytes=1).max_regs is None
+    assert dc(256, 3, 700, cache_bytes=1).max_regs is None
 
 
 @pytest.mark.parametrize(

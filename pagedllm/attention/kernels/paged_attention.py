@@ -332,7 +332,7 @@ def paged_attention(
         num_splits = choose_num_splits(num_reqs, max_query_len, max_seq_len, num_kv_heads, num_sms)
     cfg = config or default_config(
         head_size, group, max_query_len, max_seq_len=max_seq_len, num_reqs=num_reqs,
-        num_kv_heads=num_kv_heads, num_sms=num_sms, split=num_splits > 1,
+        num_kv_heads=num_kv_heads, num_sms=num_sms, split=num_splits > 1, cache_bytes=k_cache.element_size(),
     )
     assert cfg.block_m % group_p2 == 0 and cfg.block_m >= group_p2
     block_q = cfg.block_m // group_p2
@@ -434,6 +434,7 @@ def paged_attention(
             EXACT=rope is not None and exact_rounding(query),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
+            **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}),
             PER_HEAD=per_head,
             ROWS=rows,
             FP16_DOTS=fp16_dots,
