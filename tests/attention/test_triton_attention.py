@@ -345,11 +345,20 @@ def test_default_config_choices():
     assert dc(128, 32, 1).block_m == 32  # a group wider than 16 heads still fits one program
     prefill = dc(256, 3, 700)
     assert prefill.block_m % 4 == 0 and prefill.block_m <= 64
-    # A float8 cache caps 4-warp decode programs at 128 registers (4 programs an SM); nothing else.
+    # A float8 cache: one warp and 32-key tiles for many decode programs; fewer programs, split
+    # contexts, prompts and wide heads as with 16-bit caches.
+    one_warp = (32, 1)
+    assert (dc(128, 4, 1, num_reqs=256, num_kv_heads=8, num_sms=132, cache_bytes=1).tile_n,
+            dc(128, 4, 1, num_reqs=256, num_kv_heads=8, num_sms=132, cache_bytes=1).num_warps) == one_warp
+    c = dc(128, 2, 1, num_reqs=99, num_kv_heads=8, num_sms=132, cache_bytes=1)
+    assert (c.tile_n, c.num_warps) == one_warp
+    c = dc(128, 4, 1, num_reqs=1, num_kv_heads=8, num_sms=132, split=True, cache_bytes=1)
+    assert c == dc(128, 4, 1, num_reqs=1, num_kv_heads=8, num_sms=132, split=True)
+    c = dc(128, 2, 1, num_reqs=64, num_kv_heads=8, num_sms=132, cache_bytes=1)
+    assert (c.tile_n, c.num_warps) == (64, 2)
+    assert dc(256, 2, 1, num_reqs=256, num_kv_heads=8, num_sms=132, cache_bytes=1).tile_n == 32
+    assert dc(256, 3, 700, cache_bytes=1) == dc(256, 3, 700)
     assert full.max_regs is None
-    assert dc(128, 4, 1, max_seq_len=4096, num_reqs=256, num_kv_heads=8, num_sms=132, cache_bytes=1).max_regs == 128
-    assert dc(128, 2, 1, max_seq_len=1024, num_reqs=64, num_kv_heads=8, num_sms=132, cache_bytes=1).max_regs is None
-    assert dc(256, 3, 700, cache_bytes=1).max_regs is None
 
 
 @pytest.mark.parametrize(
@@ -358,6 +367,7 @@ def test_default_config_choices():
         lc.KernelConfig(block_m=16, tile_n=128, num_warps=4, num_stages=2),
         lc.KernelConfig(block_m=16, tile_n=32, num_warps=4, num_stages=2),
         lc.KernelConfig(block_m=64, tile_n=16, num_warps=4, num_stages=2),
+        lc.KernelConfig(block_m=16, tile_n=32, num_warps=1, num_stages=2),  # float8 decode with many programs
     ],
     ids=lambda c: f"m{c.block_m}-n{c.tile_n}",
 )

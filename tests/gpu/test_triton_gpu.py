@@ -115,6 +115,19 @@ def test_float8_cache(cache_dtype, num_splits, fp16_dots):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_float8_cache_many_decodes(cache_dtype):
+    # Enough decode programs for the one-warp, 32-key launch that a float8 cache takes on a large batch.
+    from pagedllm.attention.kernels.launch_config import default_config
+
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    n = 6 * sms // 8 + 7
+    assert default_config(128, 4, 1, num_reqs=n, num_kv_heads=8, num_sms=sms, cache_bytes=1).num_warps == 1
+    gen = torch.Generator().manual_seed(5)
+    reqs = [(int(c), 1) for c in torch.randint(1, 900, (n,), generator=gen)]
+    _compare(reqs, 32, 8, 128, 16, torch.bfloat16, seed=14, cache_dtype=cache_dtype, fp16_dots=True)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_float8_cache_write_saturates_like_torch_ref(cache_dtype):
     from pagedllm.attention.backends.torch_ref import write_kv_cache
     from pagedllm.attention.kernels.reshape_and_cache import reshape_and_cache

@@ -52,9 +52,11 @@ def default_config(
     (>= 12 per SM), 2 below that. The choice depends on no context length, so a CUDA graph captured
     for the longest context launches what an eager step of the same batch would.
     Prefill: 64 rows x 64 keys, 4 warps, 2 stages beat 128-row tiles on a 4k-token prompt.
-    Over a float8 cache (``cache_bytes`` 1), 4-warp decode programs are held to 128 registers a thread:
-    widening the tiles takes ~150, which leaves room for 3 programs an SM instead of 4, and that kernel
-    is bound by its instructions' latency, not by memory (15-19% faster with the cap on an H200).
+    Over a float8 cache (``cache_bytes`` 1) the decode kernel is bound by the latency of its instructions
+    (widening each tile for the products), not by memory. One warp a program with 32-key tiles streams
+    fastest wherever programs are many (>= 6 an SM): no cross-warp reductions or barriers in the tile
+    loop (H200, 16q/8kv: 2.9-3.3 TB/s at 128-256 requests against 2.2-2.6 with 2 or 4 warps). Fewer
+    programs keep the 16-bit choices; with one warp, a split batch-1 decode was slower.
     """
     head_size_p2 = triton.next_power_of_2(head_size)
     group_p2 = triton.next_power_of_2(group)
@@ -62,10 +64,11 @@ def default_config(
         # One token per request: the group's heads fill the rows, padded to the tensor-core minimum.
         block_m = max(16, group_p2)
         tile_n = 32 if head_size_p2 > 128 else 64
-        many = num_reqs * num_kv_heads >= 12 * num_sms
-        warps = 4 if split or many else 2
-        max_regs = 128 if cache_bytes == 1 and warps == 4 else None
-        return KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=2, max_regs=max_regs)
+        programs = num_reqs * num_kv_heads
+        if cache_bytes == 1 and head_size_p2 <= 128 and not split and programs >= 6 * num_sms:
+            return KernelConfig(block_m=block_m, tile_n=32, num_warps=1, num_stages=2)
+        many = programs >= 12 * num_sms
+        return KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=4 if split or many else 2, num_stages=2)
     # Enough rows for the longest query run of one request; tensor cores need M >= 16.
     block_m = max(min(max(triton.next_power_of_2(max_query_len) * group_p2, 16), 64), group_p2)
     tile_n = 64 if head_size_p2 <= 128 else 32
