@@ -348,8 +348,8 @@ def test_default_config_choices():
     # A float8 cache: one warp and 32-key tiles for many decode programs; fewer programs, split
     # contexts, prompts and wide heads as with 16-bit caches.
     one_warp = (32, 1)
-    assert (dc(128, 4, 1, num_reqs=256, num_kv_heads=8, num_sms=132, cache_bytes=1).tile_n,
-            dc(128, 4, 1, num_reqs=256, num_kv_heads=8, num_sms=132, cache_bytes=1).num_warps) == one_warp
+    c = dc(128, 4, 1, num_reqs=256, num_kv_heads=8, num_sms=132, cache_bytes=1)
+    assert (c.tile_n, c.num_warps) == one_warp
     c = dc(128, 2, 1, num_reqs=99, num_kv_heads=8, num_sms=132, cache_bytes=1)
     assert (c.tile_n, c.num_warps) == one_warp
     c = dc(128, 4, 1, num_reqs=1, num_kv_heads=8, num_sms=132, split=True, cache_bytes=1)
