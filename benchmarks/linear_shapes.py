@@ -72,10 +72,28 @@ def time_tunable(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
     return {"tunable": t, "tunable_bit_equal": same}
 
 
+def skinny_candidates(tokens: int, n: int, k: int) -> list:
+    """Skinny-GEMM launch shapes to sweep: row tiles near the token count, 32-128 columns, K split 1-8 ways."""
+    from pagedllm.layers.kernels import skinny_gemm as sg
+
+    rows = min(64, max(16, 1 << (tokens - 1).bit_length()))
+    row_tiles = {rows} | ({32} if tokens == 64 else set()) | ({128} if tokens >= 128 else set())
+    out = []
+    for bm, bn, split in itertools.product(sorted(row_tiles), (32, 64, 128), (1, 2, 4, 8)):
+        bk = 128 if k // split >= 128 else 64
+        warps = 8 if bm * bn >= 128 * 128 else 4
+        cfg = sg.GemmConfig(bm, bn, bk, warps, 3, split)
+        if n % bn or k % (bk * split) or not sg.workspace_fits(cfg, tokens, n):
+            continue
+        out.append(cfg)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "linear_shapes.json"))
-    ap.add_argument("--sweep", action="store_true", help="also sweep the GEMV tile configs at batch 1")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also sweep the GEMV tile configs at batch 1, and the skinny GEMM's tiles and K splits above it")
     ap.add_argument("--hot", action="store_true",
                     help="also time cuBLAS with one weight for every layer, so it is read from L2 after the first")
     ap.add_argument("--cases", default="", help="MODEL:TOKENS,... to time instead of all cases")
@@ -133,12 +151,9 @@ def main() -> None:
                 res["triton"] = graph_time_us(lambda: [sg.skinny_gemm(x, w) for w in weights])
                 err = (sg.skinny_gemm(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max().item()
                 res["triton_max_abs_diff"] = err
-                if args.sweep:
+                if args.sweep and name != "lm_head":
                     best = (res["triton"], str(sg.default_config(tokens, n, k)))
-                    for bm, bn, bk, stages in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (3, 4)):
-                        if bm > 2 * max(16, tokens) or n % bn or k % bk:
-                            continue
-                        cfg = sg.GemmConfig(bm, bn, bk, 4, stages)
+                    for cfg in skinny_candidates(tokens, n, k):
                         try:
                             t = graph_time_us(lambda: [sg.skinny_gemm(x, w, config=cfg) for w in weights], reps=5)
                         except Exception as exc:  # noqa: BLE001 - a tile that does not fit is skipped
@@ -162,6 +177,9 @@ def main() -> None:
         summary[f"{model} T={tokens}"] = {
             key: sum(r.get(key, r["cublas"]) for r in sel) for key in ("cublas", "cublaslt", "tunable", "gemv", "triton")
         }
+        if any("best" in r for r in sel):
+            summary[f"{model} T={tokens}"]["best"] = sum(min(r["best"][0], r["cublas"]) if "best" in r else r["cublas"]
+                                                         for r in sel)
     print("\nper forward pass, all linears (us; gemv and triton fall back to cuBLAS where they do not apply):")
     for key, val in summary.items():
         print(f"  {key:20s} " + "  ".join(f"{k} {v:8.1f}" for k, v in val.items()))

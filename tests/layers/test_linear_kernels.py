@@ -86,3 +86,43 @@ def test_skinny_gemm_configs_and_limits() -> None:
         assert cfg is not None and n % cfg.block_n == 0 and k % cfg.block_k == 0 and cfg.block_m >= 16
     x = torch.zeros(1, 256, dtype=torch.float16)
     assert not sg_k.usable(x, torch.zeros(64, 256, dtype=torch.float16))  # one token: the GEMV's case
+
+
+@pytest.mark.parametrize(("m", "n", "k", "split", "bias"), [(5, 64, 256, 2, False), (40, 96, 512, 4, True), (16, 32, 1024, 8, True)])
+def test_split_k_matches_fp32_product(m: int, n: int, k: int, split: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, torch.float16)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEVICE, torch.float16)
+    b = torch.randn(n, generator=gen).to(DEVICE, torch.float16) if bias else None
+    cfg = sg_k.GemmConfig(16 if m <= 16 else 32, 32, 64, 4, 2, split)
+    y = sg_k.skinny_gemm(x, w, b, config=cfg)
+    ref = x.float() @ w.float().T + (b.float() if bias else 0.0)
+    torch.testing.assert_close(y.float(), ref, atol=4e-3, rtol=0)
+
+
+def test_split_k_sums_in_split_order_whoever_arrives_last() -> None:
+    """The same bits on every call, whatever partials the workspace held before, and the tile counters
+    back at zero after each launch (a stale count would make the wrong program sum the tile)."""
+    m, n, k = (200, 1024, 2048) if _ON_GPU else (33, 64, 512)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, torch.float16)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEVICE, torch.float16)
+    cfg = sg_k.GemmConfig(32, 32, 64, 4, 2, 4)
+    first = sg_k.skinny_gemm(x, w, config=cfg)
+    parts, counts = sg_k._workspace(x.device)
+    for _ in range(20 if _ON_GPU else 2):
+        parts.fill_(float("nan"))
+        assert torch.equal(sg_k.skinny_gemm(x, w, config=cfg), first)
+        assert int(counts.abs().sum()) == 0
+    ref = x.float() @ w.float().T
+    torch.testing.assert_close(first.float(), ref, atol=4e-3, rtol=0)
+
+
+def test_default_config_splits_only_deep_inputs() -> None:
+    # Qwen3-0.6B: o (1024 x 2048) and down (1024 x 3072) split; qkv and gate_up (K = 1024) do not.
+    assert [sg_k.default_config(m, 1024, 3072).split_k for m in (2, 16, 17, 64, 65, 256)] == [8, 8, 4, 4, 2, 2]
+    assert sg_k.default_config(16, 1024, 2048).split_k == 8
+    assert sg_k.default_config(16, 4096, 1024).split_k == 1 and sg_k.default_config(256, 6144, 1024).split_k == 1
+    # Partials that would overflow the shared workspace split less (256 rows x 28672 outputs x 2 > 4M floats).
+    cfg = sg_k.default_config(256, 28672, 4096)
+    assert cfg.split_k == 1 and sg_k.workspace_fits(cfg, 256, 28672)
