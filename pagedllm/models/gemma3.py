@@ -21,7 +21,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, cos_sin_once_per_step, get_rope
-from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, layer_sliding_window
+from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, last_layer_only, layer_sliding_window
 
 # Checkpoint prefixes of a Gemma3ForConditionalGeneration (transformers 5 layout, then the older
 # hub layout) -> the text model's names; the vision tower and projector are not served.
@@ -92,13 +92,16 @@ class Gemma3DecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # [T, H]: the residual stream before that output is added
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed MLP output [T, H], residual [T, H])
+        output_rows: torch.Tensor | None = None,  # [R] int64: carry only these rows past attention
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed MLP output [T, H], residual [T, H]); R rows with output_rows
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata, output_rows)
+        if output_rows is not None:
+            residual = residual.index_select(0, output_rows)
         # The post-norms apply to the branch output alone, before it joins the residual stream.
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
@@ -145,13 +148,15 @@ class Gemma3Model(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
+        output_rows: torch.Tensor | None = None,  # [R] int64 (see LlamaForCausalLM.forward)
+    ) -> torch.Tensor:  # [T, H], or [R, H] with output_rows
         hidden_states = self.embed_tokens(input_ids)
         hidden_states = hidden_states * self.embed_scale.to(hidden_states.dtype)
         residual = None
         with cos_sin_once_per_step(self.rotary_embs.values(), positions):
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
+            for layer, kv_cache, rows in zip(self.layers, kv_caches, last_layer_only(output_rows, len(self.layers)),
+                                             strict=True):
+                hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata, rows)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

@@ -45,6 +45,11 @@ def layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
     return window
 
 
+def last_layer_only(output_rows: torch.Tensor | None, num_layers: int) -> list[torch.Tensor | None]:
+    """Each layer's ``output_rows``: None for all but the last, which gets the caller's."""
+    return [None] * (num_layers - 1) + [output_rows]
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
         super().__init__()
@@ -97,7 +102,8 @@ class LlamaAttention(nn.Module):
         hidden_states: torch.Tensor,  # [T, H]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
+        output_rows: torch.Tensor | None = None,  # [R] int64: project only these rows' outputs
+    ) -> torch.Tensor:  # [T, H], or [R, H] with output_rows
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))  # views of one [T, q + 2 kv] output
         use_fused = False
         if self.q_norm is not None and q.is_cuda:
@@ -129,6 +135,8 @@ class LlamaAttention(nn.Module):
         out = self.attn(
             q.flatten(1), k.flatten(1), v, kv_cache, attn_metadata, rotary=rotary_in_attention, qk_norm=norms_in_attention
         )
+        if output_rows is not None:
+            out = out.index_select(0, output_rows)
         return self.o_proj(out)
 
 
@@ -169,13 +177,16 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # [T, H]: the residual stream before that output is added
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output [T, H], residual [T, H])
+        output_rows: torch.Tensor | None = None,  # [R] int64: carry only these rows past attention
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output [T, H], residual [T, H]); R rows with output_rows
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata, output_rows)
+        if output_rows is not None:
+            residual = residual.index_select(0, output_rows)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -200,12 +211,14 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
+        output_rows: torch.Tensor | None = None,  # [R] int64 (see LlamaForCausalLM.forward)
+    ) -> torch.Tensor:  # [T, H], or [R, H] with output_rows
         hidden_states, residual = self.embed_tokens(input_ids), None
         # All layers share one rotary module.
         with cos_sin_once_per_step([self.layers[0].self_attn.rotary_emb], positions):
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
+            for layer, kv_cache, rows in zip(self.layers, kv_caches, last_layer_only(output_rows, len(self.layers)),
+                                             strict=True):
+                hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata, rows)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -251,8 +264,15 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        output_rows: torch.Tensor | None = None,  # [R] int64
+    ) -> torch.Tensor:  # [T, H], or [R, H] with output_rows
+        """Final hidden states of every token, or only of ``output_rows`` (those whose logits are wanted).
+
+        With ``output_rows``, the last layer still computes attention, and so the KV cache, for every
+        token, then runs its output projection and MLP on those rows alone: in a 1000-token prefill of a
+        32-layer model that is ~3% of the step's products saved.
+        """
+        return self.model(input_ids, positions, kv_caches, attn_metadata, output_rows)
 
     def compute_logits(
         self, hidden_states: torch.Tensor, float32: bool = True

@@ -1,7 +1,7 @@
 """Persistent step-input buffers: one pinned host staging area mirrored on the device, filled by one H2D copy.
 
 Every array a step needs (token ids, positions, slot mapping, query starts, sequence lengths, the
-block table, the longest-first request order, the rows to sample, where to copy tokens the previous step is still sampling) is packed
+block table, the longest-first request order, the rows and requests to sample, where to copy tokens the previous step is still sampling) is packed
 back to back into one host buffer and sent to the device in a single non-blocking copy. The packing
 depends only on (tokens, requests, block-table width, sampled rows, pending tokens), and the last two
 come last, so a batch padded to a given (tokens, requests) shape always lands at the same device
@@ -31,6 +31,7 @@ _SECTIONS: tuple[tuple[str, np.dtype], ...] = (
     ("block_table", np.dtype(np.int32)),
     ("decode_order", np.dtype(np.int32)),
     ("logits_indices", np.dtype(np.int64)),
+    ("logits_reqs", np.dtype(np.int64)),
     ("pending_dst", np.dtype(np.int64)),
     ("pending_src", np.dtype(np.int64)),
 )
@@ -54,6 +55,7 @@ def step_layout(
         "block_table": num_reqs * block_width,
         "decode_order": num_reqs,
         "logits_indices": num_logits,
+        "logits_reqs": num_logits,
         "pending_dst": num_pending,
         "pending_src": num_pending,
     }
@@ -77,6 +79,7 @@ class DeviceInputs:
     block_table: torch.Tensor  # [Bp, W] int32
     decode_order: torch.Tensor  # [Bp] int32: requests by decreasing sequence length (padding last)
     logits_indices: torch.Tensor  # [S] int64
+    logits_reqs: torch.Tensor  # [S] int64
     pending_dst: torch.Tensor  # [P] int64: input_ids rows to fill from the previous step's sampled ids
     pending_src: torch.Tensor  # [P] int64: rows of those sampled ids
 
@@ -185,6 +188,7 @@ class StepBuffers:
         view("decode_order", i32)[:] = np.argsort(-seq_lens, kind="stable")
         if num_logits:
             view("logits_indices", i64)[:] = b.logits_indices
+            view("logits_reqs", i64)[:] = b.logits_reqs
         if num_pending:
             view("pending_dst", i64)[:] = b.pending_dst
             view("pending_src", i64)[:] = b.pending_src
@@ -205,6 +209,7 @@ class StepBuffers:
             seq_lens=np.zeros(0, dtype=np.int32),
             block_table=np.zeros((0, self.max_blocks_per_req), dtype=np.int32),
             logits_indices=np.zeros(0, dtype=np.int64),
+            logits_reqs=np.zeros(0, dtype=np.int64),
             max_query_len=1,
         )
         return self.upload(empty, num_reqs, self.max_blocks_per_req, num_tokens)

@@ -76,6 +76,7 @@ class BatchInputs:
     # Requests whose step ends at the last known token, so the sampled token is kept.
     sampling_mask: list[bool] = field(default_factory=list)
     logits_indices: np.ndarray | None = None  # [S] int64: flat index of each sampled request's last token
+    logits_reqs: np.ndarray | None = None  # [S] int64: index of each sampled request in the batch
     # Tokens the previous step is still sampling (asynchronous scheduling): their flat indices here,
     # and (set by the runner) the row of each in the previous step's sampled ids, to copy on the device.
     pending_dst: np.ndarray | None = None  # [P] int64
@@ -260,6 +261,7 @@ class InputBatch:
             block_table=block_table,
             sampling_mask=sampling_mask,
             logits_indices=(query_start_loc[1:][mask_np] - 1).astype(np.int64),
+            logits_reqs=np.flatnonzero(mask_np).astype(np.int64),
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
             pending_dst=np.array(pending_dst, dtype=np.int64),

@@ -14,9 +14,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
@@ -27,6 +24,9 @@ from pagedllm.sample.argmax import argmax_rows
 from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes, token_capture_sizes
 from pagedllm.worker.gpu_buffers import DeviceInputs, StepBuffers
 from pagedllm.worker.input_batch import BatchInputs, InputBatch
+from pagedllm.worker.step_records import (
+    ForwardPass, LogprobsTensorsOnHost, StepInFlight, StepInfo, last_token_rows, logprobs_to_lists,
+)
 
 logger = logging.getLogger("pagedllm")
 
@@ -37,57 +37,6 @@ _GRAPH_SAFE_BACKENDS = frozenset({"triton"})
 # fixes its tile at the 64-row maximum: a mixed graph (captured for its padded token count) and an
 # eager step of the same batch then launch the same kernel and compute bit-identical results.
 MIXED_QUERY_LEN_BOUND = 64
-
-
-def _to_lists(lp, ks: list[int] | None = None) -> list[LogprobsLists]:
-    """Splits LogprobsTensors rows into per-row LogprobsLists, keeping 1 + k columns for row i."""
-    ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
-    out = []
-    for i in range(len(ids)):
-        k = 1 + (ks[i] if ks is not None else len(ids[i]) - 1)
-        out.append(LogprobsLists([ids[i][:k]], [vals[i][:k]], [ranks[i]]))
-    return out
-
-
-@dataclass
-class StepInfo:
-    """What the last step computed, for benchmarks and logs."""
-
-    num_reqs: int
-    num_tokens: int
-    context_tokens: int  # sum of sequence lengths: the cached K/V entries attention read
-    graph_size: int  # padded batch size of the replayed decode graph; 0 when none was replayed
-    graph_tokens: int = 0  # padded token count of the replayed mixed-batch graph; 0 when none was
-
-
-class ForwardPass(NamedTuple):
-    hidden: torch.Tensor  # [>= T, H]
-    dev: DeviceInputs
-    graph_size: int  # see StepInfo
-    graph_tokens: int
-
-
-class LogprobsTensorsOnHost(NamedTuple):
-    token_ids: torch.Tensor  # [S, K + 1]
-    logprobs: torch.Tensor  # [S, K + 1]
-    ranks: torch.Tensor  # [S]
-
-
-@dataclass
-class _StepInFlight:
-    """A launched step: what its output needs once the device is done with it."""
-
-    req_ids: list[str]
-    prompt_logprobs: dict[str, LogprobsLists]
-    rows: list[int] = field(default_factory=list)  # indices into req_ids of the sampled requests
-    states: list = field(default_factory=list)  # their CachedRequestStates, in the same order
-    token_ids: torch.Tensor | None = None  # [S] on the device: the next step's pending tokens read it
-    sampled_row: dict[str, int] = field(default_factory=dict)  # req_id -> row of token_ids
-    host_token_ids: torch.Tensor | None = None  # [S] on the host, valid once ``event`` has passed
-    host_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    want: list[int | None] = field(default_factory=list)  # logprobs asked for, per sampled request
-    event: torch.cuda.Event | None = None
-    start_event: torch.cuda.Event | None = None  # recorded before the step's first kernel (timed steps)
 
 
 class ModelRunner:
@@ -125,7 +74,7 @@ class ModelRunner:
         self.sampler = None
         self.last_step: StepInfo | None = None
         # The last submitted step while its output is not resolved, and resolved outputs not yet taken.
-        self._in_flight: _StepInFlight | None = None
+        self._in_flight: StepInFlight | None = None
         self._done: deque[ModelRunnerOutput] = deque()
         # A submitted step whose sampling is not launched yet: (inputs, device views, hidden, start event).
         self._deferred: tuple | None = None
@@ -187,6 +136,8 @@ class ModelRunner:
         """A mixed batch padded to ``num_tokens`` tokens and ``mixed_graph_reqs`` requests; host values are bounds."""
         reqs = self.mixed_graph_reqs
         dev = self.buffers.static_views(num_tokens, reqs)
+        # Only last tokens are sampled: the last layer's projection and MLP run on those rows alone.
+        rows = last_token_rows(dev.query_start_loc)
         md = AttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=reqs,
@@ -199,7 +150,7 @@ class ModelRunner:
             query_start_loc_cpu=[0] * (reqs + 1),
             seq_lens_cpu=[0] * reqs,
         )
-        return self.model(dev.input_ids, dev.positions, self.kv_caches, md)
+        return self.model(dev.input_ids, dev.positions, self.kv_caches, md, rows)
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, capture: bool | None = None) -> float:
@@ -245,27 +196,37 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _fill_pending(dev: DeviceInputs, prev: _StepInFlight | None) -> None:
+    def _fill_pending(dev: DeviceInputs, prev: StepInFlight | None) -> None:
         """Copies the previous step's sampled ids, still on the device, into this step's input ids."""
         if dev.pending_dst.numel():
             dev.input_ids.index_copy_(0, dev.pending_dst, prev.token_ids.index_select(0, dev.pending_src))
 
-    def _forward(self, b: BatchInputs, prev: _StepInFlight | None) -> ForwardPass:
-        """Launches the step's forward pass: a graph's replay where one fits the batch, else eagerly."""
+    def _forward(self, b: BatchInputs, prev: StepInFlight | None) -> ForwardPass:
+        """Launches the step's forward pass: a graph's replay where one fits the batch, else eagerly.
+
+        Outside pure decode, only each request's last token is carried through the last layer's
+        projection and MLP, unless some request wants prompt logprobs (which read every row).
+        """
         decode = b.is_pure_decode
+        every_row = not decode and self._wants_prompt_logprobs(b)
         runner = (self.graph_runner if decode else self.mixed_graph_runner) if self.use_cuda_graphs else None
-        size = runner.bucket_for(b.num_reqs if decode else b.num_tokens) if runner is not None else None
+        size = runner.bucket_for(b.num_reqs if decode else b.num_tokens) if runner is not None and not every_row else None
         if size:
             # A decode graph's batch is `size` one-token requests; a mixed graph's, `size` tokens over
             # a fixed number of requests.
             reqs = size if decode else self.mixed_graph_reqs
             dev = self.buffers.upload(b, reqs, self.max_blocks_per_req, num_tokens_padded=size)
             self._fill_pending(dev, prev)
-            return ForwardPass(runner.replay(size), dev, size if decode else 0, 0 if decode else size)
+            return ForwardPass(runner.replay(size), dev, size if decode else 0, 0 if decode else size, not decode)
         dev = self.buffers.upload(b)
         self._fill_pending(dev, prev)
-        hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, self._attn_metadata(b, dev))
-        return ForwardPass(hidden, dev, 0, 0)
+        rows = None if decode or every_row else last_token_rows(dev.query_start_loc)
+        hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, self._attn_metadata(b, dev), rows)
+        return ForwardPass(hidden, dev, 0, 0, rows is not None)
+
+    def _wants_prompt_logprobs(self, b: BatchInputs) -> bool:
+        states = (self.input_batch.requests.get(rid) for rid in b.req_ids)
+        return any(st is not None and st.sampling_params.prompt_logprobs is not None for st in states)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step to completion."""
@@ -301,7 +262,8 @@ class ModelRunner:
         if self.time_steps:
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
-        hidden, dev, graph_size, graph_tokens = self._forward(b, prev)  # [>= T, H]; the GPU is busy from here on
+        fwd = self._forward(b, prev)  # the GPU is busy from here on
+        hidden, dev, graph_size, graph_tokens = fwd.hidden, fwd.dev, fwd.graph_size, fwd.graph_tokens
         launch_s = time.perf_counter() - t_call
         self.last_step = StepInfo(b.num_reqs, b.num_tokens, int(b.seq_lens.sum()), graph_size, graph_tokens)
 
@@ -310,7 +272,7 @@ class ModelRunner:
             # seeds and stop checks read each request's output so far).
             self._done.append(self._resolve(prev))
             self._in_flight = None
-        self._deferred = (b, dev, hidden, start_event)
+        self._deferred = (b, dev, hidden, start_event, fwd.per_request)
         if not defer_sampling:
             self.launch_sampling()
         return launch_s
@@ -319,10 +281,10 @@ class ModelRunner:
         """Launches the sampling of the step whose forward pass ``submit`` left it behind, if any."""
         if self._deferred is None:
             return
-        b, dev, hidden, start_event = self._deferred
+        b, dev, hidden, start_event, per_request = self._deferred
         self._deferred = None
         prompt_logprobs = self._prompt_logprobs(b, hidden)
-        step = _StepInFlight(b.req_ids, prompt_logprobs, start_event=start_event)
+        step = StepInFlight(b.req_ids, prompt_logprobs, start_event=start_event)
         num_sampled = len(b.logits_indices)
         if num_sampled:
             rows = np.flatnonzero(np.asarray(b.sampling_mask)).tolist()
@@ -330,6 +292,8 @@ class ModelRunner:
             if num_sampled == b.num_tokens:
                 # Every token is some request's last one (pure decode): rows 0..T-1 in order.
                 last_hidden = hidden[:num_sampled]
+            elif per_request:
+                last_hidden = hidden.index_select(0, dev.logits_reqs)
             else:
                 last_hidden = hidden.index_select(0, dev.logits_indices)
             if all(st.plain_greedy for st in states):
@@ -364,7 +328,7 @@ class ModelRunner:
         step, self._in_flight = self._in_flight, None
         return self._resolve(step)
 
-    def _resolve(self, step: _StepInFlight) -> ModelRunnerOutput:
+    def _resolve(self, step: StepInFlight) -> ModelRunnerOutput:
         """Waits for a step's sampled ids on the host and turns them into the step's output."""
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
@@ -377,7 +341,7 @@ class ModelRunner:
             token_ids = step.host_token_ids.tolist()
             lp_lists = None
             if step.host_logprobs is not None:
-                lp_lists = _to_lists(LogprobsTensorsOnHost(*step.host_logprobs), [k or 0 for k in step.want])
+                lp_lists = logprobs_to_lists(LogprobsTensorsOnHost(*step.host_logprobs), [k or 0 for k in step.want])
             for j, (i, st) in enumerate(zip(step.rows, step.states)):
                 st.output_token_ids.append(token_ids[j])
                 sampled[i] = [token_ids[j]]
@@ -428,7 +392,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[start_tok : start_tok + n])
             targets = torch.tensor(st.prompt_token_ids[start_pos + 1 : start_pos + 1 + n], device=self.device)
             lp = compute_token_logprobs(logits, targets, k)
-            rows = _to_lists(lp)
+            rows = logprobs_to_lists(lp)
             out[rid] = LogprobsLists(
                 [r.token_ids[0] for r in rows], [r.logprobs[0] for r in rows], [r.ranks[0] for r in rows]
             )
@@ -454,12 +418,14 @@ class ModelRunner:
                 seq_lens=np.array([q_len], dtype=np.int32),
                 block_table=np.zeros((1, -(-q_len // bs)), dtype=np.int32),
                 logits_indices=np.array([q_len - 1], dtype=np.int64),
+                logits_reqs=np.zeros(1, dtype=np.int64),
                 max_query_len=q_len,
                 max_seq_len=q_len,
                 pending_dst=np.zeros(0, dtype=np.int64),
             )
-            hidden = self._forward(b, None).hidden
-            self.model.compute_logits(hidden[q_len - 1 : q_len]).argmax(dim=-1)
+            fwd = self._forward(b, None)
+            row = 0 if fwd.per_request else q_len - 1
+            self.model.compute_logits(fwd.hidden[row : row + 1]).argmax(dim=-1)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 

@@ -222,3 +222,24 @@ def test_hub_local_path_used_as_is(tmp_path):
     from pagedllm.model_loader.hub import resolve_model_path
 
     assert resolve_model_path(str(tmp_path)) == str(tmp_path)
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_output_rows_carry_only_those_rows_through_the_last_layer(kind, tiny_dir):
+    model_config = _model_config(tiny_dir(kind))
+    model = get_model(model_config, LoadConfig(load_format="auto"), CPU, get_attn_backend("torch_ref", "cpu"))
+    g = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(3, model_config.vocab_size, (sum(PROMPT_LENS),), generator=g)
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in PROMPT_LENS) + 3
+    runs = []
+    rows = torch.tensor([4, 21, 54, 0], dtype=torch.int64)  # any rows, in any order
+    for output_rows in (None, rows):
+        kv_caches = _kv_caches(model_config, num_blocks)
+        positions, md = PagedBatcher(PROMPT_LENS, num_blocks).step(PROMPT_LENS)
+        with torch.no_grad():
+            runs.append((model(input_ids, positions, kv_caches, md, output_rows), kv_caches))
+    (full, full_caches), (pruned, pruned_caches) = runs
+    assert pruned.shape == (len(rows), model_config.hf_config.hidden_size)
+    torch.testing.assert_close(pruned, full[rows], atol=1e-5, rtol=1e-5)
+    # Every token's keys and values still reach the cache, the last layer's included.
+    assert all(torch.equal(a, b) for a, b in zip(full_caches, pruned_caches))

@@ -228,12 +228,12 @@ def test_token_capture_sizes():
 def test_layout_is_aligned_and_graph_sections_ignore_sampled_rows_and_pending_tokens():
     a, _ = step_layout(8, 8, 128, 0)
     b, _ = step_layout(8, 8, 128, 8, 5)
-    tail = ("logits_indices", "pending_dst", "pending_src")
+    tail = ("logits_indices", "logits_reqs", "pending_dst", "pending_src")
     for name, (offset, _count) in a.items():
         assert offset % 64 == 0
         if name not in tail:
             assert b[name] == a[name]
-    assert [b[name][1] for name in tail] == [8, 5, 5]
+    assert [b[name][1] for name in tail] == [8, 8, 5, 5]
 
 
 def test_capture_sizes_and_buckets():

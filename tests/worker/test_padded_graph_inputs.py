@@ -35,7 +35,8 @@ def _result(o):
 @pytest.mark.parametrize(("model", "async_scheduling"), [("llama", False), ("qwen3", True)])
 def test_padded_graph_inputs_match_torch_ref(model, async_scheduling, tmp_path):
     # Asynchronous scheduling puts decode tokens still being sampled into mixed steps (filled on the
-    # device into the graph's static input ids); prompt logprobs read the padded hidden rows.
+    # device into the graph's static input ids). A mixed graph carries only each request's last token
+    # through the last layer; steps with a prompt-logprobs request, which read every row, run eagerly.
     path = make_tiny_model(model, tmp_path / model)
     gen = torch.Generator().manual_seed(5)
     prompts = [{"prompt_token_ids": torch.randint(3, 380, (n,), generator=gen).tolist()} for n in (9, 3, 21, 14, 5)]
@@ -79,7 +80,12 @@ def test_padded_graph_inputs_match_torch_ref(model, async_scheduling, tmp_path):
             for dg, de in zip(g[1:], e[1:]):
                 assert dg.keys() == de.keys()
                 assert all(abs(dg[t] - de[t]) < 1e-4 for t in dg), (dg, de)
-    # Both families were used, padding included.
+    # Without prompt logprobs every step fits a graph: both families were used, padding included.
+    steps.clear()
+    assert llm.llm_engine.engine_core.reset_prefix_cache()  # the same prompts again, computed in full
+    plain = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m, detokenize=False) for m in max_tokens]
+    assert [_result(o)[0] for o in llm.generate(prompts, plain, use_tqdm=False)] == [e[0] for e in expected]
     assert {t for _, t in steps if t} >= {16, 40}, steps
     assert {s for s, _ in steps if s} >= {4, 2}, steps
+    assert all(s or t for s, t in steps), steps
     assert bool(pending_in_mixed) == async_scheduling
