@@ -136,8 +136,7 @@ class ModelRunner:
         """A mixed batch padded to ``num_tokens`` tokens and ``mixed_graph_reqs`` requests; host values are bounds."""
         reqs = self.mixed_graph_reqs
         dev = self.buffers.static_views(num_tokens, reqs)
-        # Only last tokens are sampled: the last layer's projection and MLP run on those rows alone.
-        rows = last_token_rows(dev.query_start_loc)
+        rows = last_token_rows(dev.query_start_loc) if self._mixed_graph_prunes(num_tokens) else None
         md = AttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=reqs,
@@ -205,24 +204,32 @@ class ModelRunner:
         """Launches the step's forward pass: a graph's replay where one fits the batch, else eagerly.
 
         Outside pure decode, only each request's last token is carried through the last layer's
-        projection and MLP, unless some request wants prompt logprobs (which read every row).
+        projection and MLP (in a mixed graph, when it has more tokens than request slots), unless some
+        request wants prompt logprobs, which read every row: such a step then runs unpruned, eagerly
+        where its graph would prune.
         """
         decode = b.is_pure_decode
         every_row = not decode and self._wants_prompt_logprobs(b)
         runner = (self.graph_runner if decode else self.mixed_graph_runner) if self.use_cuda_graphs else None
-        size = runner.bucket_for(b.num_reqs if decode else b.num_tokens) if runner is not None and not every_row else None
-        if size:
+        size = runner.bucket_for(b.num_reqs if decode else b.num_tokens) if runner is not None else None
+        per_request = bool(size) and not decode and self._mixed_graph_prunes(size)
+        if size and not (every_row and per_request):
             # A decode graph's batch is `size` one-token requests; a mixed graph's, `size` tokens over
             # a fixed number of requests.
             reqs = size if decode else self.mixed_graph_reqs
             dev = self.buffers.upload(b, reqs, self.max_blocks_per_req, num_tokens_padded=size)
             self._fill_pending(dev, prev)
-            return ForwardPass(runner.replay(size), dev, size if decode else 0, 0 if decode else size, not decode)
+            return ForwardPass(runner.replay(size), dev, size if decode else 0, 0 if decode else size, per_request)
         dev = self.buffers.upload(b)
         self._fill_pending(dev, prev)
         rows = None if decode or every_row else last_token_rows(dev.query_start_loc)
         hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, self._attn_metadata(b, dev), rows)
         return ForwardPass(hidden, dev, 0, 0, rows is not None)
+
+    def _mixed_graph_prunes(self, num_tokens: int) -> bool:
+        """Whether the mixed graph of ``num_tokens`` carries only last tokens (one row per request slot,
+        padding included) through the last layer: only when that is fewer rows than its tokens."""
+        return num_tokens > self.mixed_graph_reqs
 
     def _wants_prompt_logprobs(self, b: BatchInputs) -> bool:
         states = (self.input_batch.requests.get(rid) for rid in b.req_ids)

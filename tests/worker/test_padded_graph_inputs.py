@@ -32,8 +32,11 @@ def _result(o):
     return c.token_ids, prompt_lps
 
 
-@pytest.mark.parametrize(("model", "async_scheduling"), [("llama", False), ("qwen3", True)])
-def test_padded_graph_inputs_match_torch_ref(model, async_scheduling, tmp_path):
+# With 4 request slots (5 with the padding one) every mixed graph carries only last tokens through the
+# last layer; with 16 (17), the 16-token graph carries all its tokens and the larger ones prune.
+@pytest.mark.parametrize(("model", "async_scheduling", "max_num_seqs"),
+                         [("llama", False, 4), ("qwen3", True, 4), ("llama", False, 16)])
+def test_padded_graph_inputs_match_torch_ref(model, async_scheduling, max_num_seqs, tmp_path):
     # Asynchronous scheduling puts decode tokens still being sampled into mixed steps (filled on the
     # device into the graph's static input ids). A mixed graph carries only each request's last token
     # through the last layer; steps with a prompt-logprobs request, which read every row, run eagerly.
@@ -46,7 +49,7 @@ def test_padded_graph_inputs_match_torch_ref(model, async_scheduling, tmp_path):
                        prompt_logprobs=2 if i == 2 else None)
         for i, m in enumerate(max_tokens)
     ]
-    common = dict(model=path, skip_tokenizer_init=True, device="cpu", dtype="float32", max_num_seqs=4,
+    common = dict(model=path, skip_tokenizer_init=True, device="cpu", dtype="float32", max_num_seqs=max_num_seqs,
                   max_model_len=64, max_num_batched_tokens=40, seed=0, async_scheduling=async_scheduling)
     ref = LLM(attention_backend="torch_ref", **common)
     expected = [_result(o) for o in ref.generate(prompts, params, use_tqdm=False)]
@@ -57,6 +60,7 @@ def test_padded_graph_inputs_match_torch_ref(model, async_scheduling, tmp_path):
     runner.use_cuda_graphs = True
     runner.capture_cuda_graphs(capture=False)
     assert runner.mixed_graph_runner.sizes == [16, 32, 40]
+    assert [runner._mixed_graph_prunes(n) for n in (16, 32)] == [max_num_seqs < 16, True]
     steps = []
     original = runner._forward
 
