@@ -204,9 +204,9 @@ class ModelRunner:
         """Launches the step's forward pass: a graph's replay where one fits the batch, else eagerly.
 
         Outside pure decode, only each request's last token is carried through the last layer's
-        projection and MLP (in a mixed graph, when it has more tokens than request slots), unless some
-        request wants prompt logprobs, which read every row: such a step then runs unpruned, eagerly
-        where its graph would prune.
+        projection and MLP (where graphs are possible, only in steps of more tokens than a mixed graph's
+        request slots), unless some request wants prompt logprobs, which read every row: such a step then
+        runs unpruned, eagerly where its graph would prune.
         """
         decode = b.is_pure_decode
         every_row = not decode and self._wants_prompt_logprobs(b)
@@ -222,7 +222,13 @@ class ModelRunner:
             return ForwardPass(runner.replay(size), dev, size if decode else 0, 0 if decode else size, per_request)
         dev = self.buffers.upload(b)
         self._fill_pending(dev, prev)
-        rows = None if decode or every_row else last_token_rows(dev.query_start_loc)
+        rows = None
+        if not (decode or every_row) and (self.mixed_query_len_bound is None or self._mixed_graph_prunes(b.num_tokens)):
+            rows = last_token_rows(dev.query_start_loc)
+            if self.mixed_query_len_bound is not None:
+                # Where graphs are possible, as a mixed graph would: one row per request slot, so that a
+                # graph and an eager pass of the same batch run the last layer at the same sizes.
+                rows = torch.nn.functional.pad(rows, (0, self.mixed_graph_reqs - b.num_reqs))
         hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, self._attn_metadata(b, dev), rows)
         return ForwardPass(hidden, dev, 0, 0, rows is not None)
 

@@ -93,3 +93,31 @@ def test_padded_graph_inputs_match_torch_ref(model, async_scheduling, max_num_se
     assert {s for s, _ in steps if s} >= {4, 2}, steps
     assert all(s or t for s, t in steps), steps
     assert bool(pending_in_mixed) == async_scheduling
+
+
+def test_eager_steps_prune_like_a_mixed_graph(tmp_path):
+    # A graph-safe backend run eagerly (graphs off) keeps the mixed graphs' rule: steps of more tokens than
+    # request slots carry one row per slot, padding included, through the last layer; smaller ones all rows.
+    path = make_tiny_model("llama", tmp_path / "llama")
+    gen = torch.Generator().manual_seed(9)
+    prompts = [{"prompt_token_ids": torch.randint(3, 380, (n,), generator=gen).tolist()} for n in (9, 2, 21)]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m, detokenize=False) for m in (5, 8, 3)]
+    common = dict(model=path, skip_tokenizer_init=True, device="cpu", dtype="float32", max_num_seqs=4,
+                  max_model_len=64, max_num_batched_tokens=40, seed=0)
+    expected = [o.outputs[0].token_ids for o in LLM(attention_backend="torch_ref", **common).generate(prompts, params)]
+    llm = LLM(attention_backend="triton", **common)
+    runner = _runner(llm)
+    assert not runner.use_cuda_graphs and runner.mixed_graph_reqs == 5
+    seen = []
+    original = runner._forward
+
+    def spy(b, prev):
+        out = original(b, prev)
+        seen.append((b.is_pure_decode, b.num_tokens, out.per_request, out.hidden.shape[0]))
+        return out
+
+    runner._forward = spy
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    mixed = [s for s in seen if not s[0]]
+    assert mixed and all(per_request == (tokens > 5) for _, tokens, per_request, _ in mixed), seen
+    assert all(rows == 5 for _, _, per_request, rows in mixed if per_request), seen
