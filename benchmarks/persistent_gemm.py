@@ -31,6 +31,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from linear_shapes import graph_time_us  # noqa: E402 - a sibling script: the same graph timing
+
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
 SMEM_BYTES = 220 * 1024  # below the H200's 227 KB per block: the epilogue needs some too
@@ -209,26 +212,6 @@ def check() -> bool:
     return ok
 
 
-def graph_us(fn, calls: int, reps: int = 20) -> float:
-    """Median device time per call of ``fn()`` (which makes ``calls`` products), replayed from a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return sorted(times)[len(times) // 2]
-
-
 def candidates(rows: int, n: int, k: int, sms: int, tma: bool, limit: int) -> list[Config]:
     """The sweep for one product, pruned by shared memory and ranked by a rough model of the time.
 
@@ -275,7 +258,7 @@ def bench(rows_list: list[int], shape_names: list[str], limit: int) -> list[dict
             x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)  # [rows, K]
             weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(4)]  # [N, K] each
             ref = F.linear(x, weights[0]).float()
-            cublas = graph_us(lambda: [F.linear(x, w) for w in weights], len(weights))
+            cublas = graph_time_us(lambda: [F.linear(x, w) for w in weights]) / len(weights)
             res = {"rows": rows, "shape": name, "n": n, "k": k, "cublas_us": cublas,
                    "cublas_tflops": flop / cublas / 1e6, "configs": []}
             print(f"[{time.time() - t0:5.0f}s] rows={rows} {name} ({n}x{k}): cuBLAS {cublas:.1f} us "
@@ -296,7 +279,7 @@ def bench(rows_list: list[int], shape_names: list[str], limit: int) -> list[dict
                     print(f"    SKIP WRONG {cfg.label()}: max abs diff {err.max().item():.3g}", flush=True)
                     continue
                 try:
-                    us = graph_us(lambda: [persistent_gemm(x, w, cfg) for w in weights], len(weights))
+                    us = graph_time_us(lambda: [persistent_gemm(x, w, cfg) for w in weights]) / len(weights)
                 except Exception as e:
                     entry["error"] = f"timing: {type(e).__name__}"
                     print(f"    skip {cfg.label()} (timing): {type(e).__name__}: {str(e)[:200]}", flush=True)
