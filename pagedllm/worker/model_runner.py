@@ -76,7 +76,8 @@ class ModelRunner:
         # The last submitted step while its output is not resolved, and resolved outputs not yet taken.
         self._in_flight: StepInFlight | None = None
         self._done: deque[ModelRunnerOutput] = deque()
-        # A submitted step whose sampling is not launched yet: (inputs, device views, hidden, start event).
+        # A submitted step whose sampling is not launched yet: (inputs, device views, hidden, start event,
+        # whether hidden holds one row per request).
         self._deferred: tuple | None = None
         # Device time of each step, for the engine core's just-in-time submission (two timed events a step).
         self.time_steps = device.type == "cuda" and sc.submit_just_in_time
@@ -132,8 +133,9 @@ class ModelRunner:
         md = self._decode_metadata(num_reqs, dev)
         return self.model(dev.input_ids, dev.positions, self.kv_caches, md)
 
-    def _static_mixed_forward(self, num_tokens: int) -> torch.Tensor:  # -> [num_tokens, H]
-        """A mixed batch padded to ``num_tokens`` tokens and ``mixed_graph_reqs`` requests; host values are bounds."""
+    def _static_mixed_forward(self, num_tokens: int) -> torch.Tensor:  # -> [num_tokens or mixed_graph_reqs, H]
+        """A mixed batch padded to ``num_tokens`` tokens and ``mixed_graph_reqs`` requests; host values are bounds.
+        One row per request slot where the graph prunes (``_mixed_graph_prunes``)."""
         reqs = self.mixed_graph_reqs
         dev = self.buffers.static_views(num_tokens, reqs)
         rows = last_token_rows(dev.query_start_loc) if self._mixed_graph_prunes(num_tokens) else None
