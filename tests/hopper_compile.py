@@ -73,9 +73,9 @@ def main() -> None:
         _record(kernel, launches)
     bf = torch.bfloat16
     gemv.gemv(torch.zeros(1, 1024, dtype=bf), torch.zeros(64, 1024, dtype=bf))
-    skinny_gemm.skinny_gemm(torch.zeros(40, 1024, dtype=bf), torch.zeros(1024, 1024, dtype=bf))
+    skinny_gemm.skinny_gemm(torch.zeros(16, 1024, dtype=bf), torch.zeros(1024, 1024, dtype=bf))
     split = skinny_gemm.GemmConfig(32, 32, 128, 4, 3, 4)  # the in-launch sum of a K split
-    skinny_gemm.skinny_gemm(torch.zeros(40, 1024, dtype=bf), torch.zeros(1024, 1024, dtype=bf), config=split)
+    skinny_gemm.skinny_gemm(torch.zeros(16, 1024, dtype=bf), torch.zeros(1024, 1024, dtype=bf), config=split)
     rmsnorm.rms_norm(torch.zeros(1, 1024, dtype=bf), torch.ones(1024, dtype=bf), 1e-6, torch.zeros(1, 1024, dtype=bf))
     activation.act_and_mul(torch.zeros(1, 2048, dtype=bf), "silu")
     pos = torch.zeros(2, dtype=torch.int64)

@@ -22,6 +22,7 @@ from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Rows above this go to cuBLAS, whose large tiles are the right ones there.
 MAX_ROWS = 256
+EARLY_LAUNCH_MAX_ROWS = 16
 # Per device, shared by every split launch (one stream runs them one after another): float32 partials
 # and one arrival counter per output tile, zero between launches (the last program of a tile resets it).
 WORKSPACE_FLOATS = 4 << 20
@@ -65,8 +66,8 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
+    EARLY_LAUNCH: tl.constexpr,  # (USE_GDC) let the next kernel launch as soon as this one has waited
 ):
-    wait_for_previous_kernel(USE_GDC, False)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]; N % BLOCK_N == 0 (host checks)
@@ -75,8 +76,12 @@ def _skinny_gemm_kernel(
     row_in = rows < M
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N]: W^T tile
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k_len, BLOCK_K):
+    # No kernel writes the weights: under PDL the first weight tile loads while the previous kernel
+    # (which writes x) finishes; with EARLY_LAUNCH the next product launches and does the same at once.
+    b = tl.load(w_ptrs)
+    wait_for_previous_kernel(USE_GDC, EARLY_LAUNCH)
+    acc = tl.dot(tl.load(x_ptrs, mask=row_in[:, None], other=0.0), b, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+    for k0 in range(BLOCK_K, k_len, BLOCK_K):
         a = tl.load(x_ptrs + k0, mask=row_in[:, None], other=0.0)
         b = tl.load(w_ptrs + k0)
         acc = tl.dot(a, b, acc)
@@ -186,6 +191,9 @@ def skinny_gemm(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k,
+        # On an H200 an early launch paid at 16 rows (products 4-11% faster) and cost up to 55% at
+        # 128-256, where the next product's loads compete with this one's several waves.
+        EARLY_LAUNCH=m <= EARLY_LAUNCH_MAX_ROWS,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch_args(x),
