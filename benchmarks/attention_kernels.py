@@ -131,6 +131,8 @@ def main() -> None:
                         help="decode section, float8 cache: products in float16 (float8_fp16_dots)")
     parser.add_argument("--configs", default="",
                         help="decode section: also time these launch shapes, TILE:WARPS:STAGES[:MAXREGS],...")
+    parser.add_argument("--pieces-kv", default="auto,fp8", help="pieces section: cache dtypes")
+    parser.add_argument("--pieces-batches", default="64,128,160,192,256", help="pieces section: batch sizes")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"))
     args = parser.parse_args()
     global KV_LAYOUT
@@ -211,6 +213,8 @@ def main() -> None:
         ragged_section(results, hq, hkv, d, bs, dtype, copy_bw)
     if "intercept" in sections:
         intercept_section(results, hq, hkv, d, bs, dtype)
+    if "pieces" in sections:
+        pieces_section(results, args, hq, hkv, d, bs, dtype, copy_bw)
     if "split" in sections:
         split_section(results, hq, hkv, d, bs, dtype, copy_bw)
     if "prefill" in sections:
@@ -332,6 +336,58 @@ def intercept_section(results, hq, hkv, d, bs, dtype) -> None:
         results["intercept"].append(row)
         del layers
         torch.cuda.empty_cache()
+
+
+def pieces_section(results, args, hq, hkv, d, bs, dtype, copy_bw: float) -> None:
+    """Ragged decode batches (contexts U[100, 2048], workload 1 mid-run) in one program per (request, KV
+    head), longest first (the default launch), against the same batch cut into even pieces that
+    persistent programs take in turn (``decode_pieces.py``), for a bf16 and a float8 cache."""
+    import random
+
+    from pagedllm.attention.kernels import decode_pieces as dp
+    from pagedllm.attention.kernels.launch_config import default_config, pieces_programs
+    from pagedllm.config import resolve_kv_cache_dtype
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"\n== decode pieces: {hq}q/{hkv}kv, contexts U[100, 2048], us a launch (CUDA graph, L2 flushed)")
+    results["pieces"] = []
+    for kv_dtype in args.pieces_kv.split(","):
+        cache_dtype = resolve_kv_cache_dtype(kv_dtype, dtype)
+        for batch in (int(b) for b in args.pieces_batches.split(",")):
+            rng = random.Random(batch)
+            seq_lens = [rng.randint(100, 2048) for _ in range(batch)]
+            tensors = make_batch(seq_lens, 1, hq, hkv, d, bs, dtype, cache_dtype=cache_dtype)
+            query, kv_cache, block_table, lens, qsl = tensors
+            nbytes = kv_read_bytes(seq_lens, hkv, d, cache_dtype)
+            order = torch.argsort(-lens.long(), stable=True).to(torch.int32)
+            fp16 = cache_dtype.itemsize == 1
+            row = {"kv": kv_dtype, "batch": batch, "default_us": time_attention(
+                *tensors, 1, max(seq_lens), decode_order=order, float8_fp16_dots=fp16) * 1e3}
+            cfg = default_config(d, hq // hkv, 1, num_reqs=batch, num_kv_heads=hkv, num_sms=sms,
+                                 cache_bytes=cache_dtype.itemsize)
+            out = torch.empty_like(query)
+            line = f"{kv_dtype:5s} batch {batch:4d}: default {row['default_us']:7.1f} us"
+            for piece_len, warps_per_sm in ((256, 16), (512, 16), (256, 8), (128, 16)):
+                ends = dp.piece_ends(lens, order, batch, cfg.tile_n, piece_len)
+                programs = pieces_programs(sms, hkv, cfg.num_warps * 16 // warps_per_sm)
+
+                def fn(ends=ends, programs=programs, piece_len=piece_len):
+                    dp.decode_pieces_attention(
+                        query, kv_cache[0], kv_cache[1], block_table, lens, ends, out, num_reqs=batch,
+                        scale=d**-0.5, block_m=cfg.block_m, tile_n=cfg.tile_n, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages, programs_per_head=programs, decode_order=order, fp16_dots=fp16,
+                        piece_len=piece_len)
+
+                us = gpu_time_ms(fn) * 1e3
+                name = f"pieces{piece_len}_w{warps_per_sm}"
+                row[name] = us
+                line += f" | {name} {us:7.1f} ({row['default_us'] / us:4.2f}x)"
+            row["piece_ends_us"] = gpu_time_ms(lambda: dp.piece_ends(lens, order, batch, cfg.tile_n)) * 1e3
+            row["tbps_default"] = nbytes / row["default_us"] / 1e6
+            print(line + f" | ends {row['piece_ends_us']:.1f} us; default {row['tbps_default']:.2f} TB/s", flush=True)
+            results["pieces"].append(row)
+            del tensors
+            torch.cuda.empty_cache()
 
 
 def prefill_section(results, args, hq, hkv, d, bs, dtype) -> None:

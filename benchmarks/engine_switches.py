@@ -43,16 +43,19 @@ VARIANTS = {
     "fp8kv": {"BENCH_KV_CACHE_DTYPE": "fp8"},
     # ... and has attention take its products in float16 there (TritonImpl.float8_fp16_dots).
     "fp8kvf16": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_FP8_FP16_DOTS": "1"},
+    # This script's child turns on TritonImpl.decode_pieces (decode contexts cut into even pieces).
+    "pieces": {"BENCH_DECODE_PIECES": "1"},
+    "fp8pieces": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "1"},
 }
 _BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK_NORM", "BENCH_NO_DECODE_ORDER",
                    "BENCH_PAGED_CHUNK_KEYS", "BENCH_PROMPT_PER_HEAD", "BENCH_KV_CACHE_DTYPE",
-                   "BENCH_FP8_FP16_DOTS")
+                   "BENCH_FP8_FP16_DOTS", "BENCH_DECODE_PIECES")
 
 
 def run_variant(args) -> dict:
     """In the child process: both workloads under this process's environment."""
     sys.path.insert(0, HERE)
-    from gpu_measure import make_llm, run_generate, warm_up, workload_qwen
+    from gpu_measure import make_llm, run_generate, warm_up
 
     from pagedllm.benchmarks.latency import measure_latency
 
@@ -68,8 +71,12 @@ def run_variant(args) -> dict:
         TritonImpl.prompt_per_head = True
     if os.environ.get("BENCH_FP8_FP16_DOTS") == "1":
         TritonImpl.float8_fp16_dots = True
+    if os.environ.get("BENCH_DECODE_PIECES") == "1":
+        TritonImpl.decode_pieces = True
     out: dict = {}
     engine_kw = {"kv_cache_dtype": os.environ.get("BENCH_KV_CACHE_DTYPE", "auto")}
+    if args.only_workload1:
+        return {"workload1": _workload1(args, engine_kw)}
     llama = make_llm(args.smoke_model or LLAMA, args.smoke, **engine_kw)
     in_len, out_len = (1000, 256) if not args.smoke else (20, 8)
     out["batch1"] = measure_latency(llama, 1, in_len, out_len, num_iters=2, num_warmup=1)
@@ -89,12 +96,18 @@ def run_variant(args) -> dict:
         import torch
 
         torch.cuda.empty_cache()
+    out["workload1"] = _workload1(args, engine_kw)
+    return out
+
+
+def _workload1(args, engine_kw: dict) -> dict:
+    from gpu_measure import make_llm, run_generate, warm_up, workload_qwen
+
     qwen = make_llm(args.smoke_model or QWEN, args.smoke, **engine_kw)
     vocab = qwen.llm_engine.config.model_config.vocab_size
     n, hi = (256, 1024) if not args.smoke else (12, 60)
     warm_up(qwen)
-    out["workload1"] = run_generate(qwen, workload_qwen(vocab, n=n, lo=min(100, hi // 2), hi=hi))
-    return out
+    return run_generate(qwen, workload_qwen(vocab, n=n, lo=min(100, hi // 2), hi=hi))
 
 
 def main() -> None:
@@ -105,6 +118,7 @@ def main() -> None:
     ap.add_argument("--smoke-model", default=None)
     ap.add_argument("--timeout-s", type=float, default=240.0, help="per variant")
     ap.add_argument("--workload2", action="store_true", help="also run workload 2 (Llama-3-8B 256 x 1000/1000)")
+    ap.add_argument("--only-workload1", action="store_true", help="run workload 1 alone")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -119,6 +133,7 @@ def main() -> None:
         env.update(VARIANTS[name])
         path = os.path.join(args.out, f"switch_{name}.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", path] + (["--workload2"] if args.workload2 else [])
+        cmd += ["--only-workload1"] if args.only_workload1 else []
         if args.smoke:
             cmd += ["--smoke", "--smoke-model", args.smoke_model]
         t0 = time.time()
@@ -140,7 +155,8 @@ def main() -> None:
         if "error" in res:
             print(f"{name:10s} {'failed':>20s}")
             continue
-        tpot, tps = res["batch1"]["tpot_ms"], res["workload1"]["output_tok_per_s"]
+        tpot = res["batch1"]["tpot_ms"] if "batch1" in res else float("nan")
+        tps = res["workload1"]["output_tok_per_s"]
         r1 = base["batch1"]["tpot_ms"] / tpot if "batch1" in base else float("nan")
         r2 = tps / base["workload1"]["output_tok_per_s"] if "workload1" in base else float("nan")
         line = f"{name:10s} {tpot:20.3f} {r1:8.3f} {tps:15.0f} {r2:8.3f}"

@@ -4,9 +4,9 @@ At 128-512 rows cuBLAS leaves an H200 at 460-635 of ~785 TFLOP/s, mostly to wave
 few dozen to a few hundred output tiles over 132 SMs. Here one program per SM walks the tiles, and
 the input dimension can be split over ``split_k`` programs per tile (summed in the same launch by the
 last to arrive), so that the work divides into whole waves. Every candidate is checked against cuBLAS,
-then timed from a CUDA graph over 4 distinct weights (so L2 does not hold W).
+then timed from a CUDA graph cycling through distinct weights (so L2 does not hold W).
 
-    python3 benchmarks/persistent_gemm.py [--rows 128,256,512] [--shapes qkv,o,gate_up,down,lm_head] [--json PATH]
+    python3 benchmarks/persistent_gemm.py [--model llama|qwen] [--rows 128,256,512] [--shapes qkv,o,gate_up,down,lm_head] [--json PATH]
     python3 benchmarks/persistent_gemm.py --check   # correctness on tiny shapes; runs on a CPU (interpreter)
 
 ``--configs N`` caps the Triton configs timed per product (default 40, half of them the TMA twins).
@@ -34,8 +34,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from linear_shapes import graph_time_us  # noqa: E402 - a sibling script: the same graph timing
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-          "lm_head": (128256, 4096)}
+MODEL_SHAPES = {  # [N, K] of each product
+    "llama": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+              "lm_head": (128256, 4096)},
+    "qwen": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
+             "lm_head": (151936, 1024)},
+}
+SHAPES = MODEL_SHAPES["llama"]
+L2_SPAN_BYTES = 160 * 2**20  # distinct weights cycled per timing: over 3x the H200's 50 MB L2
 SMEM_BYTES = 220 * 1024  # below the H200's 227 KB per block: the epilogue needs some too
 
 
@@ -230,7 +236,7 @@ def candidates(rows: int, n: int, k: int, sms: int, tma: bool, limit: int) -> li
                     per_sm = 2 if 2 * smem <= SMEM_BYTES else 1
                     warps = 8 if bm * bn >= 128 * 256 else 4
                     reuse = bm * bn / (bm + bn)
-                    for split in (1, 2, 4):
+                    for split in (1, 2, 4, 8):
                         # Splitting only pays where the tiles fill fewer than about two waves.
                         if k % (split * bk) or (split > 1 and tiles >= 2 * sms):
                             continue
@@ -244,7 +250,7 @@ def candidates(rows: int, n: int, k: int, sms: int, tma: bool, limit: int) -> li
     return keep + [c._replace(tma=True) for c in keep] if tma else keep
 
 
-def bench(rows_list: list[int], shape_names: list[str], limit: int) -> list[dict]:
+def bench(rows_list: list[int], shape_names: list[str], limit: int, shapes: dict) -> list[dict]:
     dev = torch.device("cuda")
     sms = num_sms(dev)
     tma = torch.cuda.get_device_capability(dev)[0] >= 9
@@ -252,11 +258,12 @@ def bench(rows_list: list[int], shape_names: list[str], limit: int) -> list[dict
     results = []
     for rows in rows_list:
         for name in shape_names:
-            n, k = SHAPES[name]
+            n, k = shapes[name]
             flop = 2 * rows * n * k
             torch.manual_seed(0)
             x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)  # [rows, K]
-            weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(4)]  # [N, K] each
+            copies = max(4, math.ceil(L2_SPAN_BYTES / (n * k * 2)))
+            weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]  # [N, K]
             ref = F.linear(x, weights[0]).float()
             cublas = graph_time_us(lambda: [F.linear(x, w) for w in weights]) / len(weights)
             res = {"rows": rows, "shape": name, "n": n, "k": k, "cublas_us": cublas,
@@ -299,6 +306,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="correctness on tiny shapes only (CPU interpreter ok)")
     ap.add_argument("--rows", default="128,256,512")
+    ap.add_argument("--model", default="llama", choices=sorted(MODEL_SHAPES))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--configs", type=int, default=40, help="most Triton configs timed per product")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "persistent_gemm.json"))
@@ -307,7 +315,8 @@ def main() -> None:
         sys.exit(0 if check() else 1)
     if not torch.cuda.is_available():
         sys.exit("timing needs CUDA; use --check for correctness on a CPU")
-    results = bench([int(r) for r in args.rows.split(",")], args.shapes.split(","), args.configs)
+    results = bench([int(r) for r in args.rows.split(",")], args.shapes.split(","), args.configs,
+                    MODEL_SHAPES[args.model])
     print(f"\n{'rows':>4} {'shape':8} {'cuBLAS us':>9} {'TFLOP/s':>7}  {'best Triton config':40} {'us':>8} "
           f"{'TFLOP/s':>7} {'cuBLAS/best':>11}")
     for r in results:

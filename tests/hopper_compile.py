@@ -14,6 +14,7 @@ import sys
 import torch
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.float8_e4m3fn: "fp8e4nv",
            torch.int64: "i64"}
 _OPTIONS = {"num_warps", "num_stages", "num_ctas", "launch_pdl", "maxnreg"}
 
@@ -60,6 +61,7 @@ def main() -> None:
     km._compiled_for_nvidia = lambda t: True  # the explicitly rounded variants that run there
     from paged_batches import build_paged_batch
     from pagedllm.attention.backends.triton import TritonImpl
+    from pagedllm.attention.kernels import decode_pieces as dp
     from pagedllm.attention.kernels import paged_attention as pa
     from pagedllm.attention.kernels import reshape_and_cache as rc
     from pagedllm.layers.kernels import activation, gemv, qk_norm_rotary, rmsnorm, rotary, skinny_gemm
@@ -69,7 +71,7 @@ def main() -> None:
     launches: list = []
     for kernel in (gemv._gemv_kernel, skinny_gemm._skinny_gemm_kernel, rmsnorm._rmsnorm_kernel, activation._act_and_mul_kernel, rotary._rotary_kernel,
                    qk_norm_rotary._qk_norm_rotary_kernel, rc._reshape_and_cache_kernel, pa._paged_attention_kernel,
-                   pa._reduce_splits_kernel):
+                   pa._reduce_splits_kernel, dp._piece_ends_kernel, dp._decode_pieces_kernel):
         _record(kernel, launches)
     bf = torch.bfloat16
     gemv.gemv(torch.zeros(1, 1024, dtype=bf), torch.zeros(64, 1024, dtype=bf))
@@ -95,6 +97,13 @@ def main() -> None:
         if norm:
             extra["qk_norm"] = (torch.ones(64, dtype=bf), torch.ones(64, dtype=bf), 1e-6, 1e-6, False)
         impl.forward(query, key, value, cache, metadata(), **extra)
+    # Decode in pieces: bf16, and a float8 cache (one warp a program once programs are many).
+    for cache_dtype, reqs in ((None, [(200, 1), (70, 1)]), (torch.float8_e4m3fn, [(300, 1)] * 1000)):
+        query, key, value, cache, _, metadata = build_paged_batch(reqs, 4, 2, 128, 16, bf, 0, cache_dtype=cache_dtype)
+        impl = TritonImpl(4, 128, 0.125, 2, None, None)
+        impl.decode_pieces, impl.decode_pieces_min_programs, impl.fuse_decode_qk_norm = True, 0, True
+        impl.forward(query, key, value, cache, metadata(), rotary=RotaryEmbedding(128, torch.ones(64)),
+                     qk_norm=(torch.ones(128, dtype=bf), torch.ones(128, dtype=bf), 1e-6, 1e-6, False))
     for kernel, args, kwargs in launches:
         ptx = _compile(kernel, args, kwargs)
         print(json.dumps({"kernel": kernel.__name__, "pdl": bool(kwargs.get("launch_pdl")),

@@ -207,3 +207,42 @@ def test_cuda_graph_replay():
     torch.cuda.synchronize()
     expected = TorchRefImpl(32, 128, 128**-0.5, 8).forward(query, key, value, ref_cache, md)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
+def test_decode_pieces_on_a_ragged_batch(cache_dtype):
+    # Contexts cut into even pieces (decode_pieces.py) on a batch big enough for the engine to choose them:
+    # torch_ref's outputs and cache bytes; the same bits whatever the request order and across replays of
+    # one CUDA graph; every counter back at zero.
+    from pagedllm.attention.backends.torch_ref import TorchRefImpl
+    from pagedllm.attention.backends.triton import TritonImpl
+    from pagedllm.attention.kernels import decode_pieces
+
+    gen = torch.Generator().manual_seed(3)
+    reqs = [(int(c), 1) for c in torch.randint(1, 5000, (150,), generator=gen)] + [(9000, 1), (0, 1)]
+    query, key, value, kv_cache, md = _build(reqs, 16, 8, 128, 16, torch.bfloat16, seed=21, cache_dtype=cache_dtype)
+    ref_cache = kv_cache.clone()
+    expected = TorchRefImpl(16, 128, 128**-0.5, 8).forward(query, key, value, ref_cache, md)
+    impl = TritonImpl(16, 128, 128**-0.5, 8)
+    impl.decode_pieces = True
+    assert impl._uses_pieces(md, query, kv_cache[0])
+    cache = kv_cache.clone()
+    out = impl.forward(query, key, value, cache, md)
+    torch.cuda.synchronize()
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+    md.decode_order = torch.argsort(-md.seq_lens.long(), stable=True).to(torch.int32)
+    md.step_cache.clear()
+    graph = torch.cuda.CUDAGraph()
+    cache2 = kv_cache.clone()
+    impl.forward(query, key, value, cache2, md)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        replayed = impl.forward(query, key, value, cache2, md)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, out)
+    ws = decode_pieces._workspaces[query.device]
+    assert not ws.grab.any() and not ws.done.any() and not ws.arrive.any()

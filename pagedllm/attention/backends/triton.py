@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backend import AttentionBackend, AttentionImpl
+from pagedllm.attention.kernels import decode_pieces
+from pagedllm.attention.kernels.launch_config import default_config, device_sm_count, pieces_programs
 from pagedllm.attention.kernels.paged_attention import paged_attention
 from pagedllm.attention.kernels.reshape_and_cache import reshape_and_cache
 from pagedllm.attention.metadata import AttentionMetadata
@@ -31,6 +33,11 @@ class TritonImpl(AttentionImpl):
     # Over a float8 cache with bfloat16 activations, products in float16: float8 widens to float16 in one
     # instruction per pair, to bfloat16 only through float32 (decode attention 9-27% faster on an H200).
     float8_fp16_dots: bool = True
+    # Pure-decode launches cut contexts into even pieces taken by persistent programs (decode_pieces.py),
+    # where the batch alone has enough (request, KV head) programs to fill the GPU; off until measured.
+    decode_pieces: bool = False
+    # ... that many programs at least; None: one per SM (fewer keep the split-KV path).
+    decode_pieces_min_programs: int | None = None
 
     def forward(
         self,
@@ -70,6 +77,9 @@ class TritonImpl(AttentionImpl):
         query = query[:num_tokens]
         if query.stride(-1) != 1:
             query = query.contiguous()
+        if self._uses_pieces(md, query, k_cache):
+            self._decode_in_pieces(query, k_cache, v_cache, md, out[:num_tokens], new_kv, rope, qk_norm)
+            return out
         paged_attention(
             query,
             k_cache,
@@ -96,6 +106,35 @@ class TritonImpl(AttentionImpl):
         )
         return out
 
+
+    def _uses_pieces(self, md: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        if not self.decode_pieces or md.max_query_len != 1 or self.sliding_window is not None:
+            return False
+        least = self.decode_pieces_min_programs
+        if least is None:
+            least = device_sm_count(query.device)
+        return md.num_reqs * k_cache.shape[2] >= least
+
+    def _decode_in_pieces(self, query, k_cache, v_cache, md, out, new_kv, rope, qk_norm) -> torch.Tensor:
+        num_reqs, num_kv_heads = md.num_reqs, k_cache.shape[2]
+        num_sms = device_sm_count(query.device)
+        cfg = default_config(self.head_size, self.num_heads // num_kv_heads, 1, max_seq_len=md.max_seq_len,
+                             num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_sms=num_sms,
+                             cache_bytes=k_cache.element_size())
+        order = md.decode_order if self.use_decode_order else None
+        # The piece boundaries depend on the step's batch alone: one launch serves every layer.
+        key = ("decode_pieces", cfg.tile_n, order is not None)
+        ends = md.step_cache.get(key)
+        if ends is None:
+            ends = md.step_cache[key] = decode_pieces.piece_ends(md.seq_lens, order, num_reqs, cfg.tile_n)
+        fp16_dots = self.float8_fp16_dots and k_cache.element_size() == 1 and query.dtype == torch.bfloat16
+        return decode_pieces.decode_pieces_attention(
+            query, k_cache, v_cache, md.block_table, md.seq_lens, ends, out,
+            num_reqs=num_reqs, scale=self.scale, block_m=cfg.block_m, tile_n=cfg.tile_n, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, programs_per_head=pieces_programs(num_sms, num_kv_heads, cfg.num_warps),
+            soft_cap=self.logits_soft_cap, decode_order=order, new_kv=new_kv, rope=rope, qk_norm=qk_norm,
+            fp16_dots=fp16_dots,
+        )
 
     def fuses_decode_rotary(self, md: AttentionMetadata, rotary) -> bool:
         # A pure-decode step whose cache write is fused, and a neox-style rotary embedding: the kernel

@@ -105,6 +105,12 @@ def choose_num_splits(
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 
+def pieces_programs(num_sms: int, num_kv_heads: int, num_warps: int) -> int:
+    """Persistent programs per KV head of a decode-pieces launch: about 16 warps an SM in all, more than
+    fit at once, so that a slot freed early still finds a program (those left over find no piece and exit)."""
+    return max(1, triton.cdiv(num_sms * max(1, 16 // num_warps), num_kv_heads))
+
+
 def device_sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
