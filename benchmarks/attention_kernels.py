@@ -133,6 +133,10 @@ def main() -> None:
                         help="decode section: also time these launch shapes, TILE:WARPS:STAGES[:MAXREGS],...")
     parser.add_argument("--pieces-kv", default="auto,fp8", help="pieces section: cache dtypes")
     parser.add_argument("--pieces-batches", default="64,128,160,192,256", help="pieces section: batch sizes")
+    parser.add_argument("--pieces-shapes", default="256:16,512:16,256:8,128:16",
+                        help="pieces section: PIECE_LEN:WARPS_PER_SM launches to time")
+    parser.add_argument("--pieces-extras", action="store_true",
+                        help="pieces section: fuse the cache write and rotary embedding, as the engine does")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"))
     args = parser.parse_args()
     global KV_LAYOUT
@@ -361,22 +365,31 @@ def pieces_section(results, args, hq, hkv, d, bs, dtype, copy_bw: float) -> None
             nbytes = kv_read_bytes(seq_lens, hkv, d, cache_dtype)
             order = torch.argsort(-lens.long(), stable=True).to(torch.int32)
             fp16 = cache_dtype.itemsize == 1
+            extras = {}
+            if args.pieces_extras:
+                # What the engine fuses into decode: the new token's cache write and the rotary embedding.
+                last = (lens.long() - 1)
+                slots = (block_table.gather(1, (last // bs)[:, None]).squeeze(1).long() * bs + last % bs)
+                new_k = torch.randn(batch, hkv, d, device="cuda").to(dtype)
+                new_v = torch.randn(batch, hkv, d, device="cuda").to(dtype)
+                inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
+                extras = {"new_kv": (new_k, new_v, slots), "rope": (inv_freq, 1.0)}
             row = {"kv": kv_dtype, "batch": batch, "default_us": time_attention(
-                *tensors, 1, max(seq_lens), decode_order=order, float8_fp16_dots=fp16) * 1e3}
+                *tensors, 1, max(seq_lens), decode_order=order, float8_fp16_dots=fp16, **extras) * 1e3}
             cfg = default_config(d, hq // hkv, 1, num_reqs=batch, num_kv_heads=hkv, num_sms=sms,
                                  cache_bytes=cache_dtype.itemsize)
             out = torch.empty_like(query)
             line = f"{kv_dtype:5s} batch {batch:4d}: default {row['default_us']:7.1f} us"
-            for piece_len, warps_per_sm in ((256, 16), (512, 16), (256, 8), (128, 16)):
+            for piece_len, warps_per_sm in ((int(v) for v in p.split(":")) for p in args.pieces_shapes.split(",")):
                 ends = dp.piece_ends(lens, order, batch, cfg.tile_n, piece_len)
-                programs = pieces_programs(sms, hkv, cfg.num_warps * 16 // warps_per_sm)
+                programs = pieces_programs(sms, hkv, cfg.num_warps, warps_per_sm)
 
                 def fn(ends=ends, programs=programs, piece_len=piece_len):
                     dp.decode_pieces_attention(
                         query, kv_cache[0], kv_cache[1], block_table, lens, ends, out, num_reqs=batch,
                         scale=d**-0.5, block_m=cfg.block_m, tile_n=cfg.tile_n, num_warps=cfg.num_warps,
                         num_stages=cfg.num_stages, programs_per_head=programs, decode_order=order, fp16_dots=fp16,
-                        piece_len=piece_len)
+                        piece_len=piece_len, **extras)
 
                 us = gpu_time_ms(fn) * 1e3
                 name = f"pieces{piece_len}_w{warps_per_sm}"

@@ -46,6 +46,7 @@ VARIANTS = {
     # This script's child turns on TritonImpl.decode_pieces (decode contexts cut into even pieces).
     "pieces": {"BENCH_DECODE_PIECES": "1"},
     "fp8pieces": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "1"},
+    "fp8pieces512": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "512"},
 }
 _BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK_NORM", "BENCH_NO_DECODE_ORDER",
                    "BENCH_PAGED_CHUNK_KEYS", "BENCH_PROMPT_PER_HEAD", "BENCH_KV_CACHE_DTYPE",
@@ -71,8 +72,10 @@ def run_variant(args) -> dict:
         TritonImpl.prompt_per_head = True
     if os.environ.get("BENCH_FP8_FP16_DOTS") == "1":
         TritonImpl.float8_fp16_dots = True
-    if os.environ.get("BENCH_DECODE_PIECES") == "1":
+    if os.environ.get("BENCH_DECODE_PIECES"):
         TritonImpl.decode_pieces = True
+        if os.environ["BENCH_DECODE_PIECES"] != "1":
+            TritonImpl.decode_piece_len = int(os.environ["BENCH_DECODE_PIECES"])
     out: dict = {}
     engine_kw = {"kv_cache_dtype": os.environ.get("BENCH_KV_CACHE_DTYPE", "auto")}
     if args.only_workload1:

@@ -33,10 +33,11 @@ class TritonImpl(AttentionImpl):
     # Over a float8 cache with bfloat16 activations, products in float16: float8 widens to float16 in one
     # instruction per pair, to bfloat16 only through float32 (decode attention 9-27% faster on an H200).
     float8_fp16_dots: bool = True
-    # Pure-decode launches cut contexts into even pieces taken by persistent programs (decode_pieces.py),
-    # where the batch alone has enough (request, KV head) programs to fill the GPU; off until measured.
+    # Pure-decode launches over a float8 cache cut contexts into even pieces taken by persistent programs
+    # (decode_pieces.py) where the batch takes one-warp programs; off until measured in the engine.
     decode_pieces: bool = False
-    # ... that many programs at least; None: one per SM (fewer keep the split-KV path).
+    decode_piece_len: int = decode_pieces.PIECE_LEN
+    # Tests: pieces for any batch of at least this many (request, KV head) programs, whatever the launch shape.
     decode_pieces_min_programs: int | None = None
 
     def forward(
@@ -110,30 +111,37 @@ class TritonImpl(AttentionImpl):
     def _uses_pieces(self, md: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         if not self.decode_pieces or md.max_query_len != 1 or self.sliding_window is not None:
             return False
-        least = self.decode_pieces_min_programs
-        if least is None:
-            least = device_sm_count(query.device)
-        return md.num_reqs * k_cache.shape[2] >= least
+        if self.decode_pieces_min_programs is not None:
+            return md.num_reqs * k_cache.shape[2] >= self.decode_pieces_min_programs
+        # Where the batch launches one-warp programs: those are latency-bound, so a program on a long
+        # context cannot speed up when others finish, and a ragged batch leaves slots idle (H200: 7-22%
+        # faster launches at 128-256 requests). Bandwidth-bound 16-bit launches gained nothing.
+        return self._decode_config(md, query, k_cache).num_warps == 1
+
+    def _decode_config(self, md: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor):
+        num_kv_heads = k_cache.shape[2]
+        return default_config(self.head_size, self.num_heads // num_kv_heads, 1, max_seq_len=md.max_seq_len,
+                              num_reqs=md.num_reqs, num_kv_heads=num_kv_heads, num_sms=device_sm_count(query.device),
+                              cache_bytes=k_cache.element_size())
 
     def _decode_in_pieces(self, query, k_cache, v_cache, md, out, new_kv, rope, qk_norm) -> torch.Tensor:
         num_reqs, num_kv_heads = md.num_reqs, k_cache.shape[2]
-        num_sms = device_sm_count(query.device)
-        cfg = default_config(self.head_size, self.num_heads // num_kv_heads, 1, max_seq_len=md.max_seq_len,
-                             num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_sms=num_sms,
-                             cache_bytes=k_cache.element_size())
+        cfg = self._decode_config(md, query, k_cache)
         order = md.decode_order if self.use_decode_order else None
         # The piece boundaries depend on the step's batch alone: one launch serves every layer.
-        key = ("decode_pieces", cfg.tile_n, order is not None)
+        key = ("decode_pieces", cfg.tile_n, self.decode_piece_len, order is not None)
         ends = md.step_cache.get(key)
         if ends is None:
-            ends = md.step_cache[key] = decode_pieces.piece_ends(md.seq_lens, order, num_reqs, cfg.tile_n)
+            ends = md.step_cache[key] = decode_pieces.piece_ends(md.seq_lens, order, num_reqs, cfg.tile_n,
+                                                                 self.decode_piece_len)
         fp16_dots = self.float8_fp16_dots and k_cache.element_size() == 1 and query.dtype == torch.bfloat16
         return decode_pieces.decode_pieces_attention(
             query, k_cache, v_cache, md.block_table, md.seq_lens, ends, out,
             num_reqs=num_reqs, scale=self.scale, block_m=cfg.block_m, tile_n=cfg.tile_n, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, programs_per_head=pieces_programs(num_sms, num_kv_heads, cfg.num_warps),
+            num_stages=cfg.num_stages,
+            programs_per_head=pieces_programs(device_sm_count(query.device), num_kv_heads, cfg.num_warps),
             soft_cap=self.logits_soft_cap, decode_order=order, new_kv=new_kv, rope=rope, qk_norm=qk_norm,
-            fp16_dots=fp16_dots,
+            fp16_dots=fp16_dots, piece_len=self.decode_piece_len,
         )
 
     def fuses_decode_rotary(self, md: AttentionMetadata, rotary) -> bool:
