@@ -46,7 +46,7 @@ VARIANTS = {
     # This script's child turns on TritonImpl.decode_pieces (decode contexts cut into even pieces).
     "pieces": {"BENCH_DECODE_PIECES": "1"},
     "fp8pieces": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "1"},
-    "fp8pieces512": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "512"},
+    "fp8pieces256": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "256"},
 }
 _BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK_NORM", "BENCH_NO_DECODE_ORDER",
                    "BENCH_PAGED_CHUNK_KEYS", "BENCH_PROMPT_PER_HEAD", "BENCH_KV_CACHE_DTYPE",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backend import AttentionBackend, AttentionImpl
-from pagedllm.attention.kernels import decode_pieces
+from pagedllm.attention.kernels import decode_pieces as pieces_kernel
 from pagedllm.attention.kernels.launch_config import default_config, device_sm_count, pieces_programs
 from pagedllm.attention.kernels.paged_attention import paged_attention
 from pagedllm.attention.kernels.reshape_and_cache import reshape_and_cache
@@ -36,7 +36,7 @@ class TritonImpl(AttentionImpl):
     # Pure-decode launches over a float8 cache cut contexts into even pieces taken by persistent programs
     # (decode_pieces.py) where the batch takes one-warp programs; off until measured in the engine.
     decode_pieces: bool = False
-    decode_piece_len: int = decode_pieces.PIECE_LEN
+    decode_piece_len: int = pieces_kernel.PIECE_LEN
     # Tests: pieces for any batch of at least this many (request, KV head) programs, whatever the launch shape.
     decode_pieces_min_programs: int | None = None
 
@@ -132,10 +132,10 @@ class TritonImpl(AttentionImpl):
         key = ("decode_pieces", cfg.tile_n, self.decode_piece_len, order is not None)
         ends = md.step_cache.get(key)
         if ends is None:
-            ends = md.step_cache[key] = decode_pieces.piece_ends(md.seq_lens, order, num_reqs, cfg.tile_n,
+            ends = md.step_cache[key] = pieces_kernel.piece_ends(md.seq_lens, order, num_reqs, cfg.tile_n,
                                                                  self.decode_piece_len)
         fp16_dots = self.float8_fp16_dots and k_cache.element_size() == 1 and query.dtype == torch.bfloat16
-        return decode_pieces.decode_pieces_attention(
+        return pieces_kernel.decode_pieces_attention(
             query, k_cache, v_cache, md.block_table, md.seq_lens, ends, out,
             num_reqs=num_reqs, scale=self.scale, block_m=cfg.block_m, tile_n=cfg.tile_n, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,

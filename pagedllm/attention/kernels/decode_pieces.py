@@ -22,7 +22,7 @@ from pagedllm.attention.kernels.decode_qk import transform_heads, transform_new_
 from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 from pagedllm.kernel_math import exact_rounding
 
-PIECE_LEN = 256
+PIECE_LEN = 512
 MAX_PIECES = 16
 # Requests scanned per vector step when a program looks up which request a piece belongs to.
 _SEARCH_BLOCK = 128
