@@ -349,7 +349,7 @@ def pieces_section(results, args, hq, hkv, d, bs, dtype, copy_bw: float) -> None
     import random
 
     from pagedllm.attention.kernels import decode_pieces as dp
-    from pagedllm.attention.kernels.launch_config import default_config, pieces_programs
+    from pagedllm.attention.kernels.launch_config import pieces_config, pieces_programs
     from pagedllm.config import resolve_kv_cache_dtype
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -376,8 +376,7 @@ def pieces_section(results, args, hq, hkv, d, bs, dtype, copy_bw: float) -> None
                 extras = {"new_kv": (new_k, new_v, slots), "rope": (inv_freq, 1.0)}
             row = {"kv": kv_dtype, "batch": batch, "default_us": time_attention(
                 *tensors, 1, max(seq_lens), decode_order=order, float8_fp16_dots=fp16, **extras) * 1e3}
-            cfg = default_config(d, hq // hkv, 1, num_reqs=batch, num_kv_heads=hkv, num_sms=sms,
-                                 cache_bytes=cache_dtype.itemsize)
+            cfg = pieces_config(d, hq // hkv)
             out = torch.empty_like(query)
             line = f"{kv_dtype:5s} batch {batch:4d}: default {row['default_us']:7.1f} us"
             for piece_len, warps_per_sm in ((int(v) for v in p.split(":")) for p in args.pieces_shapes.split(",")):

@@ -47,10 +47,12 @@ VARIANTS = {
     "pieces": {"BENCH_DECODE_PIECES": "1"},
     "fp8pieces": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "1"},
     "fp8pieces256": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "256"},
+    # ... only from 6 (request, KV head) pairs an SM of an H200, where decode already takes one-warp programs.
+    "fp8pieces792": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "1", "BENCH_DECODE_PIECES_MIN": "792"},
 }
 _BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK_NORM", "BENCH_NO_DECODE_ORDER",
                    "BENCH_PAGED_CHUNK_KEYS", "BENCH_PROMPT_PER_HEAD", "BENCH_KV_CACHE_DTYPE",
-                   "BENCH_FP8_FP16_DOTS", "BENCH_DECODE_PIECES")
+                   "BENCH_FP8_FP16_DOTS", "BENCH_DECODE_PIECES", "BENCH_DECODE_PIECES_MIN")
 
 
 def run_variant(args) -> dict:
@@ -76,6 +78,8 @@ def run_variant(args) -> dict:
         TritonImpl.decode_pieces = True
         if os.environ["BENCH_DECODE_PIECES"] != "1":
             TritonImpl.decode_piece_len = int(os.environ["BENCH_DECODE_PIECES"])
+        if os.environ.get("BENCH_DECODE_PIECES_MIN"):
+            TritonImpl.decode_pieces_min_programs = int(os.environ["BENCH_DECODE_PIECES_MIN"])
     out: dict = {}
     engine_kw = {"kv_cache_dtype": os.environ.get("BENCH_KV_CACHE_DTYPE", "auto")}
     if args.only_workload1:

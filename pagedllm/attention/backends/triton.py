@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import torch
+import triton
 
 from pagedllm.attention.backend import AttentionBackend, AttentionImpl
 from pagedllm.attention.kernels import decode_pieces as pieces_kernel
-from pagedllm.attention.kernels.launch_config import default_config, device_sm_count, pieces_programs
+from pagedllm.attention.kernels.launch_config import device_sm_count, pieces_config, pieces_programs
 from pagedllm.attention.kernels.paged_attention import paged_attention
 from pagedllm.attention.kernels.reshape_and_cache import reshape_and_cache
 from pagedllm.attention.metadata import AttentionMetadata
@@ -33,11 +34,12 @@ class TritonImpl(AttentionImpl):
     # Over a float8 cache with bfloat16 activations, products in float16: float8 widens to float16 in one
     # instruction per pair, to bfloat16 only through float32 (decode attention 9-27% faster on an H200).
     float8_fp16_dots: bool = True
-    # Pure-decode launches over a float8 cache cut contexts into even pieces taken by persistent programs
-    # (decode_pieces.py) where the batch takes one-warp programs; off until measured in the engine.
+    # Pure-decode launches over a float8 cache cut contexts into even pieces taken by persistent one-warp
+    # programs (decode_pieces.py); off until measured in the engine.
     decode_pieces: bool = False
     decode_piece_len: int = pieces_kernel.PIECE_LEN
-    # Tests: pieces for any batch of at least this many (request, KV head) programs, whatever the launch shape.
+    # ... for batches of at least this many (request, KV head) pairs; None: two per SM. Set, it also
+    # applies to 16-bit caches (tests, benchmarks).
     decode_pieces_min_programs: int | None = None
 
     def forward(
@@ -111,22 +113,18 @@ class TritonImpl(AttentionImpl):
     def _uses_pieces(self, md: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         if not self.decode_pieces or md.max_query_len != 1 or self.sliding_window is not None:
             return False
+        programs = md.num_reqs * k_cache.shape[2]
         if self.decode_pieces_min_programs is not None:
-            return md.num_reqs * k_cache.shape[2] >= self.decode_pieces_min_programs
-        # Where the batch launches one-warp programs: those are latency-bound, so a program on a long
-        # context cannot speed up when others finish, and a ragged batch leaves slots idle (H200: 7-22%
-        # faster launches at 128-256 requests). Bandwidth-bound 16-bit launches gained nothing.
-        return self._decode_config(md, query, k_cache).num_warps == 1
-
-    def _decode_config(self, md: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor):
-        num_kv_heads = k_cache.shape[2]
-        return default_config(self.head_size, self.num_heads // num_kv_heads, 1, max_seq_len=md.max_seq_len,
-                              num_reqs=md.num_reqs, num_kv_heads=num_kv_heads, num_sms=device_sm_count(query.device),
-                              cache_bytes=k_cache.element_size())
+            return programs >= self.decode_pieces_min_programs
+        # One-warp programs over a float8 cache are latency-bound: a program on a long context cannot
+        # speed up when others finish, so a ragged batch leaves slots idle unless its work is cut evenly.
+        # 16-bit launches are bandwidth-bound, and pieces gained them nothing on an H200.
+        return (k_cache.element_size() == 1 and triton.next_power_of_2(self.head_size) <= 128
+                and programs >= 2 * device_sm_count(query.device))
 
     def _decode_in_pieces(self, query, k_cache, v_cache, md, out, new_kv, rope, qk_norm) -> torch.Tensor:
         num_reqs, num_kv_heads = md.num_reqs, k_cache.shape[2]
-        cfg = self._decode_config(md, query, k_cache)
+        cfg = pieces_config(self.head_size, self.num_heads // num_kv_heads)
         order = md.decode_order if self.use_decode_order else None
         # The piece boundaries depend on the step's batch alone: one launch serves every layer.
         key = ("decode_pieces", cfg.tile_n, self.decode_piece_len, order is not None)

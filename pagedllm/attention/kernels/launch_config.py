@@ -105,6 +105,12 @@ def choose_num_splits(
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 
+def pieces_config(head_size: int, group: int) -> KernelConfig:
+    """Launch shape of decode pieces: the one-warp, 32-key program that streams a float8 cache fastest."""
+    return KernelConfig(block_m=max(16, triton.next_power_of_2(group)),
+                        tile_n=32 if triton.next_power_of_2(head_size) <= 128 else 16, num_warps=1, num_stages=2)
+
+
 def pieces_programs(num_sms: int, num_kv_heads: int, num_warps: int, warps_per_sm: int = 8) -> int:
     """Persistent programs per KV head of a decode-pieces launch, ``warps_per_sm`` warps an SM in all: 8
     one-warp programs are what fit of the float8 decode program (252 registers a thread on an H200), and
