@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--pieces-kv", default="auto,fp8", help="pieces section: cache dtypes")
     parser.add_argument("--pieces-batches", default="64,128,160,192,256", help="pieces section: batch sizes")
     parser.add_argument("--pieces-shapes", default="256:16,512:16,256:8,128:16",
-                        help="pieces section: PIECE_LEN:WARPS_PER_SM launches to time")
+                        help="pieces section: PIECE_LEN:WARPS_PER_SM launches to time (PIECE_LEN 0: chosen per step)")
     parser.add_argument("--pieces-extras", action="store_true",
                         help="pieces section: fuse the cache write and rotary embedding, as the engine does")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"))
@@ -379,22 +379,22 @@ def pieces_section(results, args, hq, hkv, d, bs, dtype, copy_bw: float) -> None
             cfg = pieces_config(d, hq // hkv)
             out = torch.empty_like(query)
             line = f"{kv_dtype:5s} batch {batch:4d}: default {row['default_us']:7.1f} us"
-            for piece_len, warps_per_sm in ((int(v) for v in p.split(":")) for p in args.pieces_shapes.split(",")):
-                ends = dp.piece_ends(lens, order, batch, cfg.tile_n, piece_len)
+            for piece_len, warps_per_sm in ((int(v) for v in s.split(":")) for s in args.pieces_shapes.split(",")):
                 programs = pieces_programs(sms, hkv, cfg.num_warps, warps_per_sm)
+                ends = dp.piece_ends(lens, order, batch, cfg.tile_n, programs, piece_len)
 
-                def fn(ends=ends, programs=programs, piece_len=piece_len):
+                def fn(ends=ends, programs=programs):
                     dp.decode_pieces_attention(
                         query, kv_cache[0], kv_cache[1], block_table, lens, ends, out, num_reqs=batch,
                         scale=d**-0.5, block_m=cfg.block_m, tile_n=cfg.tile_n, num_warps=cfg.num_warps,
                         num_stages=cfg.num_stages, programs_per_head=programs, decode_order=order, fp16_dots=fp16,
-                        piece_len=piece_len, **extras)
+                        **extras)
 
                 us = gpu_time_ms(fn) * 1e3
-                name = f"pieces{piece_len}_w{warps_per_sm}"
+                name = f"pieces{piece_len or 'auto'}_w{warps_per_sm}"
                 row[name] = us
                 line += f" | {name} {us:7.1f} ({row['default_us'] / us:4.2f}x)"
-            row["piece_ends_us"] = gpu_time_ms(lambda: dp.piece_ends(lens, order, batch, cfg.tile_n)) * 1e3
+            row["piece_ends_us"] = gpu_time_ms(lambda: dp.piece_ends(lens, order, batch, cfg.tile_n, 132)) * 1e3
             row["tbps_default"] = nbytes / row["default_us"] / 1e6
             print(line + f" | ends {row['piece_ends_us']:.1f} us; default {row['tbps_default']:.2f} TB/s", flush=True)
             results["pieces"].append(row)

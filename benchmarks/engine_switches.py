@@ -46,7 +46,7 @@ VARIANTS = {
     # This script's child turns on TritonImpl.decode_pieces (decode contexts cut into even pieces).
     "pieces": {"BENCH_DECODE_PIECES": "1"},
     "fp8pieces": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "1"},
-    "fp8pieces256": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "256"},
+    "fp8pieces512": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "512"},
     # ... only from 6 (request, KV head) pairs an SM of an H200, where decode already takes one-warp programs.
     "fp8pieces792": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "1", "BENCH_DECODE_PIECES_MIN": "792"},
 }

@@ -125,21 +125,20 @@ class TritonImpl(AttentionImpl):
     def _decode_in_pieces(self, query, k_cache, v_cache, md, out, new_kv, rope, qk_norm) -> torch.Tensor:
         num_reqs, num_kv_heads = md.num_reqs, k_cache.shape[2]
         cfg = pieces_config(self.head_size, self.num_heads // num_kv_heads)
+        programs = pieces_programs(device_sm_count(query.device), num_kv_heads, cfg.num_warps)
         order = md.decode_order if self.use_decode_order else None
         # The piece boundaries depend on the step's batch alone: one launch serves every layer.
         key = ("decode_pieces", cfg.tile_n, self.decode_piece_len, order is not None)
         ends = md.step_cache.get(key)
         if ends is None:
             ends = md.step_cache[key] = pieces_kernel.piece_ends(md.seq_lens, order, num_reqs, cfg.tile_n,
-                                                                 self.decode_piece_len)
+                                                                 programs, self.decode_piece_len)
         fp16_dots = self.float8_fp16_dots and k_cache.element_size() == 1 and query.dtype == torch.bfloat16
         return pieces_kernel.decode_pieces_attention(
             query, k_cache, v_cache, md.block_table, md.seq_lens, ends, out,
             num_reqs=num_reqs, scale=self.scale, block_m=cfg.block_m, tile_n=cfg.tile_n, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            programs_per_head=pieces_programs(device_sm_count(query.device), num_kv_heads, cfg.num_warps),
-            soft_cap=self.logits_soft_cap, decode_order=order, new_kv=new_kv, rope=rope, qk_norm=qk_norm,
-            fp16_dots=fp16_dots, piece_len=self.decode_piece_len,
+            num_stages=cfg.num_stages, programs_per_head=programs, soft_cap=self.logits_soft_cap,
+            decode_order=order, new_kv=new_kv, rope=rope, qk_norm=qk_norm, fp16_dots=fp16_dots,
         )
 
     def fuses_decode_rotary(self, md: AttentionMetadata, rotary) -> bool:

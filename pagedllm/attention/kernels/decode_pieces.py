@@ -2,9 +2,10 @@
 
 A pure-decode launch with one program per (request, KV head) runs as long as its longest context
 whenever the programs fit in one wave, and a ragged batch then leaves most slots idle for most of the
-launch. Here every request's context is cut into pieces of ``piece_len`` keys (longer only past
-``max_pieces`` pieces), the pieces are numbered longest request first, and each program takes the next
-piece from a counter until none is left, so every slot stays busy until the last piece starts.
+launch. Here every request's context is cut into pieces of one length per step (longer only past
+``max_pieces`` pieces; by default chosen on the device from the step's total context), the pieces are
+numbered longest request first, and each program takes the next piece from a counter until none is
+left, so every slot stays busy until the last piece starts.
 
 A request cut into several pieces is summed in the same launch: each piece stores its unnormalised
 output with its running max and denominator, and the piece that arrives last (an atomic count per
@@ -22,27 +23,35 @@ from pagedllm.attention.kernels.decode_qk import transform_heads, transform_new_
 from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 from pagedllm.kernel_math import exact_rounding
 
-PIECE_LEN = 512
+# A piece's length in keys; 0: chosen per step on the device (see _piece_ends_kernel).
+PIECE_LEN = 0
 MAX_PIECES = 16
+# The per-step choice: about PIECES_PER_PROGRAM pieces for each program, in [_MIN_LEN, _MAX_LEN] keys.
+PIECES_PER_PROGRAM = 2
+_MIN_LEN = 128
+_MAX_LEN = 2048
 # Requests scanned per vector step when a program looks up which request a piece belongs to.
 _SEARCH_BLOCK = 128
 
 
 @triton.jit
-def _piece_len(seq_len, PIECE_LEN: tl.constexpr, MAX_PIECES: tl.constexpr, TILE_N: tl.constexpr):
-    # PIECE_LEN keys, or longer (whole tiles) where that would make more than MAX_PIECES pieces.
-    return tl.maximum(PIECE_LEN, tl.cdiv(tl.cdiv(seq_len, MAX_PIECES), TILE_N) * TILE_N)
+def _piece_len(seq_len, base_len, MAX_PIECES: tl.constexpr, TILE_N: tl.constexpr):
+    # The step's base length, or longer (whole tiles) where that would make more than MAX_PIECES pieces.
+    return tl.maximum(base_len, tl.cdiv(tl.cdiv(seq_len, MAX_PIECES), TILE_N) * TILE_N)
 
 
 @triton.jit
 def _piece_ends_kernel(
     seq_lens_ptr,  # [B] int32
     order_ptr,  # [B] int32 request at each position (ORDERED only)
-    ends_ptr,  # [B] int32 out: pieces of positions 0..i together
+    ends_ptr,  # [B + 1] int32 out: pieces of positions 0..i together, then the base piece length
     num_reqs,
+    target,  # pieces wanted per KV head, when PIECE_LEN is 0
     PIECE_LEN: tl.constexpr,
     MAX_PIECES: tl.constexpr,
     TILE_N: tl.constexpr,
+    MIN_LEN: tl.constexpr,
+    MAX_LEN: tl.constexpr,
     REQS_P2: tl.constexpr,
     ORDERED: tl.constexpr,
     USE_GDC: tl.constexpr,
@@ -55,10 +64,18 @@ def _piece_ends_kernel(
     else:
         req = pos
     seq_len = tl.load(seq_lens_ptr + req, mask=valid, other=0)
+    if PIECE_LEN == 0:
+        # Long enough that per-piece costs stay small, short enough that a small batch still gives every
+        # program something to do: the step's keys over the pieces wanted, in whole tiles.
+        base_len = tl.cdiv(tl.cdiv(tl.sum(seq_len, axis=0), target), TILE_N) * TILE_N
+        base_len = tl.minimum(tl.maximum(base_len, MIN_LEN), MAX_LEN)
+    else:
+        base_len = PIECE_LEN
     # At least one piece, so that a padding request (length 0) still writes its zeros.
-    count = tl.maximum(tl.cdiv(seq_len, _piece_len(seq_len, PIECE_LEN, MAX_PIECES, TILE_N)), 1)
+    count = tl.maximum(tl.cdiv(seq_len, _piece_len(seq_len, base_len, MAX_PIECES, TILE_N)), 1)
     count = tl.where(valid, count, 0)
     tl.store(ends_ptr + pos, tl.cumsum(count, axis=0), mask=valid)
+    tl.store(ends_ptr + num_reqs, base_len)
 
 
 @triton.jit(do_not_specialize=["num_reqs"])
@@ -75,7 +92,7 @@ def _decode_pieces_kernel(
     block_table_ptr,  # [B, max_blocks_per_req] int32
     seq_lens_ptr,  # [B] int32
     order_ptr,  # [B] int32 request at each position (ORDERED only)
-    ends_ptr,  # [B] int32 from _piece_ends_kernel
+    ends_ptr,  # [B + 1] int32 from _piece_ends_kernel
     new_k_ptr,  # [B, Hkv, D] the step's keys (WRITE_KV only)
     new_v_ptr,  # [B, Hkv, D] the step's values (WRITE_KV only)
     slot_mapping_ptr,  # [B] int64 cache slot of each new token, < 0 for padding (WRITE_KV only)
@@ -113,7 +130,6 @@ def _decode_pieces_kernel(
     GEMMA_NORM: tl.constexpr,
     EXACT: tl.constexpr,
     FP16_DOTS: tl.constexpr,
-    PIECE_LEN: tl.constexpr,
     MAX_PIECES: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
@@ -126,6 +142,7 @@ def _decode_pieces_kernel(
     dims = tl.arange(0, HEAD_SIZE_P2)  # [HEAD_SIZE_P2]
     dim_valid = dims < HEAD_SIZE
     total = tl.load(ends_ptr + num_reqs - 1)
+    base_len = tl.load(ends_ptr + num_reqs)
     k_head_ptr = k_cache_ptr + kv_head * stride_kh
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
 
@@ -146,7 +163,7 @@ def _decode_pieces_kernel(
         else:
             req = pos
         seq_len = tl.load(seq_lens_ptr + req)
-        plen = _piece_len(seq_len, PIECE_LEN, MAX_PIECES, TILE_N)
+        plen = _piece_len(seq_len, base_len, MAX_PIECES, TILE_N)
         kv_lo = piece * plen
         kv_hi = tl.minimum(seq_len, kv_lo + plen)
 
@@ -285,15 +302,20 @@ def piece_ends(
     decode_order: torch.Tensor | None,  # [B] int32 permutation, or None for batch order
     num_reqs: int,
     tile_n: int,
+    programs_per_head: int,
     piece_len: int = PIECE_LEN,
     max_pieces: int = MAX_PIECES,
-) -> torch.Tensor:  # [B] int32
-    """Pieces of the requests at positions 0..i together, positions taken in ``decode_order``. Depends on
-    the step's batch alone, so one launch serves every layer of a step."""
-    ends = torch.empty(num_reqs, dtype=torch.int32, device=seq_lens.device)
+) -> torch.Tensor:  # [B + 1] int32
+    """Pieces of the requests at positions 0..i together, positions taken in ``decode_order``, then the
+    step's base piece length (``piece_len``, or with 0 about PIECES_PER_PROGRAM pieces a program). It
+    depends on the step's batch alone, so one launch serves every layer of a step."""
+    assert piece_len % tile_n == 0
+    ends = torch.empty(num_reqs + 1, dtype=torch.int32, device=seq_lens.device)
     _piece_ends_kernel[(1,)](
         seq_lens, decode_order if decode_order is not None else seq_lens, ends, num_reqs,
-        PIECE_LEN=piece_len, MAX_PIECES=max_pieces, TILE_N=tile_n, REQS_P2=max(16, triton.next_power_of_2(num_reqs)),
+        PIECES_PER_PROGRAM * programs_per_head,
+        PIECE_LEN=piece_len, MAX_PIECES=max_pieces, TILE_N=tile_n, MIN_LEN=max(_MIN_LEN, tile_n),
+        MAX_LEN=_MAX_LEN, REQS_P2=max(16, triton.next_power_of_2(num_reqs)),
         ORDERED=decode_order is not None, num_warps=4, **pdl_launch_args(seq_lens),
     )
     return ends
@@ -305,7 +327,7 @@ def decode_pieces_attention(
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     block_table: torch.Tensor,  # [B, max_blocks_per_req] int32
     seq_lens: torch.Tensor,  # [B] int32
-    ends: torch.Tensor,  # [B] int32 from piece_ends with the same order, tile and lengths
+    ends: torch.Tensor,  # [B + 1] int32 from piece_ends with the same order, tile and lengths
     out: torch.Tensor,  # [B, Hq, D]
     *,
     num_reqs: int,
@@ -321,7 +343,6 @@ def decode_pieces_attention(
     rope: tuple[torch.Tensor, float] | None = None,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float, float, bool] | None = None,
     fp16_dots: bool = False,
-    piece_len: int = PIECE_LEN,
     max_pieces: int = MAX_PIECES,
 ) -> torch.Tensor:  # [B, Hq, D]
     """One decode token per request over its paged context, in pieces (module docstring). Arguments mean
@@ -329,7 +350,7 @@ def decode_pieces_attention(
     num_q_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    assert piece_len % tile_n == 0 and block_m >= triton.next_power_of_2(group)
+    assert block_m >= triton.next_power_of_2(group)
     ws = _workspace(query.device, num_reqs, num_q_heads, num_kv_heads, head_size, max_pieces)
     if new_kv is not None:
         new_k, new_v, slot_mapping = new_kv
@@ -368,7 +389,6 @@ def decode_pieces_attention(
         GEMMA_NORM=bool(gemma_norm),
         EXACT=rope is not None and exact_rounding(query),
         FP16_DOTS=fp16_dots,
-        PIECE_LEN=piece_len,
         MAX_PIECES=max_pieces,
         num_warps=num_warps,
         num_stages=num_stages,
