@@ -135,10 +135,12 @@ def main() -> None:
         return
 
     results: dict = {}
-    for name in [v for v in args.variants.split(",") if v]:
+    for i, variant in enumerate(v for v in args.variants.split(",") if v):
+        # A variant named again (an A/B repeated in one session) is reported as name#2, name#3, ...
+        name = variant if variant not in results else f"{variant}#{sum(k.split('#')[0] == variant for k in results) + 1}"
         env = {k: v for k, v in os.environ.items() if k not in _BENCH_SWITCHES}
-        env.update(VARIANTS[name])
-        path = os.path.join(args.out, f"switch_{name}.json")
+        env.update(VARIANTS[variant])
+        path = os.path.join(args.out, f"switch_{i}.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", path] + (["--workload2"] if args.workload2 else [])
         cmd += ["--only-workload1"] if args.only_workload1 else []
         if args.smoke:
