@@ -8,7 +8,9 @@ the Qwen3 q/k RMSNorm inside the decode attention kernel (``TritonImpl.fuse_deco
 decode attention take requests in batch order instead of longest context first (``TritonImpl.use_decode_order``), and
 ``pagedrows`` has prompt attention read the step's own keys through the block table (``TritonImpl.chunk_kv_from_step``),
 and ``perhead`` serves prompt chunks one query head a program (``TritonImpl.prompt_per_head``), and ``fp8kv`` keeps
-the KV cache in float8 e4m3 (``kv_cache_dtype="fp8"``, an engine option rather than a switch). Each variant runs
+the KV cache in float8 e4m3 (``kv_cache_dtype="fp8"``, an engine option rather than a switch). ``fp8nopieces``, ``fp8pieces512`` and
+``fp8pieces792`` keep it too, with float8 decode in one program per (request, KV head), in 512-key pieces, or in
+pieces only from 792 such pairs (``TritonImpl.decode_pieces``, ``decode_piece_len``, ``decode_pieces_min_programs``). Each variant runs
 (1) workload 3, Llama-3-8B batch 1, 1000-token prompt, time per output token, and (2) workload 1,
 Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s; with ``--workload2`` also (3) workload 2. Random weights, bf16, greedy. Prints a
 table of both figures per variant and their ratio to ``base``; writes one JSON file.
@@ -43,11 +45,10 @@ VARIANTS = {
     "fp8kv": {"BENCH_KV_CACHE_DTYPE": "fp8"},
     # ... and has attention take its products in float16 there (TritonImpl.float8_fp16_dots).
     "fp8kvf16": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_FP8_FP16_DOTS": "1"},
-    # This script's child turns on TritonImpl.decode_pieces (decode contexts cut into even pieces).
-    "pieces": {"BENCH_DECODE_PIECES": "1"},
-    "fp8pieces": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "1"},
+    # This script's child sets TritonImpl.decode_pieces (float8 decode contexts cut into even pieces, on by
+    # default): off, on with 512-key pieces, or on from 6 (request, KV head) pairs an SM of an H200 only.
+    "fp8nopieces": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "0"},
     "fp8pieces512": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "512"},
-    # ... only from 6 (request, KV head) pairs an SM of an H200, where decode already takes one-warp programs.
     "fp8pieces792": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "1", "BENCH_DECODE_PIECES_MIN": "792"},
 }
 _BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK_NORM", "BENCH_NO_DECODE_ORDER",
@@ -75,8 +76,8 @@ def run_variant(args) -> dict:
     if os.environ.get("BENCH_FP8_FP16_DOTS") == "1":
         TritonImpl.float8_fp16_dots = True
     if os.environ.get("BENCH_DECODE_PIECES"):
-        TritonImpl.decode_pieces = True
-        if os.environ["BENCH_DECODE_PIECES"] != "1":
+        TritonImpl.decode_pieces = os.environ["BENCH_DECODE_PIECES"] != "0"
+        if os.environ["BENCH_DECODE_PIECES"] not in ("0", "1"):
             TritonImpl.decode_piece_len = int(os.environ["BENCH_DECODE_PIECES"])
         if os.environ.get("BENCH_DECODE_PIECES_MIN"):
             TritonImpl.decode_pieces_min_programs = int(os.environ["BENCH_DECODE_PIECES_MIN"])

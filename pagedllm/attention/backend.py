@@ -67,3 +67,9 @@ class AttentionBackend(ABC):
     @abstractmethod
     def get_impl_cls() -> type[AttentionImpl]:
         ...
+
+    @staticmethod
+    def workspace_bytes(max_reqs: int, num_heads: int, num_kv_heads: int, head_size: int, cache_bytes: int) -> int:
+        """Device scratch the backend's launches keep for a batch of ``max_reqs`` requests, at most: memory
+        the KV cache must leave free (``cache_bytes``: bytes per cache element)."""
+        return 0

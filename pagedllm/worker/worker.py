@@ -36,6 +36,7 @@ class MemoryProfile:
     weights: int = 0
     activations: int = 0  # peak of a max_num_batched_tokens forward plus its logits
     sampler: int = 0  # logits and sampling scratch at max_num_seqs rows (estimate)
+    attention: int = 0  # the attention backend's own scratch at max_num_seqs + 1 requests
     graph_pool: int = 0  # estimate before capture; replaced by the measured size after it
     non_torch: int = 0  # CUDA context, library workspaces, other processes
     kv_cache: int = 0
@@ -45,6 +46,7 @@ class MemoryProfile:
         return (
             f"total {g(self.total):.2f} GiB, usable {g(self.usable):.2f}, weights {g(self.weights):.2f}, "
             f"peak activations {g(self.activations):.2f}, sampler {g(self.sampler):.2f}, "
+            f"attention scratch {g(self.attention):.2f}, "
             f"CUDA graph pool {g(self.graph_pool):.2f}, non-torch {g(self.non_torch):.2f}, "
             f"KV cache {g(self.kv_cache):.2f} GiB"
         )
@@ -142,10 +144,12 @@ class Worker:
         torch.cuda.empty_cache()
         # Logits in float32 plus a sort's values and int64 indices when a batch samples with top-p.
         mem.sampler = sc.max_num_seqs * mc.vocab_size * 16
+        mem.attention = self.model_runner.attn_backend.workspace_bytes(
+            sc.max_num_seqs + 1, mc.num_heads, mc.num_kv_heads, mc.head_size, self.config.kv_cache_dtype.itemsize)
         mem.graph_pool = self._graph_pool_estimate(mem.activations, profile_tokens)
         # What other processes and this one's CUDA context hold counts against our share too.
         mem.non_torch = max(total - free_before - torch.cuda.memory_reserved(), 0)
-        budget = mem.usable - mem.non_torch - weights - mem.activations - mem.sampler - mem.graph_pool
+        budget = mem.usable - mem.non_torch - weights - mem.activations - mem.sampler - mem.attention - mem.graph_pool
         num_blocks = max(budget // block_bytes, 0)
         mem.kv_cache = num_blocks * block_bytes
         capacity = num_blocks * cc.block_size
@@ -160,7 +164,7 @@ class Worker:
             raise ValueError(
                 f"not even one sequence of max_model_len {sc.max_model_len} fits in GPU memory: after "
                 f"{weights / _GiB:.2f} GiB of weights, {mem.activations / _GiB:.2f} GiB of activations and "
-                f"{(mem.sampler + mem.graph_pool + mem.non_torch) / _GiB:.2f} GiB of other use, the KV cache gets "
+                f"{(mem.sampler + mem.attention + mem.graph_pool + mem.non_torch) / _GiB:.2f} GiB of other use, the KV cache gets "
                 f"{max(budget, 0) / _GiB:.2f} GiB = {capacity} tokens. The largest max_model_len that fits is "
                 f"{capacity}; or raise gpu_memory_utilization (now {cc.gpu_memory_utilization}), lower "
                 f"max_num_batched_tokens, or use --enforce-eager"

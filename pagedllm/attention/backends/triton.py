@@ -35,8 +35,8 @@ class TritonImpl(AttentionImpl):
     # instruction per pair, to bfloat16 only through float32 (decode attention 9-27% faster on an H200).
     float8_fp16_dots: bool = True
     # Pure-decode launches over a float8 cache cut contexts into even pieces taken by persistent one-warp
-    # programs (decode_pieces.py); off until measured in the engine.
-    decode_pieces: bool = False
+    # programs (decode_pieces.py): workload 1 with a float8 cache 6-7% faster on an H200.
+    decode_pieces: bool = True
     decode_piece_len: int = pieces_kernel.PIECE_LEN
     # ... for batches of at least this many (request, KV head) pairs; None: two per SM. Set, it also
     # applies to 16-bit caches (tests, benchmarks).
@@ -156,3 +156,10 @@ class TritonBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return TritonImpl
+
+    @staticmethod
+    def workspace_bytes(max_reqs: int, num_heads: int, num_kv_heads: int, head_size: int, cache_bytes: int) -> int:
+        # Decode pieces keep their partial outputs and counters (float8 caches only, see _uses_pieces).
+        if not TritonImpl.decode_pieces or cache_bytes != 1:
+            return 0
+        return pieces_kernel.workspace_bytes(max_reqs, num_heads, num_kv_heads, head_size)

@@ -1,11 +1,11 @@
-"""Decode attention in pieces of even length: contexts cut into equal slices that persistent programs take in turn.
+"""Decode attention in even pieces: contexts cut into slices of one length that persistent programs take in turn.
 
 A pure-decode launch with one program per (request, KV head) runs as long as its longest context
 whenever the programs fit in one wave, and a ragged batch then leaves most slots idle for most of the
 launch. Here every request's context is cut into pieces of one length per step (longer only past
 ``max_pieces`` pieces; by default chosen on the device from the step's total context), the pieces are
 numbered longest request first, and each program takes the next piece from a counter until none is
-left, so every slot stays busy until the last piece starts.
+left, so every slot stays busy until the last piece starts. Only a request's last piece is shorter.
 
 A request cut into several pieces is summed in the same launch: each piece stores its unnormalised
 output with its running max and denominator, and the piece that arrives last (an atomic count per
