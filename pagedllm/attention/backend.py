@@ -73,3 +73,8 @@ class AttentionBackend(ABC):
         """Device scratch the backend's launches keep for a batch of ``max_reqs`` requests, at most: memory
         the KV cache must leave free (``cache_bytes``: bytes per cache element)."""
         return 0
+
+    @staticmethod
+    def reserve_workspace(device: torch.device, max_reqs: int, num_heads: int, num_kv_heads: int, head_size: int,
+                          cache_bytes: int) -> None:
+        """Allocates that scratch now, at its largest, before any CUDA graph is captured."""

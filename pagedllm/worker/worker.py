@@ -178,6 +178,10 @@ class Worker:
             torch.cuda.synchronize()
         self.startup.add("kv_alloc", time.perf_counter() - t0)
         if self.device.type == "cuda":
+            sc, mc = self.config.scheduler_config, self.config.model_config
+            self.model_runner.attn_backend.reserve_workspace(
+                self.device, sc.max_num_seqs + 1, mc.num_heads, mc.num_kv_heads, mc.head_size,
+                self.config.kv_cache_dtype.itemsize)
             # Triton compiles on first use; a variant first met mid-serving would stall every request.
             t0 = time.perf_counter()
             self.model_runner.warm_up_kernels()

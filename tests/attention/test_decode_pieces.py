@@ -136,3 +136,9 @@ def test_engine_rule_and_scratch_accounting():
     assert not impl._uses_pieces(chunk[5](), chunk[0], chunk[3][0])
     assert TritonBackend.workspace_bytes(257, 16, 8, 128, 1) == decode_pieces.workspace_bytes(257, 16, 8, 128) > 0
     assert TritonBackend.workspace_bytes(257, 16, 8, 128, 2) == 0
+    # Reserved at start for the largest batch, the workspace serves every smaller launch as it is.
+    TritonBackend.reserve_workspace(query.device, n + 1, 4, 2, 64, 1)
+    reserved = decode_pieces._workspaces[query.device]
+    impl.decode_pieces_min_programs = None
+    impl.forward(query, key, value, cache, metadata())
+    assert decode_pieces._workspaces[query.device] is reserved

@@ -163,3 +163,10 @@ class TritonBackend(AttentionBackend):
         if not TritonImpl.decode_pieces or cache_bytes != 1:
             return 0
         return pieces_kernel.workspace_bytes(max_reqs, num_heads, num_kv_heads, head_size)
+
+    @staticmethod
+    def reserve_workspace(device: torch.device, max_reqs: int, num_heads: int, num_kv_heads: int, head_size: int,
+                          cache_bytes: int) -> None:
+        # At its largest once, so that warm-up passes of growing batches do not each leave one behind.
+        if TritonImpl.decode_pieces and cache_bytes == 1:
+            pieces_kernel.reserve(device, max_reqs, num_heads, num_kv_heads, head_size)

@@ -284,6 +284,8 @@ def workspace_bytes(num_reqs: int, num_q_heads: int, num_kv_heads: int, head_siz
 
 def _workspace(device: torch.device, num_reqs: int, num_q_heads: int, num_kv_heads: int, head_size: int,
                max_pieces: int) -> _Workspace:
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # the key launches use
     need = (num_reqs * max_pieces * num_q_heads, head_size, num_reqs * num_kv_heads, num_kv_heads)
     ws = _workspaces.get(device)
     if ws is None or any(n > h for n, h in zip(need, ws.sizes)):
@@ -297,6 +299,11 @@ def _workspace(device: torch.device, num_reqs: int, num_q_heads: int, num_kv_hea
             _outgrown.append(ws)
         ws = _workspaces[device] = _Workspace(device, *need)
     return ws
+
+
+def reserve(device: torch.device, num_reqs: int, num_q_heads: int, num_kv_heads: int, head_size: int) -> None:
+    """Allocates the device's workspace for batches of up to ``num_reqs`` requests now."""
+    _workspace(device, num_reqs, num_q_heads, num_kv_heads, head_size, MAX_PIECES)
 
 
 def piece_ends(
