@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.kernels.attend_tile import _attend_ranges
-from pagedllm.attention.kernels.decode_qk import transform_heads, transform_new_k
+from pagedllm.attention.kernels.decode_qk import store_new_token, transform_heads
+from pagedllm.attention.kernels.paged_attention import kernel_strides
 from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 from pagedllm.kernel_math import exact_rounding
 
@@ -178,17 +179,13 @@ def _decode_pieces_kernel(
         if FP16_DOTS:
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         if WRITE_KV:
-            # The last piece holds the new token's position: it stores the token's K/V before reading it.
+            # The piece holding the new token's position stores its K/V before reading it.
             slot = tl.load(slot_mapping_ptr + req).to(tl.int64)
-            if (slot >= 0) & (piece == count - 1) & (seq_len > 0):
-                dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kp + kv_head * stride_kh + dims
-                k_row = new_k_ptr + req.to(tl.int64) * stride_nkt + kv_head * stride_nkh
-                new_k = transform_new_k(k_row, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, kw_ptr,
-                                        k_eps, HEAD_SIZE, HEAD_SIZE_P2, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
-                new_v = tl.load(new_v_ptr + req.to(tl.int64) * stride_nvt + kv_head * stride_nvh + dims,
-                                mask=dim_valid)
-                tl.store(k_cache_ptr + dst, new_k.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=dim_valid)
-                tl.store(v_cache_ptr + dst, new_v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=dim_valid)
+            if (slot >= 0) & (kv_lo <= seq_len - 1) & (seq_len - 1 < kv_hi):
+                store_new_token(req.to(tl.int64), slot, kv_head, dims, dim_valid, seq_len - 1, new_k_ptr, new_v_ptr,
+                                k_cache_ptr, v_cache_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_kb,
+                                stride_kp, stride_kh, inv_freq_ptr, rope_scaling, kw_ptr, k_eps, HEAD_SIZE,
+                                HEAD_SIZE_P2, BLOCK_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
             tl.debug_barrier()
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -374,12 +371,7 @@ def decode_pieces_attention(
         decode_order if decode_order is not None else seq_lens, ends,
         new_k, new_v, slot_mapping, inv_freq, rope_scaling, q_w, k_w, float(q_eps), float(k_eps),
         num_reqs, num_q_heads, scale, soft_cap if soft_cap is not None else 1.0,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0),
-        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
+        *kernel_strides(query, out, k_cache, v_cache, block_table, new_k, new_v),
         HEAD_SIZE=head_size,
         HEAD_SIZE_P2=triton.next_power_of_2(head_size),
         GROUP=group,

@@ -94,3 +94,35 @@ def transform_new_k(
     k = transform_heads(k, k_row, mask, dims, dim_valid, pos, inv_freq_ptr, rope_scaling, kw_ptr, k_eps,
                         HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
     return tl.reshape(k, [HEAD_SIZE_P2])
+
+
+@triton.jit
+def store_new_token(
+    token,  # the decode token's row in new_k / new_v
+    slot,  # its cache slot (>= 0)
+    kv_head,
+    dims,  # [HEAD_SIZE_P2]
+    dim_valid,  # [HEAD_SIZE_P2]
+    pos,  # its position
+    new_k_ptr, new_v_ptr, k_cache_ptr, v_cache_ptr,
+    stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_kb, stride_kp, stride_kh,
+    inv_freq_ptr, rope_scaling, kw_ptr, k_eps,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    ROT_HALF: tl.constexpr,
+    ROPE: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    GEMMA_NORM: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    """Stores the decode token's key (after its norm and rotary embedding, as asked) and value in its cache
+    slot, for one KV head; K and V caches share their strides."""
+    dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kp + kv_head * stride_kh + dims
+    k_row = new_k_ptr + token * stride_nkt + kv_head * stride_nkh
+    new_k = transform_new_k(k_row, dims, dim_valid, pos, inv_freq_ptr, rope_scaling, kw_ptr, k_eps,
+                            HEAD_SIZE, HEAD_SIZE_P2, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
+    new_v = tl.load(new_v_ptr + token * stride_nvt + kv_head * stride_nvh + dims, mask=dim_valid)
+    # Through float32: one rounding into any cache type, float8 included (reshape_and_cache.py).
+    tl.store(k_cache_ptr + dst, new_k.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=dim_valid)
+    tl.store(v_cache_ptr + dst, new_v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=dim_valid)

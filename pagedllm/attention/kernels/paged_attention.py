@@ -9,7 +9,7 @@ from pagedllm.attention.kernels.attend_tile import _attend_ranges, chunk_descrip
 from pagedllm.attention.kernels.launch_config import (
     KernelConfig, choose_num_splits, default_config, device_sm_count, per_head_config,
 )
-from pagedllm.attention.kernels.decode_qk import transform_heads, transform_new_k
+from pagedllm.attention.kernels.decode_qk import store_new_token, transform_heads
 from pagedllm.attention.kernels.split_reduce import _reduce_splits_kernel
 from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 from pagedllm.kernel_math import exact_rounding
@@ -193,14 +193,10 @@ def _paged_attention_kernel(
         # stores of all its threads visible to its own tile loads below.
         slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)
         if (slot >= 0) & (kv_lo <= seq_len - 1) & (seq_len - 1 < kv_hi):
-            dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kp + kv_head * stride_kh + dims
-            k_row = new_k_ptr + q_start * stride_nkt + kv_head * stride_nkh
-            new_k = transform_new_k(k_row, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, kw_ptr, k_eps,
-                                    HEAD_SIZE, HEAD_SIZE_P2, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
-            new_v = tl.load(new_v_ptr + q_start * stride_nvt + kv_head * stride_nvh + dims, mask=dim_valid)
-            # Through float32: one rounding into any cache type, float8 included (reshape_and_cache.py).
-            tl.store(k_cache_ptr + dst, new_k.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=dim_valid)
-            tl.store(v_cache_ptr + dst, new_v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=dim_valid)
+            store_new_token(q_start, slot, kv_head, dims, dim_valid, seq_len - 1, new_k_ptr, new_v_ptr, k_cache_ptr,
+                            v_cache_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_kb, stride_kp,
+                            stride_kh, inv_freq_ptr, rope_scaling, kw_ptr, k_eps, HEAD_SIZE, HEAD_SIZE_P2, BLOCK_SIZE,
+                            ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
         tl.debug_barrier()
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
@@ -263,6 +259,14 @@ def _paged_attention_kernel(
             o.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None] & dim_valid[None, :],
         )
+
+
+def kernel_strides(query, out, k_cache, v_cache, block_table, new_k, new_v) -> tuple[int, ...]:
+    """The stride arguments of the attention kernels (stride_qt ... stride_nvh), in their order."""
+    return (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_table.stride(0), new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1))
 
 
 def paged_attention(
@@ -404,12 +408,7 @@ def paged_attention(
             scale,
             soft_cap if soft_cap is not None else 1.0,
             sliding_window if sliding_window is not None else 0,
-            query.stride(0), query.stride(1),
-            out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_table.stride(0),
-            new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
+            *kernel_strides(query, out, k_cache, v_cache, block_table, new_k, new_v),
             HEAD_SIZE=head_size,
             HEAD_SIZE_P2=head_size_p2,
             GROUP=group,
