@@ -137,7 +137,7 @@ def main() -> None:
 
     results: dict = {}
     for i, variant in enumerate(v for v in args.variants.split(",") if v):
-        # A variant named again (an A/B repeated in one session) is reported as name#2, name#3, ...
+        # A variant named again (an A/B repeated in one run) is reported as name#2, name#3, ...
         name = variant if variant not in results else f"{variant}#{sum(k.split('#')[0] == variant for k in results) + 1}"
         env = {k: v for k, v in os.environ.items() if k not in _BENCH_SWITCHES}
         env.update(VARIANTS[variant])
