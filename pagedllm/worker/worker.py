@@ -164,7 +164,8 @@ class Worker:
             raise ValueError(
                 f"not even one sequence of max_model_len {sc.max_model_len} fits in GPU memory: after "
                 f"{weights / _GiB:.2f} GiB of weights, {mem.activations / _GiB:.2f} GiB of activations and "
-                f"{(mem.sampler + mem.attention + mem.graph_pool + mem.non_torch) / _GiB:.2f} GiB of other use, the KV cache gets "
+                f"{(mem.sampler + mem.attention + mem.graph_pool + mem.non_torch) / _GiB:.2f} GiB of other use, "
+                f"the KV cache gets "
                 f"{max(budget, 0) / _GiB:.2f} GiB = {capacity} tokens. The largest max_model_len that fits is "
                 f"{capacity}; or raise gpu_memory_utilization (now {cc.gpu_memory_utilization}), lower "
                 f"max_num_batched_tokens, or use --enforce-eager"

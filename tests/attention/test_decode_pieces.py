@@ -15,7 +15,8 @@ from paged_batches import build_paged_batch  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# Contexts from empty to several pieces of the smallest base length (128 keys), and past MAX_PIECES of 32.
+# Contexts from empty to several pieces of the smallest base length (128 keys); 32-key pieces would cut the
+# 700-key one into more than MAX_PIECES.
 RAGGED = [(40, 1), (0, 1), (300, 1), (17, 1), (700, 1), (129, 1)]
 
 

@@ -35,7 +35,7 @@ class TritonImpl(AttentionImpl):
     # instruction per pair, to bfloat16 only through float32 (decode attention 9-27% faster on an H200).
     float8_fp16_dots: bool = True
     # Pure-decode launches over a float8 cache cut contexts into even pieces taken by persistent one-warp
-    # programs (decode_pieces.py): workload 1 with a float8 cache 6-7% faster on an H200.
+    # programs (decode_pieces.py): workload 1 with a float8 cache 5-7% faster on an H200.
     decode_pieces: bool = True
     decode_piece_len: int = pieces_kernel.PIECE_LEN
     # ... for batches of at least this many (request, KV head) pairs; None: two per SM. Set, it also

@@ -38,8 +38,7 @@ _SEARCH_BLOCK = 128
 @triton.jit
 def _piece_len(seq_len, base_tiles, MAX_PIECES: tl.constexpr, TILE_N: tl.constexpr):
     # The step's base length, or longer where that would make more than MAX_PIECES pieces. Counted in
-    # tiles and multiplied out last, so that the compiler knows every piece starts on a tile (and so on a
-    # cache block): a length loaded as such made the launch ~10% slower on an H200.
+    # tiles and multiplied out last, so that every piece starts on a tile (and the compiler knows it).
     return tl.maximum(base_tiles, tl.cdiv(tl.cdiv(seq_len, MAX_PIECES), TILE_N)) * TILE_N
 
 
