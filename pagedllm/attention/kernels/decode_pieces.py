@@ -19,10 +19,9 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.kernels.attend_tile import _attend_ranges
-from pagedllm.attention.kernels.decode_qk import store_new_token, transform_heads
+from pagedllm.attention.kernels.decode_qk import store_new_token, transform_heads, transform_launch_args
 from pagedllm.attention.kernels.paged_attention import kernel_strides
 from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
-from pagedllm.kernel_math import exact_rounding
 
 # A piece's length in keys; 0: chosen per step on the device (see _piece_ends_kernel).
 PIECE_LEN = 0
@@ -362,13 +361,12 @@ def decode_pieces_attention(
     else:
         new_k = new_v = query
         slot_mapping = seq_lens
-    inv_freq, rope_scaling = rope if rope is not None else (seq_lens, 1.0)
-    q_w, k_w, q_eps, k_eps, gemma_norm = qk_norm if qk_norm is not None else (query, query, 0.0, 0.0, False)
+    transform_args, transform_consts = transform_launch_args(query, seq_lens, head_size, rope, qk_norm)
     _decode_pieces_kernel[(programs_per_head, num_kv_heads)](
         out, ws.part_acc, ws.part_ml, ws.grab, ws.done, ws.arrive,
         query, k_cache, v_cache, block_table, seq_lens,
         decode_order if decode_order is not None else seq_lens, ends,
-        new_k, new_v, slot_mapping, inv_freq, rope_scaling, q_w, k_w, float(q_eps), float(k_eps),
+        new_k, new_v, slot_mapping, *transform_args,
         num_reqs, num_q_heads, scale, soft_cap if soft_cap is not None else 1.0,
         *kernel_strides(query, out, k_cache, v_cache, block_table, new_k, new_v),
         HEAD_SIZE=head_size,
@@ -383,11 +381,7 @@ def decode_pieces_attention(
         SEARCH_BLOCK=_SEARCH_BLOCK,
         ORDERED=decode_order is not None,
         WRITE_KV=new_kv is not None,
-        ROPE=rope is not None,
-        ROT_HALF=inv_freq.numel() if rope is not None else 1,
-        QK_NORM=qk_norm is not None,
-        GEMMA_NORM=bool(gemma_norm),
-        EXACT=rope is not None and exact_rounding(query),
+        **transform_consts,
         FP16_DOTS=fp16_dots,
         MAX_PIECES=max_pieces,
         num_warps=num_warps,

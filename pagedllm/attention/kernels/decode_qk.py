@@ -10,10 +10,11 @@ dtype; Gemma style multiplies by ``1 + w`` in float32 and casts after.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_math import norm_weight, rope_combine
+from pagedllm.kernel_math import exact_rounding, norm_weight, rope_combine
 
 
 @triton.jit
@@ -126,3 +127,25 @@ def store_new_token(
     # Through float32: one rounding into any cache type, float8 included (reshape_and_cache.py).
     tl.store(k_cache_ptr + dst, new_k.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=dim_valid)
     tl.store(v_cache_ptr + dst, new_v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=dim_valid)
+
+
+def transform_launch_args(query, placeholder, head_size: int, rope, qk_norm) -> tuple[tuple, dict]:
+    """A launch's (inv_freq, scaling, q weight, k weight, q eps, k eps) arguments and its ROPE, ROT_HALF,
+    QK_NORM, GEMMA_NORM and EXACT constants, from the host's ``rope`` = (inv_freq [R/2] float32, scaling)
+    and ``qk_norm`` = (q weight [D], k weight [D], q eps, k eps, gemma style); ``placeholder`` is any
+    tensor, passed where a transform is off."""
+    if rope is not None:
+        inv_freq, scaling = rope
+        assert inv_freq.dtype == torch.float32 and 2 * inv_freq.numel() <= head_size
+    else:
+        inv_freq, scaling = placeholder, 1.0
+    if qk_norm is not None:
+        q_w, k_w, q_eps, k_eps, gemma = qk_norm
+        assert q_w.numel() == head_size == k_w.numel() and q_w.is_contiguous() and k_w.is_contiguous()
+    else:
+        q_w, k_w, q_eps, k_eps, gemma = placeholder, placeholder, 0.0, 0.0, False
+    args = (inv_freq, scaling, q_w, k_w, float(q_eps), float(k_eps))
+    consts = dict(ROPE=rope is not None, ROT_HALF=inv_freq.numel() if rope is not None else 1,
+                  QK_NORM=qk_norm is not None, GEMMA_NORM=bool(gemma),
+                  EXACT=rope is not None and exact_rounding(query))
+    return args, consts

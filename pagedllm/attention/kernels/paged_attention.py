@@ -9,10 +9,9 @@ from pagedllm.attention.kernels.attend_tile import _attend_ranges, chunk_descrip
 from pagedllm.attention.kernels.launch_config import (
     KernelConfig, choose_num_splits, default_config, device_sm_count, per_head_config,
 )
-from pagedllm.attention.kernels.decode_qk import store_new_token, transform_heads
+from pagedllm.attention.kernels.decode_qk import store_new_token, transform_heads, transform_launch_args
 from pagedllm.attention.kernels.split_reduce import _reduce_splits_kernel
 from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
-from pagedllm.kernel_math import exact_rounding
 
 # Requests scanned per step when a program looks up which request it serves.
 _SEARCH_BLOCK = 128
@@ -369,20 +368,9 @@ def paged_attention(
     else:
         new_k = new_v = query
         slot_mapping = seq_lens
-    if rope is not None:
-        assert new_kv is not None, "the rotary embedding is fused only with the decode cache write"
-        inv_freq, rope_scaling = rope
-        assert inv_freq.dtype == torch.float32 and 2 * inv_freq.numel() <= head_size
-    else:
-        inv_freq, rope_scaling = seq_lens, 1.0
-    if qk_norm is not None:
-        assert new_kv is not None, "the q/k norm is fused only with the decode cache write"
-        q_w, k_w, q_eps, k_eps, gemma_norm = qk_norm
-        assert q_w.numel() == head_size == k_w.numel() and q_w.is_contiguous() and k_w.is_contiguous()
-    else:
-        q_w = k_w = query
-        q_eps = k_eps = 0.0
-        gemma_norm = False
+    assert rope is None or new_kv is not None, "the rotary embedding is fused only with the decode cache write"
+    assert qk_norm is None or new_kv is not None, "the q/k norm is fused only with the decode cache write"
+    transform_args, transform_consts = transform_launch_args(query, seq_lens, head_size, rope, qk_norm)
     k_desc = v_desc = None
     if chunk_kv is not None:
         # Not under a sliding window: Triton 3.6's TMA variant of the windowed kernel crashes ptxas (sm_90a).
@@ -402,8 +390,7 @@ def paged_attention(
             decode_order if ordered else seq_lens,
             new_k, new_v, slot_mapping,
             k_desc, v_desc,
-            inv_freq, rope_scaling,
-            q_w, k_w, float(q_eps), float(k_eps),
+            *transform_args,
             num_reqs, num_q_heads, num_splits,
             scale,
             soft_cap if soft_cap is not None else 1.0,
@@ -426,11 +413,7 @@ def paged_attention(
             WRITE_KV=new_kv is not None,
             CHUNK_KV=chunk_kv is not None,
             CHUNK_TMA=k_desc is not None,
-            ROPE=rope is not None,
-            ROT_HALF=inv_freq.numel() if rope is not None else 1,
-            QK_NORM=qk_norm is not None,
-            GEMMA_NORM=bool(gemma_norm),
-            EXACT=rope is not None and exact_rounding(query),
+            **transform_consts,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}),
