@@ -10,7 +10,8 @@ decode attention take requests in batch order instead of longest context first (
 and ``perhead`` serves prompt chunks one query head a program (``TritonImpl.prompt_per_head``), and ``fp8kv`` keeps
 the KV cache in float8 e4m3 (``kv_cache_dtype="fp8"``, an engine option rather than a switch). ``fp8nopieces``, ``fp8pieces512`` and
 ``fp8pieces792`` keep it too, with float8 decode in one program per (request, KV head), in 512-key pieces, or in
-pieces only from 792 such pairs (``TritonImpl.decode_pieces``, ``decode_piece_len``, ``decode_pieces_min_programs``). Each variant runs
+pieces only from 792 such pairs (``TritonImpl.decode_pieces``, ``decode_piece_len``, ``decode_pieces_min_programs``).
+``fp8w`` quantizes the weights to float8 at load (``quantization="fp8"``), and ``fp8all`` does so over a float8 cache. Each variant runs
 (1) workload 3, Llama-3-8B batch 1, 1000-token prompt, time per output token, and (2) workload 1,
 Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s; with ``--workload2`` also (3) workload 2. Random weights, bf16, greedy. Prints a
 table of both figures per variant and their ratio to ``base``; writes one JSON file.
@@ -50,10 +51,13 @@ VARIANTS = {
     "fp8nopieces": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "0"},
     "fp8pieces512": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "512"},
     "fp8pieces792": {"BENCH_KV_CACHE_DTYPE": "fp8", "BENCH_DECODE_PIECES": "1", "BENCH_DECODE_PIECES_MIN": "792"},
+    # This script's child builds its engines with quantization="fp8" (float8 weights), alone or with the float8 cache.
+    "fp8w": {"BENCH_QUANTIZATION": "fp8"},
+    "fp8all": {"BENCH_QUANTIZATION": "fp8", "BENCH_KV_CACHE_DTYPE": "fp8"},
 }
 _BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK_NORM", "BENCH_NO_DECODE_ORDER",
                    "BENCH_PAGED_CHUNK_KEYS", "BENCH_PROMPT_PER_HEAD", "BENCH_KV_CACHE_DTYPE",
-                   "BENCH_FP8_FP16_DOTS", "BENCH_DECODE_PIECES", "BENCH_DECODE_PIECES_MIN")
+                   "BENCH_FP8_FP16_DOTS", "BENCH_DECODE_PIECES", "BENCH_DECODE_PIECES_MIN", "BENCH_QUANTIZATION")
 
 
 def run_variant(args) -> dict:
@@ -82,7 +86,8 @@ def run_variant(args) -> dict:
         if os.environ.get("BENCH_DECODE_PIECES_MIN"):
             TritonImpl.decode_pieces_min_programs = int(os.environ["BENCH_DECODE_PIECES_MIN"])
     out: dict = {}
-    engine_kw = {"kv_cache_dtype": os.environ.get("BENCH_KV_CACHE_DTYPE", "auto")}
+    engine_kw = {"kv_cache_dtype": os.environ.get("BENCH_KV_CACHE_DTYPE", "auto"),
+                 "quantization": os.environ.get("BENCH_QUANTIZATION") or None}
     if args.only_workload1:
         return {"workload1": _workload1(args, engine_kw)}
     llama = make_llm(args.smoke_model or LLAMA, args.smoke, **engine_kw)
@@ -170,6 +175,8 @@ def main() -> None:
         r1 = base["batch1"]["tpot_ms"] / tpot if "batch1" in base else float("nan")
         r2 = tps / base["workload1"]["output_tok_per_s"] if "workload1" in base else float("nan")
         line = f"{name:10s} {tpot:20.3f} {r1:8.3f} {tps:15.0f} {r2:8.3f}"
+        if "batch1" in res:
+            line += f"  | 8B 1000-token TTFT {res['batch1']['ttft_ms']:6.2f} ms"
         if "workload2" in res:
             w2 = res["workload2"]["output_tok_per_s"]
             r3 = w2 / base["workload2"]["output_tok_per_s"] if "workload2" in base else float("nan")

@@ -23,6 +23,11 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _KV_CACHE_TORCH_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
+# Weight quantization methods applied at load to a checkpoint in 16 or 32 bits: vLLM's names. "fp8" stores
+# every decoder linear in float8 e4m3 with one scale per output row, and quantizes each activation row on the fly.
+QUANTIZATION_METHODS = ("fp8",)
+
+
 def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache's element type: ``auto`` is the model's dtype, the fp8 names their torch float8 types."""
     import torch
@@ -67,6 +72,7 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     generation_config: dict = field(default_factory=dict)  # defaults from generation_config.json
     gguf_file: str | None = None
+    quantization: str | None = None  # a QUANTIZATION_METHODS name applied to the linears at load, or None
 
     @property
     def architecture(self) -> str:

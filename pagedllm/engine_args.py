@@ -9,6 +9,7 @@ from typing import Any
 
 from pagedllm.config import (
     KV_CACHE_DTYPES,
+    QUANTIZATION_METHODS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -33,6 +34,7 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
@@ -68,6 +70,11 @@ class EngineArgs:
             help="element type of the KV cache: auto is the model's dtype; fp8 (= fp8_e4m3) and fp8_e5m2 store "
             "values unscaled in one byte, which holds twice the tokens of a 16-bit cache and halves what decode "
             "attention reads",
+        )
+        parser.add_argument(
+            "--quantization", "-q", type=str, default=None, choices=list(QUANTIZATION_METHODS),
+            help="quantize the weights at load: fp8 keeps each decoder linear in float8 e4m3 with a scale per "
+            "output row and quantizes activations per token (half the weight bytes, float8 tensor-core products)",
         )
         parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
@@ -105,6 +112,10 @@ class EngineArgs:
     def _check(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64; got {self.block_size}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None; got {self.quantization!r}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -153,6 +164,7 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             generation_config=src.generation_config,
             gguf_file=src.gguf_file,
+            quantization=self.quantization,
         )
         return EngineConfig(
             model_config=model_config,

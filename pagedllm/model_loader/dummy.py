@@ -32,4 +32,4 @@ class DummyModelLoader(BaseModelLoader):
     ) -> nn.Module:
         model = build_model(model_config, device, attn_backend)
         initialize_dummy_weights(model, seed=model_config.seed)
-        return finalize_model(model, device)
+        return finalize_model(model, device, model_config.quantization)

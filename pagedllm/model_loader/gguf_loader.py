@@ -245,4 +245,4 @@ class GGUFModelLoader(BaseModelLoader):
         check_all_loaded(model, loaded, path)
         if keep:
             store_converted(path, model_config.hf_config, keep)
-        return finalize_model(model, device)
+        return finalize_model(model, device, model_config.quantization)

@@ -59,9 +59,15 @@ def build_model(
         return model_cls(model_config, attn_backend)
 
 
-def finalize_model(model: nn.Module, device: torch.device | str) -> nn.Module:
+def finalize_model(model: nn.Module, device: torch.device | str, quantization: str | None = None) -> nn.Module:
+    """The loaded model on ``device`` in eval mode, its linears quantized when ``quantization`` names a method."""
     model.requires_grad_(False)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if quantization is not None:
+        from pagedllm.layers.quantization import quantize_model
+
+        quantize_model(model, quantization)
+    return model
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
@@ -81,7 +87,7 @@ class DefaultModelLoader(BaseModelLoader):
         weights = iterate_weights(model_config.model, self.load_config.load_format)
         loaded = model.load_weights(weights)
         check_all_loaded(model, loaded, model_config.model)
-        return finalize_model(model, device)
+        return finalize_model(model, device, model_config.quantization)
 
 
 def available_load_formats() -> list[str]:

@@ -5,6 +5,8 @@ answers the narrow shapes (an output of a few thousand rows over a long input) w
 second, reduction kernel per product and its launch gap. Here each program owns ``BLOCK_N`` output rows,
 walks the whole input dimension in ``BLOCK_K`` steps with an fp32 element-wise accumulator, and reduces
 once at the end: one launch, no partial sums in memory, and a fixed summation order (run-to-run identical).
+A float8 weight with one scale per output row (``--quantization fp8``) is read as is and each row's sum is
+multiplied by its scale: half the bytes, and the 16-bit activation is not quantized.
 """
 from __future__ import annotations
 
@@ -30,10 +32,12 @@ def _gemv_kernel(
     x_ptr,  # [K] contiguous
     w_ptr,  # [N, K], last dim contiguous
     b_ptr,  # [N] (read only when HAS_BIAS)
+    s_ptr,  # [N] float32 weight row scales (read only when HAS_SCALE)
     y_ptr,  # [N] contiguous
     K,
     stride_wn,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
@@ -55,6 +59,8 @@ def _gemv_kernel(
         w = tl.load(w_ptrs + k0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
         acc += w * x[None, :]
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if HAS_SCALE:
+        y *= tl.load(s_ptr + rows)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
@@ -75,13 +81,14 @@ def default_config(n: int, k: int) -> GemvConfig | None:
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One token on CUDA in a half type, a contiguous weight, and shapes a tile divides."""
+    """One token on CUDA in a half type, a contiguous weight in that type or in float8 e4m3, and shapes a
+    tile divides."""
     return (
         x.dim() == 2
         and x.shape[0] == 1
         and x.is_cuda
         and x.dtype in SUPPORTED_DTYPES
-        and weight.dtype == x.dtype
+        and weight.dtype in (x.dtype, torch.float8_e4m3fn)
         and weight.stride(-1) == 1
         and default_config(weight.shape[0], weight.shape[1]) is not None
     )
@@ -92,16 +99,19 @@ def gemv(
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
     config: GemvConfig | None = None,
+    scale: torch.Tensor | None = None,  # [N] float32 row scales of a float8 weight
 ) -> torch.Tensor:  # [1, N]
     n, k = weight.shape
+    assert (scale is not None) == (weight.dtype == torch.float8_e4m3fn), "a float8 weight needs its row scales"
     cfg = config or default_config(n, k)
     assert cfg is not None and n % cfg.block_n == 0 and k % cfg.block_k == 0, (n, k, cfg)
     x = x.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(n // cfg.block_n,)](
-        x, weight, bias if bias is not None else y, y,
+        x, weight, bias if bias is not None else y, scale if scale is not None else y, y,
         k, weight.stride(0),
         HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,

@@ -1,0 +1,37 @@
+"""Weight quantization applied at load: the methods by name (``ModelConfig.quantization``) and the pass over a model."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from pagedllm.config import QUANTIZATION_METHODS
+
+logger = logging.getLogger("pagedllm")
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Quantizes every linear layer of ``model`` that ``method`` can hold, in place, one layer at a time
+    (so the peak is the loaded model plus one layer). Returns how many layers it quantized."""
+    from pagedllm.layers.linear import LinearBase
+    from pagedllm.layers.quantization.fp8 import Fp8LinearMethod, quantizable
+
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {method!r}")
+    done, kept = 0, []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LinearBase):
+            continue
+        if not quantizable(layer):
+            kept.append(name)
+            continue
+        layer.quant_method = Fp8LinearMethod()
+        layer.quant_method.process_weights_after_loading(layer)
+        done += 1
+    if kept:
+        logger.info("quantization %s: %d linear layers kept in %s (dimensions not multiples of 16): %s",
+                    method, len(kept), next(model.parameters()).dtype, ", ".join(kept[:4]))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the 16-bit weights' memory goes back for the KV cache
+    return done

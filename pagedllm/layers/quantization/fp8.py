@@ -1,0 +1,89 @@
+"""Float8 (e4m3) linears quantized at load: one scale per weight row, one per activation row (token).
+
+``--quantization fp8`` takes a 16- or 32-bit checkpoint, loads it as usual, then rounds every decoder
+linear's weight to float8 with a float32 scale per output row (the row's largest magnitude over 448).
+A product then runs one of three ways:
+- CUDA, one token in a half type: the batch-1 GEMV reads the float8 weight and scales each output row;
+  the activation stays in 16 bits (a decode token is a weight read, and this halves it).
+- CUDA, more tokens in a half type: each activation row is quantized the same way (one Triton launch)
+  and ``torch._scaled_mm`` multiplies on the float8 tensor cores, applying both scales to the float32
+  sums (cuBLAS's row-wise scaling).
+- Anywhere else (the CPU, float32 models): ``fp8_linear_ref``, the same quantization and the same
+  scaled sum computed in float32, which is also the oracle of the two fast paths.
+The embedding and the LM head stay in the model's dtype, as in vLLM.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.kernels.fp8_quant import FP8_MAX, MIN_SCALE
+from pagedllm.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+
+FP8_DTYPE = torch.float8_e4m3fn
+# torch._scaled_mm's shape rule: both dimensions of the float8 weight must be multiples of 16.
+_MM_ALIGN = 16
+
+
+def quantize_rows_ref(
+    x: torch.Tensor,  # [M, K]
+) -> tuple[torch.Tensor, torch.Tensor]:  # q [M, K] float8_e4m3fn, scales [M, 1] float32
+    """Each row over its own scale, rounded to nearest float8: the arithmetic of the Triton kernel."""
+    xf = x.float()
+    scales = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (xf / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+def fp8_linear_ref(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [T, N] in x's dtype
+    """``x`` quantized per row, times the float8 weight, both scales applied to float32 sums."""
+    q, scales = quantize_rows_ref(x)
+    y = (q.float() @ weight.float().t()) * scales * weight_scale[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def quantizable(layer: nn.Module) -> bool:
+    """A 2-D weight whose dimensions suit the float8 product."""
+    w = getattr(layer, "weight", None)
+    return w is not None and w.dim() == 2 and w.shape[0] % _MM_ALIGN == 0 and w.shape[1] % _MM_ALIGN == 0
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    """Creates the checkpoint's 16/32-bit weight, quantizes it after loading, then multiplies in float8."""
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype
+    ) -> None:
+        UnquantizedLinearMethod().create_weights(layer, input_size, output_size, bias, params_dtype)
+
+    @staticmethod
+    def process_weights_after_loading(layer: nn.Module) -> None:
+        """Replaces ``layer.weight`` [N, K] by its float8 rows and adds ``weight_scale`` [N] float32."""
+        q, scales = quantize_rows_ref(layer.weight.data)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scales.reshape(-1).contiguous(), requires_grad=False)
+        # The [1, N] view torch._scaled_mm takes as the second operand's scales.
+        layer.weight_scale_row = layer.weight_scale.view(1, -1)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        w, w_scale = layer.weight, layer.weight_scale
+        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+            if x.shape[0] == 1:
+                from pagedllm.layers.kernels import gemv
+
+                if gemv.usable(x, w):
+                    return gemv.gemv(x, w, bias, scale=w_scale)  # [1, N]
+            from pagedllm.layers.kernels import fp8_quant
+
+            if x.shape[0] > 0 and fp8_quant.usable(x):
+                q, scales = fp8_quant.quantize_rows(x)  # [T, K] float8, [T, 1]
+                # w.t() is the column-major [K, N] operand cuBLAS wants.
+                y = torch._scaled_mm(q, w.t(), scale_a=scales, scale_b=layer.weight_scale_row, out_dtype=x.dtype)
+                return y if bias is None else y + bias
+        return fp8_linear_ref(x, w, w_scale, bias)

@@ -1,0 +1,68 @@
+"""Float8 weights on the GPU: the Triton row quantizer bit-exact against torch on hardware rounding, both
+fast products against the float32 reference, and a quantized model's graph and eager runs identical."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.kernels import fp8_quant, gemv
+from pagedllm.layers.quantization.fp8 import Fp8LinearMethod, fp8_linear_ref, quantize_rows_ref
+from tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "k"), [(1, 4096), (37, 1024), (256, 14336)])
+def test_row_quantizer_is_bit_exact(m: int, k: int, dtype: torch.dtype) -> None:
+    x = (torch.randn(m, k, device="cuda") * torch.logspace(-3, 2, m, device="cuda")[:, None]).to(dtype)
+    q, s = fp8_quant.quantize_rows(x)
+    ref_q, ref_s = quantize_rows_ref(x)
+    assert torch.equal(s, ref_s)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, n: int, k: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter((torch.randn(n, k, device="cuda") * k**-0.5).to(dtype), requires_grad=False)
+        Fp8LinearMethod.process_weights_after_loading(self)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 4096), (1, 4096, 14336), (7, 6144, 4096), (256, 4096, 14336),
+                                           (1000, 28672, 4096)])
+def test_fp8_products_match_the_reference(m: int, n: int, k: int) -> None:
+    layer = _Layer(n, k, torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = Fp8LinearMethod().apply(layer, x, bias)
+    if m == 1:
+        # The GEMV keeps the activation in 16 bits: its reference is the 16-bit row times the float8 weight.
+        assert gemv.usable(x, layer.weight)
+        ref = (x.float() @ layer.weight.float().t()) * layer.weight_scale[None, :] + bias.float()
+    else:
+        ref = fp8_linear_ref(x.float(), layer.weight, layer.weight_scale, bias.float())
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    # float32 sums in another order, then one bf16 rounding of the output (|y| ~ 1-4).
+    torch.testing.assert_close(y.float(), ref, atol=3e-2, rtol=1e-2)
+
+
+def test_quantized_model_graph_and_eager_identical(tmp_path) -> None:
+    path = make_tiny_model("qwen3", tmp_path / "qwen3")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 380, (int(n),), generator=gen).tolist()} for n in (5, 19, 33, 2)]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m, detokenize=False) for m in (9, 17, 4, 23)]
+    outs = []
+    for eager in (False, True):
+        llm = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8, max_model_len=256, seed=0, dtype="bfloat16",
+                  quantization="fp8", enforce_eager=eager)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert outs[0] == outs[1]
+    assert [len(t) for t in outs[0]] == [9, 17, 4, 23]
