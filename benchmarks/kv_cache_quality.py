@@ -1,4 +1,4 @@
-"""What a float8 KV cache costs in accuracy: perplexity and greedy agreement against the model's own dtype.
+"""What a float8 KV cache or float8 weights cost in accuracy: perplexity and greedy agreement against the model's own dtype.
 
 Runs the default model (Gemma 3 270M) on the CPU over English text that ships with Python (module
 docstrings of the standard library and its license), once per ``kv_cache_dtype``:
@@ -6,8 +6,11 @@ docstrings of the standard library and its license), once per ``kv_cache_dtype``
   so its rounding shows);
 - greedy continuations of prompts cut from the same text: tokens until the first one that differs
   from the reference cache's continuation.
+Each entry of ``--cache-dtypes`` is a ``kv_cache_dtype``, optionally followed by ``/METHOD`` for weights
+quantized at load (``auto/fp8``: the model's own cache, float8 weights); the first entry is the reference.
 
     python benchmarks/kv_cache_quality.py [--model PATH] [--dtype float32] [--chunks 8] [--output-json F]
+        [--cache-dtypes auto,fp8,fp8_e5m2,auto/fp8,fp8/fp8]
 """
 from __future__ import annotations
 
@@ -60,8 +63,10 @@ def main() -> None:
     results: dict = {"model": model, "dtype": args.dtype, "chunks": args.chunks, "chunk_tokens": args.chunk_tokens}
     continuations: dict[str, list[list[int]]] = {}
     chunks: list[list[int]] = []
-    for cache_dtype in args.cache_dtypes.split(","):
-        llm = LLM(model=model, dtype=args.dtype, device="cpu", kv_cache_dtype=cache_dtype, enable_prefix_caching=False)
+    for config in args.cache_dtypes.split(","):
+        cache_dtype, _, quantization = config.partition("/")
+        llm = LLM(model=model, dtype=args.dtype, device="cpu", kv_cache_dtype=cache_dtype, enable_prefix_caching=False,
+                  quantization=quantization or None)
         if not chunks:
             ids = llm.get_tokenizer().encode(english_text())
             n = args.chunk_tokens
@@ -77,14 +82,14 @@ def main() -> None:
                 count += 1
         prompts = [{"prompt_token_ids": c[: len(c) // 2]} for c in chunks]
         greedy = SamplingParams(temperature=0.0, max_tokens=args.continue_tokens, ignore_eos=True, detokenize=False)
-        continuations[cache_dtype] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        results[cache_dtype] = {"perplexity": math.exp(nll / count), "scored_tokens": count}
+        continuations[config] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        results[config] = {"perplexity": math.exp(nll / count), "scored_tokens": count}
         llm.llm_engine.engine_core.shutdown()
         del llm
     ref_name = args.cache_dtypes.split(",")[0]
     ref = continuations[ref_name]
     print(f"{model}: {len(chunks)} chunks of {args.chunk_tokens} tokens, dtype {args.dtype}")
-    print(f"{'cache':10s} {'perplexity':>10s} {'vs ' + ref_name:>9s} {'same greedy tokens (mean of prefixes)':>40s}")
+    print(f"{'cache[/weights]':10s} {'perplexity':>10s} {'vs ' + ref_name:>9s} {'same greedy tokens (mean of prefixes)':>40s}")
     for name, cont in continuations.items():
         same = []
         for a, b in zip(cont, ref):

@@ -2,8 +2,11 @@
 
 For each (model, tokens) case every distinct weight shape of the model is timed as the model runs it:
 one product per layer, each layer with its own weight (so the 60 MB L2 holds none of them), all
-replayed from one CUDA graph. Batch-1 rows report the weight-read rate against the device copy rate;
-larger batches report TFLOP/s. Usage: ``python benchmarks/linear_shapes.py [--json PATH]``.
+replayed from one CUDA graph. Batch-1 rows report the weight-read rate against the device copy rate
+(over the bf16 weight's bytes, so a float8 read at the same rate shows half the time); larger batches
+report TFLOP/s. ``--fp8`` also times the ``quantization="fp8"`` products: the float8 GEMV at batch 1,
+and above it the row quantizer plus ``torch._scaled_mm`` (``fp8``), and the two apart.
+Usage: ``python benchmarks/linear_shapes.py [--json PATH] [--fp8] [--sweep]``.
 """
 from __future__ import annotations
 
@@ -72,6 +75,58 @@ def time_tunable(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
     return {"tunable": t, "tunable_bit_equal": same}
 
 
+def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool) -> dict:
+    """The float8 products of these weights (quantized per row) on these rows: the GEMV at one row, else the
+    quantizer plus ``torch._scaled_mm``; with ``sweep``, the GEMV's tile configs too."""
+    from pagedllm.layers.kernels import fp8_quant
+    from pagedllm.layers.kernels.gemv import GemvConfig, default_config, gemv
+    from pagedllm.layers.quantization.fp8 import quantize_rows_ref
+
+    quantized = [quantize_rows_ref(w) for w in weights]
+    qw = [(q, s.reshape(-1), s.view(1, -1)) for q, s in quantized]
+    n, k = weights[0].shape
+    out = {}
+    if x.shape[0] == 1 and default_config(n, k) is not None:
+        out["fp8_gemv"] = graph_time_us(lambda: [gemv(x, q, scale=s) for q, s, _ in qw])
+        if sweep:
+            best = (out["fp8_gemv"], str(default_config(n, k)))
+            for bn, bk, warps in itertools.product((4, 8, 16), (512, 1024, 2048, 4096), (4, 8)):
+                if n % bn or k % bk or bn * bk // (32 * warps) > 256:
+                    continue
+                cfg = GemvConfig(bn, bk, warps)
+                t = graph_time_us(lambda: [gemv(x, q, config=cfg, scale=s) for q, s, _ in qw], reps=5)
+                best = min(best, (t, str(cfg)))
+            out["fp8_best"] = best
+        return out
+
+    def product(q, s_row):
+        xq, xs = fp8_quant.quantize_rows(x)
+        return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s_row, out_dtype=x.dtype)
+
+    out["fp8"] = graph_time_us(lambda: [product(q, s_row) for q, _, s_row in qw])
+    out["fp8_quant"] = graph_time_us(lambda: [fp8_quant.quantize_rows(x) for _ in qw])
+    xq, xs = fp8_quant.quantize_rows(x)
+    out["fp8_mm_only"] = graph_time_us(
+        lambda: [torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s_row, out_dtype=x.dtype) for q, _, s_row in qw])
+    return out
+
+
+def time_fp8_producers(tokens: int, hidden: int, intermediate: int) -> dict:
+    """The norm and the gated activation that feed float8 products: unfused (the kernel, then the row
+    quantizer) against the kernel quantizing its own output, one call each per layer's worth of rows."""
+    from pagedllm.layers.kernels import activation, fp8_quant, rmsnorm
+
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    w = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
+    gu = torch.randn(tokens, 2 * intermediate, dtype=torch.bfloat16, device="cuda")
+    return {
+        "norm_then_quant": graph_time_us(lambda: fp8_quant.quantize_rows(rmsnorm.rms_norm(x, w, 1e-6, x)[0])),
+        "norm_quant_fused": graph_time_us(lambda: rmsnorm.rms_norm(x, w, 1e-6, x, quantize=True)),
+        "act_then_quant": graph_time_us(lambda: fp8_quant.quantize_rows(activation.act_and_mul(gu, "silu"))),
+        "act_quant_fused": graph_time_us(lambda: activation.act_and_mul(gu, "silu", quantize=True)),
+    }
+
+
 def skinny_candidates(tokens: int, n: int, k: int) -> list:
     """Skinny-GEMM launch shapes to sweep: row tiles near the token count, 32-128 columns, K split 1-8 ways."""
     from pagedllm.layers.kernels import skinny_gemm as sg
@@ -99,6 +154,7 @@ def main() -> None:
     ap.add_argument("--cases", default="", help="MODEL:TOKENS,... to time instead of all cases")
     ap.add_argument("--tunable", action="store_true",
                     help="also time torch's TunableOp: each shape tuned eagerly over the BLAS algorithms, then replayed")
+    ap.add_argument("--fp8", action="store_true", help="also time the float8 products of quantization='fp8'")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("linear_shapes: no CUDA device; nothing to time")
@@ -117,6 +173,12 @@ def main() -> None:
         layers, shapes = MODELS[model]
         vocab, hidden = HEADS[model]
         shapes = shapes + [("lm_head", vocab, hidden)]
+        if args.fp8 and tokens > 1:
+            inter = next(n for name, n, _ in shapes if name == "gate_up") // 2
+            prod = time_fp8_producers(tokens, hidden, inter)
+            print(f"{model:11s} T={tokens:4d} producers (us, one call): "
+                  + "  ".join(f"{key} {val:.1f}" for key, val in prod.items()), flush=True)
+            rows.append({"model": model, "tokens": tokens, "name": "fp8_producers", **prod})
         for name, n, k in shapes:
             count = 1 if name == "lm_head" else layers
             weights = [torch.empty(n, k, dtype=dt, device="cuda").normal_(std=0.02) for _ in range(count)]
@@ -147,6 +209,8 @@ def main() -> None:
                                 t = graph_time_us(lambda: [gemv(x, w, config=cfg) for w in weights], reps=5)
                                 best = min(best, (t, str(cfg)))
                     res["best"] = best
+            if args.fp8 and name != "lm_head":
+                res.update(time_fp8(x, weights, sweep=args.sweep))
             if 1 < tokens <= sg.MAX_ROWS and sg.default_config(tokens, n, k) is not None:
                 res["triton"] = graph_time_us(lambda: [sg.skinny_gemm(x, w) for w in weights])
                 err = (sg.skinny_gemm(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max().item()
@@ -161,21 +225,25 @@ def main() -> None:
                             continue
                         best = min(best, (t, str(cfg)))
                     res["best"] = best
-            libs = [key for key in ("cublas", "cublaslt", "tunable", "cublas_l2_hot", "gemv", "triton") if key in res]
+            libs = [key for key in ("cublas", "cublaslt", "tunable", "cublas_l2_hot", "gemv", "triton", "fp8", "fp8_gemv")
+                    if key in res]
             if tokens == 1:
                 rate = "  ".join(f"{key} {res[key]:8.1f} us {nbytes / (res[key] * 1e-6) / 1e12 / bw:6.1%}" for key in libs)
             else:
                 rate = "  ".join(f"{key} {res[key]:8.1f} us {flops / (res[key] * 1e-6) / 1e12:6.0f} TF/s" for key in libs)
             extra = f"  best {res['best'][0]:.1f} us {res['best'][1]}" if "best" in res else ""
+            extra += "".join(f"  {key} {res[key]:.1f} us" for key in ("fp8_quant", "fp8_mm_only") if key in res)
+            extra += f"  fp8 best {res['fp8_best'][0]:.1f} us {res['fp8_best'][1]}" if "fp8_best" in res else ""
             print(f"{model:11s} T={tokens:4d} {name:8s} {n:6d}x{k:5d} x{count:2d}: {rate}{extra}", flush=True)
             rows.append(res)
             del weights
         torch.cuda.empty_cache()
     summary = {}
     for model, tokens in cases:
-        sel = [r for r in rows if r["model"] == model and r["tokens"] == tokens]
+        sel = [r for r in rows if r["model"] == model and r["tokens"] == tokens and "cublas" in r]
         summary[f"{model} T={tokens}"] = {
-            key: sum(r.get(key, r["cublas"]) for r in sel) for key in ("cublas", "cublaslt", "tunable", "gemv", "triton")
+            key: sum(r.get(key, r["cublas"]) for r in sel)
+            for key in ("cublas", "cublaslt", "tunable", "gemv", "triton", "fp8", "fp8_gemv")
         }
         if any("best" in r for r in sel):
             summary[f"{model} T={tokens}"]["best"] = sum(min(r["best"][0], r["cublas"]) if "best" in r else r["cublas"]

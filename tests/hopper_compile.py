@@ -71,13 +71,17 @@ def main() -> None:
     launches: list = []
     for kernel in (gemv._gemv_kernel, skinny_gemm._skinny_gemm_kernel, rmsnorm._rmsnorm_kernel, activation._act_and_mul_kernel, rotary._rotary_kernel,
                    qk_norm_rotary._qk_norm_rotary_kernel, rc._reshape_and_cache_kernel, pa._paged_attention_kernel,
-                   pa._reduce_splits_kernel, dp._piece_ends_kernel, dp._decode_pieces_kernel, fp8_quant._quant_rows_kernel):
+                   pa._reduce_splits_kernel, dp._piece_ends_kernel, dp._decode_pieces_kernel, fp8_quant._quant_rows_kernel,
+                   activation._act_and_mul_quant_kernel):
         _record(kernel, launches)
     bf = torch.bfloat16
     gemv.gemv(torch.zeros(1, 1024, dtype=bf), torch.zeros(64, 1024, dtype=bf))
     # A float8 weight with row scales, and the activation quantizer of the float8 products.
     gemv.gemv(torch.zeros(1, 1024, dtype=bf), torch.zeros(64, 1024, dtype=torch.float8_e4m3fn), scale=torch.ones(64))
     fp8_quant.quantize_rows(torch.zeros(16, 1024, dtype=bf))
+    rmsnorm.rms_norm(torch.zeros(2, 1024, dtype=bf), torch.ones(1024, dtype=bf), 1e-6, torch.zeros(2, 1024, dtype=bf),
+                     quantize=True)
+    activation.act_and_mul(torch.zeros(2, 2048, dtype=bf), "silu", quantize=True)
     skinny_gemm.skinny_gemm(torch.zeros(16, 1024, dtype=bf), torch.zeros(1024, 1024, dtype=bf))
     split = skinny_gemm.GemmConfig(32, 32, 128, 4, 3, 4)  # the in-launch sum of a K split
     skinny_gemm.skinny_gemm(torch.zeros(16, 1024, dtype=bf), torch.zeros(1024, 1024, dtype=bf), config=split)

@@ -1,4 +1,8 @@
-"""Gated activations of the MLPs: act(gate) * up over a fused [gate | up] input."""
+"""Gated activations of the MLPs: act(gate) * up over a fused [gate | up] input.
+
+``quantize_output`` (set when a float8 linear consumes the output) makes the CUDA kernel hand
+multi-row outputs over as ``Fp8Rows``, quantized as that linear would quantize them.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,19 +10,30 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2F] -> [T, F]
-        if x.is_cuda:
-            from pagedllm.layers.kernels import activation as kernel  # one launch instead of two
+def _kernel_act_and_mul(module: nn.Module, x: torch.Tensor, act: str):
+    """The Triton kernel's [T, F] result (or Fp8Rows), or None where it does not apply."""
+    from pagedllm.layers.kernels import activation as kernel  # one launch instead of two
+    from pagedllm.layers.kernels.fp8_quant import fuse_wanted
 
-            if kernel.usable(x):
-                return kernel.act_and_mul(x, "silu")
+    if not kernel.usable(x):
+        return None
+    return kernel.act_and_mul(x, act, quantize=module.quantize_output and fuse_wanted(x))
+
+
+class SiluAndMul(nn.Module):
+    quantize_output = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2F] -> [T, F]
+        if x.is_cuda and (out := _kernel_act_and_mul(self, x, "silu")) is not None:
+            return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # in place on the fresh activation: one [T, F] buffer, not two
 
 
 class GeluAndMul(nn.Module):
     """GELU-gated unit; ``approximate="tanh"`` is HF's ``gelu_pytorch_tanh`` (Gemma)."""
+
+    quantize_output = False
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
@@ -27,11 +42,9 @@ class GeluAndMul(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2F] -> [T, F]
-        if x.is_cuda:
-            from pagedllm.layers.kernels import activation as kernel  # one launch instead of two
-
-            if kernel.usable(x):
-                return kernel.act_and_mul(x, "gelu_tanh" if self.approximate == "tanh" else "gelu")
+        act = "gelu_tanh" if self.approximate == "tanh" else "gelu"
+        if x.is_cuda and (out := _kernel_act_and_mul(self, x, act)) is not None:
+            return out
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate).mul_(up)  # in place: one [T, F] buffer, not two
 

@@ -11,7 +11,12 @@ class RMSNorm(nn.Module):
 
     The statistics are computed in float32 and the result is cast back before the weight multiply,
     exactly as HF's LlamaRMSNorm, so half-precision outputs round the same way.
+
+    ``quantize_output`` (set when a float8 linear consumes the output) makes the CUDA kernel hand
+    multi-row outputs over as ``Fp8Rows``, quantized as that linear would quantize them.
     """
+
+    quantize_output = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -36,7 +41,10 @@ class RMSNorm(nn.Module):
             from pagedllm.layers.kernels import rmsnorm as kernel
 
             if kernel.usable(x, self.weight, residual):
-                return kernel.rms_norm(x, self.weight, self.eps, residual, gemma=isinstance(self, GemmaRMSNorm))
+                from pagedllm.layers.kernels.fp8_quant import fuse_wanted
+
+                return kernel.rms_norm(x, self.weight, self.eps, residual, gemma=isinstance(self, GemmaRMSNorm),
+                                       quantize=self.quantize_output and fuse_wanted(x))
         if residual is not None:
             x = x + residual
             residual = x

@@ -170,6 +170,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
+    def fp8_input_producers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(module, linear that alone consumes its output): where float8 quantization fuses into the producer."""
+        return [(self.input_layernorm, self.self_attn.qkv_proj), (self.post_attention_layernorm, self.mlp.gate_up_proj),
+                (self.mlp.act_fn, self.mlp.down_proj)]
+
     def forward(
         self,
         positions: torch.Tensor,  # [T] int64

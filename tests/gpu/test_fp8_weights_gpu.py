@@ -66,3 +66,25 @@ def test_quantized_model_graph_and_eager_identical(tmp_path) -> None:
         torch.cuda.empty_cache()
     assert outs[0] == outs[1]
     assert [len(t) for t in outs[0]] == [9, 17, 4, 23]
+
+
+def test_fused_input_quantization_changes_no_bit(tmp_path) -> None:
+    """Norms and activations that quantize their own output give the logprobs of the standalone quantizer."""
+    path = make_tiny_model("llama", tmp_path / "llama")
+    gen = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(3, 380, (int(n),), generator=gen).tolist()} for n in (7, 30, 12)]
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12, logprobs=5, detokenize=False)
+    llm = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8, max_model_len=256, seed=0, dtype="bfloat16",
+              quantization="fp8", enforce_eager=True)
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    producers = [m for m in model.modules() if getattr(m, "quantize_output", False)]
+    assert len(producers) == 3 * 2
+    fused = llm.generate(prompts, params, use_tqdm=False)
+    for m in producers:
+        m.quantize_output = False
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    llm.llm_engine.engine_core.shutdown()
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
+               [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]

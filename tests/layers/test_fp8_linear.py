@@ -69,13 +69,16 @@ def test_gemv_reads_float8_weights_with_row_scales(n: int, k: int, bias: bool) -
 
 
 def test_scaled_mm_convention_is_the_reference_product() -> None:
-    """torch._scaled_mm (the CUDA path) multiplies row i by scale_a[i] and column j by scale_b[j]."""
+    """torch._scaled_mm (the CUDA path) multiplies row i by scale_a[i] and column j by scale_b[j]. CUDA's
+    row-wise scaling returns bf16 only (one rounding of |y| ~ 1-10); the CPU's returns float32."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(20, 96, generator=gen)
+    x = torch.randn(32, 96, generator=gen)
     w_q, w_s = quantize_rows_ref(torch.randn(48, 96, generator=gen))
     q, s = quantize_rows_ref(x)
-    y = torch._scaled_mm(q, w_q.t(), scale_a=s, scale_b=w_s.view(1, -1), out_dtype=torch.float32)
-    torch.testing.assert_close(y, fp8_linear_ref(x, w_q, w_s.reshape(-1), None), atol=1e-5, rtol=1e-5)
+    out_dtype, tol = (torch.bfloat16, 1e-2) if _ON_GPU else (torch.float32, 1e-5)
+    y = torch._scaled_mm(q.to(DEVICE), w_q.to(DEVICE).t(), scale_a=s.to(DEVICE), scale_b=w_s.view(1, -1).to(DEVICE),
+                         out_dtype=out_dtype)
+    torch.testing.assert_close(y.float().cpu(), fp8_linear_ref(x, w_q, w_s.reshape(-1), None), atol=tol, rtol=tol)
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +129,44 @@ def test_engine_args_name_the_bad_quantization() -> None:
 
     with pytest.raises(ValueError, match="quantization must be one of fp8 or None; got 'awq'"):
         EngineArgs(model="x", quantization="awq")._check()
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_norm_kernel_quantizes_its_output_as_the_quantizer_would(residual: bool, gemma: bool) -> None:
+    from pagedllm.layers.kernels import fp8_quant
+    from pagedllm.layers.kernels import rmsnorm as norm_k
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 320, generator=gen).half().to(DEVICE)
+    res = torch.randn(6, 320, generator=gen).half().to(DEVICE) if residual else None
+    w = (torch.randn(320, generator=gen) * 0.2 + (0.0 if gemma else 1.0)).half().to(DEVICE)
+    plain = norm_k.rms_norm(x, w, 1e-6, res, gemma=gemma)
+    fused = norm_k.rms_norm(x, w, 1e-6, res, gemma=gemma, quantize=True)
+    if residual:
+        (plain, plain_res), (fused, fused_res) = plain, fused
+        assert torch.equal(plain_res, fused_res)
+    q, s = fp8_quant.quantize_rows(plain)
+    assert isinstance(fused, fp8_quant.Fp8Rows) and fused.dtype == torch.float16 and fused.shape == (6, 320)
+    assert torch.equal(fused.scales, s) and torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_activation_kernel_quantizes_its_output_as_the_quantizer_would(act: str) -> None:
+    from pagedllm.layers.kernels import activation as act_k
+    from pagedllm.layers.kernels import fp8_quant
+
+    gen = torch.Generator().manual_seed(12)
+    x = (torch.randn(5, 2 * 1300, generator=gen) * 2).half().to(DEVICE)  # 1300: two column blocks, one partial
+    q, s = fp8_quant.quantize_rows(act_k.act_and_mul(x, act))
+    fused = act_k.act_and_mul(x, act, quantize=True)
+    assert torch.equal(fused.scales, s) and torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8))
+
+
+def test_quantized_model_flags_the_producers_of_float8_inputs(tiny_llama: str) -> None:
+    llm = _llm(tiny_llama, quantization="fp8")
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    for layer in model.model.layers:
+        assert layer.input_layernorm.quantize_output and layer.post_attention_layernorm.quantize_output
+        assert layer.mlp.act_fn.quantize_output
+    assert not model.model.norm.quantize_output  # the final norm feeds the 16-bit LM head

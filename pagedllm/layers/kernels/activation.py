@@ -1,4 +1,9 @@
-"""Triton gated activations ``act(gate) * up`` over a fused ``[gate | up]`` row: SiLU and GELU (tanh or erf) in one kernel."""
+"""Triton gated activations ``act(gate) * up`` over a fused ``[gate | up]`` row: SiLU and GELU (tanh or erf) in one kernel.
+
+A second kernel hands the rows to a float8 linear already quantized (``fp8_quant.Fp8Rows``): one program
+a row computes the products twice, once for the row's largest magnitude and once to quantize them,
+so the 16-bit product is never written.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,8 +11,30 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.layers.kernels.fp8_quant import Fp8Rows, row_scale, to_fp8_range
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _gated_product(row_ptr, cols, mask, n_cols, ACT: tl.constexpr):
+    """act(gate) * up at ``cols`` of one [gate | up] row, in float32 but rounded as torch rounds in the input type."""
+    g_raw = tl.load(row_ptr + cols, mask=mask, other=0.0)  # [BLOCK] input dtype
+    u = tl.load(row_ptr + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    g = g_raw.to(tl.float32)
+    if ACT == 0:
+        a = g / (1.0 + tl.exp(-g))
+    elif ACT == 1:
+        # sqrt(2/pi) and 0.044715: the constants of torch's tanh GELU.
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        # tanh(y) = 1 - 2 / (exp(2y) + 1): exact limits at +-inf, no libdevice needed.
+        t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+        a = 0.5 * g * (1.0 + t)
+    else:
+        a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    # torch rounds act(gate) to the input dtype before the multiply, then rounds the product.
+    a = a.to(g_raw.dtype).to(tl.float32)
+    return (a * u).to(g_raw.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -24,22 +51,36 @@ def _act_and_mul_kernel(
     tok = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < n_cols
-    g_raw = tl.load(x_ptr + tok * stride_xt + cols, mask=mask, other=0.0)  # [BLOCK] input dtype
-    u = tl.load(x_ptr + tok * stride_xt + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    g = g_raw.to(tl.float32)
-    if ACT == 0:
-        a = g / (1.0 + tl.exp(-g))
-    elif ACT == 1:
-        # sqrt(2/pi) and 0.044715: the constants of torch's tanh GELU.
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        # tanh(y) = 1 - 2 / (exp(2y) + 1): exact limits at +-inf, no libdevice needed.
-        t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
-        a = 0.5 * g * (1.0 + t)
-    else:
-        a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
-    # torch rounds act(gate) to the input dtype before the multiply, then rounds the product.
-    a = a.to(g_raw.dtype).to(tl.float32)
-    tl.store(out_ptr + tok * n_cols + cols, (a * u).to(g_raw.dtype), mask=mask)
+    out = _gated_product(x_ptr + tok * stride_xt, cols, mask, n_cols, ACT)
+    tl.store(out_ptr + tok * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _act_and_mul_quant_kernel(
+    x_ptr,  # [T, 2F], last dim contiguous
+    q_ptr,  # [T, F] float8 e4m3fn, contiguous
+    s_ptr,  # [T] float32 row scales
+    n_cols,  # F
+    stride_xt,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    wait_for_previous_kernel(USE_GDC, False)
+    tok = tl.program_id(0)
+    row_ptr = x_ptr + tok * stride_xt
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(_gated_product(row_ptr, cols, cols < n_cols, n_cols, ACT)))
+    # fp8_quant._quant_rows_kernel's arithmetic over the 16-bit products the unfused kernel would store.
+    scale = row_scale(tl.max(amax, axis=0))
+    tl.store(s_ptr + tok, scale)
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        q = to_fp8_range(_gated_product(row_ptr, cols, mask, n_cols, ACT), scale)
+        tl.store(q_ptr + tok * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 _ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -49,8 +90,15 @@ def usable(x: torch.Tensor) -> bool:
     return x.dtype in SUPPORTED_DTYPES and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] % 2 == 0 and x.numel() > 0
 
 
-def act_and_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:  # x [T, 2F] -> [T, F]
+def act_and_mul(x: torch.Tensor, act: str = "silu", quantize: bool = False):  # x [T, 2F] -> [T, F] (or Fp8Rows)
     tokens, n_cols = x.shape[0], x.shape[1] // 2
+    if quantize:
+        out = Fp8Rows(torch.empty((tokens, n_cols), dtype=torch.float8_e4m3fn, device=x.device),
+                      torch.empty((tokens, 1), dtype=torch.float32, device=x.device), x.dtype)
+        _act_and_mul_quant_kernel[(tokens,)](x, out.q, out.scales, n_cols, x.stride(0), ACT=_ACTS[act],
+                                             BLOCK=min(1024, triton.next_power_of_2(n_cols)), num_warps=4,
+                                             **pdl_launch_args(x))
+        return out
     out = torch.empty((tokens, n_cols), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n_cols))
     grid = (tokens, triton.cdiv(n_cols, block))

@@ -9,6 +9,8 @@ The arithmetic is ``layers.quantization.fp8.quantize_rows_ref``'s, so the two ag
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -18,7 +20,53 @@ from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
 # A row of zeros still gets a positive scale, so dequantization never divides by zero.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+# The same two numbers as the kernels see them.
+FP8_MAX_K = tl.constexpr(FP8_MAX)
+MIN_SCALE_K = tl.constexpr(MIN_SCALE)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activation rows already quantized by the kernel that produced them (a norm or a gated activation),
+    handed to a float8 linear instead of the 16-bit rows: the quantizer's launch and a write and two reads
+    of the 16-bit rows are saved."""
+
+    q: torch.Tensor  # [T, K] float8_e4m3fn
+    scales: torch.Tensor  # [T, 1] float32
+    dtype: torch.dtype  # the 16-bit type the rows had, which the product returns
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def fuse_wanted(x: torch.Tensor) -> bool:
+    """Whether a producer flagged ``quantize_output`` should hand these rows over quantized: exactly when the
+    float8 linear would quantize them itself (CUDA, a 16-bit type, more than one row; one row goes to the
+    GEMV, which keeps the 16-bit activation)."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2 and x.shape[0] > 1
+
+
+@triton.jit
+def row_scale(amax):
+    """A row's scale from its largest magnitude. IEEE divisions throughout (Triton's `/` on float32 is
+    approximate), as torch divides two tensors."""
+    return tl.maximum(tl.math.div_rn(amax, FP8_MAX_K), MIN_SCALE_K)
+
+
+@triton.jit
+def to_fp8_range(x, scale):
+    """``x / scale`` clamped to the float8 range, ready for the rounding cast to float8."""
+    return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX_K), FP8_MAX_K)
+
+
+@triton.jit
+def quantize_row_fp32(o, mask):
+    """(float8-range values [BLOCK], scale) of one row held whole in ``o`` (float32, already rounded to its
+    16-bit type): the arithmetic of ``_quant_rows_kernel``."""
+    scale = row_scale(tl.max(tl.where(mask, tl.abs(o), 0.0), axis=0))
+    return to_fp8_range(o, scale), scale
 
 
 @triton.jit
@@ -28,8 +76,6 @@ def _quant_rows_kernel(
     s_ptr,  # [M] float32 (stored as [M, 1])
     K,
     stride_xm,
-    FP8_MAX_C: tl.constexpr,
-    MIN_SCALE_C: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
@@ -41,13 +87,12 @@ def _quant_rows_kernel(
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    # IEEE divisions (Triton's `/` on float32 is approximate), as torch divides.
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_C), MIN_SCALE_C)
+    scale = row_scale(tl.max(amax, axis=0))
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + cols < K
         x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX_C), FP8_MAX_C)
+        q = to_fp8_range(x, scale)
         tl.store(q_ptr + row * K + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -66,8 +111,6 @@ def quantize_rows(
     block_k = min(1024, triton.next_power_of_2(k))
     _quant_rows_kernel[(m,)](
         x, q, scales, k, x.stride(0),
-        FP8_MAX_C=FP8_MAX,
-        MIN_SCALE_C=MIN_SCALE,
         BLOCK_K=block_k,
         num_warps=4,
         **pdl_launch_args(x),

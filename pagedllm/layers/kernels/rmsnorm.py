@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.layers.kernels.fp8_quant import Fp8Rows, quantize_row_fp32
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -22,6 +23,8 @@ def _rmsnorm_kernel(
     w_ptr,  # [H] contiguous
     out_ptr,  # [R0 * R1, H] contiguous
     res_out_ptr,  # [R0 * R1, H] contiguous; unused without HAS_RESIDUAL
+    q_ptr,  # [R0 * R1, H] float8 e4m3fn, contiguous; written instead of out with QUANT_OUT
+    s_ptr,  # [R0 * R1] float32 row scales (QUANT_OUT)
     n_inner,  # R1: rows per outer index (heads for q/k norm, 1 for hidden states)
     stride_x0, stride_x1,
     stride_r0, stride_r1,
@@ -29,6 +32,7 @@ def _rmsnorm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     GEMMA: tl.constexpr,
+    QUANT_OUT: tl.constexpr,  # store the output row as float8 plus its scale (fp8_quant.py's arithmetic)
     BLOCK_H: tl.constexpr,  # next power of two >= hidden: the whole row is one tile
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
@@ -53,7 +57,13 @@ def _rmsnorm_kernel(
     else:
         # Llama casts the normalized row first, then multiplies in the input dtype (one rounding each).
         out = w.to(tl.float32) * normed.to(x.dtype).to(tl.float32)
-    tl.store(out_ptr + row * hidden + cols, out.to(x.dtype), mask=mask)
+    if QUANT_OUT:
+        # The 16-bit output the unfused path would store, quantized as its own quantizer would.
+        q, scale = quantize_row_fp32(out.to(x.dtype).to(tl.float32), mask)
+        tl.store(s_ptr + row, scale)
+        tl.store(q_ptr + row * hidden + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + row * hidden + cols, out.to(x.dtype), mask=mask)
 
 
 def _rows_view(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int] | None:
@@ -90,24 +100,33 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # like x
     gemma: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # out [..., H] (and new residual [..., H])
+    quantize: bool = False,  # x [T, H]: return the output as Fp8Rows
+) -> tuple:  # out [..., H] (or Fp8Rows) (and new residual [..., H])
     hidden = x.shape[-1]
     rows = x.numel() // hidden
     xv, sx0, sx1, n_inner = _rows_view(x)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if quantize:
+        assert x.dim() == 2, "quantized output is for [T, H] hidden states"
+        out = Fp8Rows(torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+                      torch.empty((rows, 1), dtype=torch.float32, device=x.device), x.dtype)
+        out_t, q_t, s_t = x, out.q, out.scales  # out_t: never written with QUANT_OUT
+    else:
+        out = out_t = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        q_t = s_t = out
     if residual is not None:
         rv, sr0, sr1, _ = _rows_view(residual)
         res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     else:
-        rv, sr0, sr1, res_out = xv, 0, 0, out
+        rv, sr0, sr1, res_out = xv, 0, 0, out_t
     block = triton.next_power_of_2(hidden)
     # Wide rows (hidden states) get more warps so each thread holds a few elements; head-dim rows need few.
     num_warps = 8 if block >= 4096 else (4 if block >= 1024 else (2 if block >= 256 else 1))
     _rmsnorm_kernel[(rows,)](
-        xv, rv, weight, out, res_out,
+        xv, rv, weight, out_t, res_out, q_t, s_t,
         n_inner, sx0, sx1, sr0, sr1, hidden, eps,
         HAS_RESIDUAL=residual is not None,
         GEMMA=gemma,
+        QUANT_OUT=quantize,
         BLOCK_H=block,
         num_warps=num_warps,
         **pdl_launch_args(x),

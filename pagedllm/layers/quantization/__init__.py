@@ -29,6 +29,11 @@ def quantize_model(model: nn.Module, method: str) -> int:
         layer.quant_method = Fp8LinearMethod()
         layer.quant_method.process_weights_after_loading(layer)
         done += 1
+    # Kernels that produce a float8 linear's input quantize it themselves (the model names the pairs).
+    for module in model.modules():
+        for producer, consumer in getattr(module, "fp8_input_producers", lambda: [])():
+            if isinstance(consumer.quant_method, Fp8LinearMethod):
+                producer.quantize_output = True
     if kept:
         logger.info("quantization %s: %d linear layers kept in %s (dimensions not multiples of 16): %s",
                     method, len(kept), next(model.parameters()).dtype, ", ".join(kept[:4]))

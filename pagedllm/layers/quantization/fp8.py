@@ -8,6 +8,8 @@ A product then runs one of three ways:
 - CUDA, more tokens in a half type: each activation row is quantized the same way (one Triton launch)
   and ``torch._scaled_mm`` multiplies on the float8 tensor cores, applying both scales to the float32
   sums (cuBLAS's row-wise scaling).
+  Where a norm or gated activation kernel feeds the linear, it quantizes its own output instead
+  (``quantize_output``, set by ``quantize_model``) and hands over ``Fp8Rows``.
 - Anywhere else (the CPU, float32 models): ``fp8_linear_ref``, the same quantization and the same
   scaled sum computed in float32, which is also the oracle of the two fast paths.
 The embedding and the LM head stay in the model's dtype, as in vLLM.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.kernels.fp8_quant import FP8_MAX, MIN_SCALE
+from pagedllm.layers.kernels.fp8_quant import FP8_MAX, MIN_SCALE, Fp8Rows
 from pagedllm.layers.linear import LinearMethodBase, UnquantizedLinearMethod
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -30,7 +32,10 @@ def quantize_rows_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q [M, K] float8_e4m3fn, scales [M, 1] float32
     """Each row over its own scale, rounded to nearest float8: the arithmetic of the Triton kernel."""
     xf = x.float()
-    scales = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # A tensor divisor: CUDA torch divides by a Python scalar as a multiply by its reciprocal, which
+    # would round differently from the kernel's (and the CPU's) true division.
+    scales = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     return (xf / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
 
 
@@ -71,8 +76,11 @@ class Fp8LinearMethod(LinearMethodBase):
         # The [1, N] view torch._scaled_mm takes as the second operand's scales.
         layer.weight_scale_row = layer.weight_scale.view(1, -1)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         w, w_scale = layer.weight, layer.weight_scale
+        if isinstance(x, Fp8Rows):  # quantized by the norm or activation kernel that produced the rows
+            y = torch._scaled_mm(x.q, w.t(), scale_a=x.scales, scale_b=layer.weight_scale_row, out_dtype=x.dtype)
+            return y if bias is None else y + bias
         if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
             if x.shape[0] == 1:
                 from pagedllm.layers.kernels import gemv
