@@ -45,7 +45,11 @@ def fuse_wanted(x: torch.Tensor) -> bool:
     """Whether a producer flagged ``quantize_output`` should hand these rows over quantized: exactly when the
     float8 linear would quantize them itself (CUDA, a 16-bit type, more than one row; one row goes to the
     GEMV, which keeps the 16-bit activation)."""
-    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2 and x.shape[0] > 1
+    if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2 and x.shape[0] > 1):
+        return False
+    from pagedllm.layers.quantization.fp8 import float8_products
+
+    return float8_products(x.device.index or 0)
 
 
 @triton.jit

@@ -37,6 +37,12 @@ def quantize_model(model: nn.Module, method: str) -> int:
     if kept:
         logger.info("quantization %s: %d linear layers kept in %s (dimensions not multiples of 16): %s",
                     method, len(kept), next(model.parameters()).dtype, ", ".join(kept[:4]))
-    if torch.cuda.is_available():
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        from pagedllm.layers.quantization.fp8 import float8_products
+
+        if not float8_products(device.index or 0):
+            logger.warning("quantization %s: this GPU has no float8 tensor cores (compute capability < 8.9); "
+                           "products run dequantized in float32, slower than the unquantized model", method)
         torch.cuda.empty_cache()  # the 16-bit weights' memory goes back for the KV cache
     return done

@@ -3,18 +3,20 @@
 ``--quantization fp8`` takes a 16- or 32-bit checkpoint, loads it as usual, then rounds every decoder
 linear's weight to float8 with a float32 scale per output row (the row's largest magnitude over 448).
 A product then runs one of three ways:
-- CUDA, one token in a half type: the batch-1 GEMV reads the float8 weight and scales each output row;
+- CUDA with float8 tensor cores (compute capability >= 8.9), one token in a half type: the batch-1 GEMV reads the float8 weight and scales each output row;
   the activation stays in 16 bits (a decode token is a weight read, and this halves it).
-- CUDA, more tokens in a half type: each activation row is quantized the same way (one Triton launch)
+- the same GPUs, more tokens in a half type: each activation row is quantized the same way (one Triton launch)
   and ``torch._scaled_mm`` multiplies on the float8 tensor cores, applying both scales to the float32
   sums (cuBLAS's row-wise scaling).
   Where a norm or gated activation kernel feeds the linear, it quantizes its own output instead
   (``quantize_output``, set by ``quantize_model``) and hands over ``Fp8Rows``.
-- Anywhere else (the CPU, float32 models): ``fp8_linear_ref``, the same quantization and the same
+- Anywhere else (the CPU, older GPUs, float32 models): ``fp8_linear_ref``, the same quantization and the same
   scaled sum computed in float32, which is also the oracle of the two fast paths.
 The embedding and the LM head stay in the model's dtype, as in vLLM.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -53,6 +55,13 @@ def fp8_linear_ref(
     return y.to(x.dtype)
 
 
+@functools.cache
+def float8_products(device_index: int) -> bool:
+    """Whether this CUDA device multiplies float8 on its tensor cores (compute capability >= 8.9: Ada, Hopper
+    and later); older GPUs take the reference path."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
 def quantizable(layer: nn.Module) -> bool:
     """A 2-D weight whose dimensions suit the float8 product."""
     w = getattr(layer, "weight", None)
@@ -78,10 +87,10 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         w, w_scale = layer.weight, layer.weight_scale
-        if isinstance(x, Fp8Rows):  # quantized by the norm or activation kernel that produced the rows
+        if isinstance(x, Fp8Rows):  # quantized by the norm or activation kernel that produced the rows (fuse_wanted)
             y = torch._scaled_mm(x.q, w.t(), scale_a=x.scales, scale_b=layer.weight_scale_row, out_dtype=x.dtype)
             return y if bias is None else y + bias
-        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and float8_products(x.device.index or 0):
             if x.shape[0] == 1:
                 from pagedllm.layers.kernels import gemv
 
