@@ -135,6 +135,13 @@ class EngineArgs:
         src = load_model_source(self.model, self.tokenizer, self.load_format, self.download_dir, self.trust_remote_code)
         hf_config = src.hf_config
         derived_max_len = _derive_max_model_len(hf_config)
+        quantization = self.quantization
+        from pagedllm.model_loader.quant_config import checkpoint_fp8_spec
+
+        if checkpoint_fp8_spec(hf_config) is not None:  # raises, naming it, for a quantization not supported
+            if quantization not in (None, "fp8"):
+                raise ValueError(f"quantization {quantization!r} conflicts with the checkpoint's float8 weights")
+            quantization = "fp8"
         max_model_len = self.max_model_len or derived_max_len
         if max_model_len > derived_max_len:
             raise ValueError(
@@ -164,7 +171,7 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             generation_config=src.generation_config,
             gguf_file=src.gguf_file,
-            quantization=self.quantization,
+            quantization=quantization,
         )
         return EngineConfig(
             model_config=model_config,

@@ -7,7 +7,9 @@ checkpoint tensor into its slice of the fused parameter.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +70,20 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return F.linear(x, layer.weight, bias)
 
 
+# The method of linears built without an explicit one: set while a quantized checkpoint's model is built.
+_DEFAULT_METHOD: ContextVar[Callable[[], LinearMethodBase] | None] = ContextVar("pagedllm_linear_method", default=None)
+
+
+@contextmanager
+def default_linear_method(factory: Callable[[], LinearMethodBase]) -> Iterator[None]:
+    """Linear layers constructed inside take ``factory()`` as their method (a checkpoint stored quantized)."""
+    token = _DEFAULT_METHOD.set(factory)
+    try:
+        yield
+    finally:
+        _DEFAULT_METHOD.reset(token)
+
+
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(
@@ -99,7 +115,8 @@ class LinearBase(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        self.quant_method = quant_method or UnquantizedLinearMethod()
+        factory = _DEFAULT_METHOD.get()
+        self.quant_method = quant_method or (factory() if factory is not None else UnquantizedLinearMethod())
         self.tp_rank = tp_rank
         self.tp_size = tp_size
 

@@ -78,13 +78,27 @@ def check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
 
 
 class DefaultModelLoader(BaseModelLoader):
-    """Safetensors (single or sharded) or PyTorch ``*.bin`` checkpoints in ``model_config.model``."""
+    """Safetensors (single or sharded) or PyTorch ``*.bin`` checkpoints in ``model_config.model``; a float8
+    checkpoint (``model_loader/quant_config.py``) loads into float8 linears as stored."""
 
     def load_model(
         self, model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]
     ) -> nn.Module:
-        model = build_model(model_config, device, attn_backend)
+        from pagedllm.model_loader.quant_config import UNUSED_SCALE_SUFFIXES, checkpoint_fp8_spec
+
+        spec = checkpoint_fp8_spec(model_config.hf_config)
+        if spec is None:
+            model = build_model(model_config, device, attn_backend)
+        else:
+            from pagedllm.layers.linear import default_linear_method
+            from pagedllm.layers.quantization.fp8 import Fp8LinearMethod, keep_ignored_unquantized
+
+            with default_linear_method(lambda: Fp8LinearMethod(serialized=True)):
+                model = build_model(model_config, device, attn_backend)
+            keep_ignored_unquantized(model, spec.ignores)
         weights = iterate_weights(model_config.model, self.load_config.load_format)
+        if spec is not None:
+            weights = ((n, t) for n, t in weights if not n.endswith(UNUSED_SCALE_SUFFIXES))
         loaded = model.load_weights(weights)
         check_all_loaded(model, loaded, model_config.model)
         return finalize_model(model, device, model_config.quantization)

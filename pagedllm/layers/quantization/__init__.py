@@ -13,7 +13,8 @@ logger = logging.getLogger("pagedllm")
 
 def quantize_model(model: nn.Module, method: str) -> int:
     """Quantizes every linear layer of ``model`` that ``method`` can hold, in place, one layer at a time
-    (so the peak is the loaded model plus one layer). Returns how many layers it quantized."""
+    (so the peak is the loaded model plus one layer); layers a float8 checkpoint already filled stay as
+    they are. Returns how many layers it quantized."""
     from pagedllm.layers.linear import LinearBase
     from pagedllm.layers.quantization.fp8 import Fp8LinearMethod, quantizable
 
@@ -21,8 +22,10 @@ def quantize_model(model: nn.Module, method: str) -> int:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {method!r}")
     done, kept = 0, []
     for name, layer in model.named_modules():
-        if not isinstance(layer, LinearBase):
+        if not isinstance(layer, LinearBase) or getattr(layer, "keep_unquantized", False):
             continue
+        if isinstance(layer.quant_method, Fp8LinearMethod) and layer.weight.dtype == torch.float8_e4m3fn:
+            continue  # loaded in float8 from the checkpoint
         if not quantizable(layer):
             kept.append(name)
             continue
@@ -32,7 +35,7 @@ def quantize_model(model: nn.Module, method: str) -> int:
     # Kernels that produce a float8 linear's input quantize it themselves (the model names the pairs).
     for module in model.modules():
         for producer, consumer in getattr(module, "fp8_input_producers", lambda: [])():
-            if isinstance(consumer.quant_method, Fp8LinearMethod):
+            if isinstance(consumer.quant_method, Fp8LinearMethod) and quantizable(consumer):
                 producer.quantize_output = True
     if kept:
         logger.info("quantization %s: %d linear layers kept in %s (dimensions not multiples of 16): %s",

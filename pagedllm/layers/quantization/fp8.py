@@ -68,13 +68,69 @@ def quantizable(layer: nn.Module) -> bool:
     return w is not None and w.dim() == 2 and w.shape[0] % _MM_ALIGN == 0 and w.shape[1] % _MM_ALIGN == 0
 
 
+def checkpoint_rows(layer: nn.Module, shard_id: int | str | None) -> int:
+    """Output rows of one checkpoint tensor of ``layer`` (a q/k/v or gate/up shard, or the whole weight)."""
+    if shard_id in ("q", "k", "v"):
+        heads = layer.total_num_heads if shard_id == "q" else layer.total_num_kv_heads
+        return heads * layer.head_size
+    if isinstance(shard_id, int):
+        return layer.output_sizes[shard_id]
+    if hasattr(layer, "total_num_heads"):  # a fused q/k/v checkpoint tensor
+        return (layer.total_num_heads + 2 * layer.total_num_kv_heads) * layer.head_size
+    return sum(layer.output_sizes) if hasattr(layer, "output_sizes") else layer.output_size
+
+
+def _load_weight_scale(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    """A checkpoint's scales into ``weight_scale`` [N]: one a row ([n, 1] or [n]) as is, one a tensor
+    repeated over that tensor's rows; the layer's own loader then places the shard."""
+    loaded = loaded.float().reshape(-1)
+    if loaded.numel() == 1:
+        loaded = loaded.expand(checkpoint_rows(layer, shard_id)).contiguous()
+    if shard_id is None:
+        layer.weight_loader(param, loaded)
+    else:
+        layer.weight_loader(param, loaded, shard_id)
+
+
+def keep_ignored_unquantized(model: nn.Module, ignores) -> None:
+    """Gives the linears a float8 checkpoint lists as unquantized (``ignores(name)``) back their 16/32-bit
+    weight. A fused layer counts as ignored when its own name or a checkpoint name it fuses is."""
+    from pagedllm.layers.linear import LinearBase
+
+    fused = {param: [ckpt for p, ckpt, _ in getattr(model, "stacked_params_mapping", ()) if p == param]
+             for param, _, _ in getattr(model, "stacked_params_mapping", ())}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LinearBase):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        names = [name] + [f"{parent}.{ckpt}" if parent else ckpt for ckpt in fused.get(leaf, [])]
+        if not any(ignores(n) for n in names):
+            continue
+        n_out, n_in = layer.weight.shape
+        del layer.weight_scale
+        layer.quant_method = UnquantizedLinearMethod()
+        with torch.device(layer.weight.device):
+            layer.quant_method.create_weights(layer, n_in, n_out, layer.bias is not None, layer.params_dtype)
+        layer.keep_unquantized = True
+
+
 class Fp8LinearMethod(LinearMethodBase):
-    """Creates the checkpoint's 16/32-bit weight, quantizes it after loading, then multiplies in float8."""
+    """Multiplies in float8. ``serialized``: the checkpoint stores the float8 weight and its scales, which
+    load into float8 parameters; otherwise the 16/32-bit weight is created, loaded, then quantized
+    (``process_weights_after_loading``)."""
+
+    def __init__(self, serialized: bool = False) -> None:
+        self.serialized = serialized
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype
     ) -> None:
         UnquantizedLinearMethod().create_weights(layer, input_size, output_size, bias, params_dtype)
+        if self.serialized:
+            layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE), requires_grad=False)
+            layer.weight.weight_loader = layer.weight_loader
+            layer.weight_scale = nn.Parameter(torch.empty(output_size, dtype=torch.float32), requires_grad=False)
+            layer.weight_scale.weight_loader = functools.partial(_load_weight_scale, layer)
 
     @staticmethod
     def process_weights_after_loading(layer: nn.Module) -> None:
@@ -82,13 +138,11 @@ class Fp8LinearMethod(LinearMethodBase):
         q, scales = quantize_rows_ref(layer.weight.data)
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scales.reshape(-1).contiguous(), requires_grad=False)
-        # The [1, N] view torch._scaled_mm takes as the second operand's scales.
-        layer.weight_scale_row = layer.weight_scale.view(1, -1)
 
     def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         w, w_scale = layer.weight, layer.weight_scale
         if isinstance(x, Fp8Rows):  # quantized by the norm or activation kernel that produced the rows (fuse_wanted)
-            y = torch._scaled_mm(x.q, w.t(), scale_a=x.scales, scale_b=layer.weight_scale_row, out_dtype=x.dtype)
+            y = torch._scaled_mm(x.q, w.t(), scale_a=x.scales, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
             return y if bias is None else y + bias
         if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and float8_products(x.device.index or 0):
             if x.shape[0] == 1:
@@ -98,9 +152,9 @@ class Fp8LinearMethod(LinearMethodBase):
                     return gemv.gemv(x, w, bias, scale=w_scale)  # [1, N]
             from pagedllm.layers.kernels import fp8_quant
 
-            if x.shape[0] > 0 and fp8_quant.usable(x):
+            if x.shape[0] > 0 and fp8_quant.usable(x) and quantizable(layer):
                 q, scales = fp8_quant.quantize_rows(x)  # [T, K] float8, [T, 1]
-                # w.t() is the column-major [K, N] operand cuBLAS wants.
-                y = torch._scaled_mm(q, w.t(), scale_a=scales, scale_b=layer.weight_scale_row, out_dtype=x.dtype)
+                # w.t() is the column-major [K, N] operand cuBLAS wants; scale_b its [1, N] row scales.
+                y = torch._scaled_mm(q, w.t(), scale_a=scales, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
                 return y if bias is None else y + bias
         return fp8_linear_ref(x, w, w_scale, bias)
