@@ -79,6 +79,8 @@ def main() -> None:
     # A float8 weight with row scales, and the activation quantizer of the float8 products.
     gemv.gemv(torch.zeros(1, 1024, dtype=bf), torch.zeros(64, 1024, dtype=torch.float8_e4m3fn), scale=torch.ones(64))
     fp8_quant.quantize_rows(torch.zeros(16, 1024, dtype=bf))
+    skinny_gemm.skinny_gemm(torch.zeros(16, 1024, dtype=bf), torch.zeros(1024, 1024, dtype=torch.float8_e4m3fn),
+                            scale=torch.ones(1024))
     rmsnorm.rms_norm(torch.zeros(2, 1024, dtype=bf), torch.ones(1024, dtype=bf), 1e-6, torch.zeros(2, 1024, dtype=bf),
                      quantize=True)
     activation.act_and_mul(torch.zeros(2, 2048, dtype=bf), "silu", quantize=True)

@@ -88,3 +88,13 @@ def test_fused_input_quantization_changes_no_bit(tmp_path) -> None:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
                [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]
+
+
+@pytest.mark.parametrize("m", [2, 7, 16])
+def test_skinny_float8_product_keeps_the_16_bit_activation(m: int, monkeypatch) -> None:
+    monkeypatch.setenv("PAGEDLLM_TRITON_GEMM", "1")
+    layer = _Layer(6144, 4096, torch.bfloat16)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    y = Fp8LinearMethod().apply(layer, x, None)
+    ref = (x.float() @ layer.weight.float().t()) * layer.weight_scale[None, :]
+    torch.testing.assert_close(y.float(), ref, atol=3e-2, rtol=1e-2)

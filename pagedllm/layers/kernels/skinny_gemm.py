@@ -7,6 +7,9 @@ dimension can be split over ``split_k`` programs per tile. A split tile is summe
 each program stores its float32 partial, and the last of a tile to arrive (counted with an atomic)
 adds the partials in split order, so the result does not depend on which program finished last.
 Opt in with ``PAGEDLLM_TRITON_GEMM=1`` (bf16/fp16 on CUDA); everything else stays on cuBLAS.
+A float8 weight with row scales (``--quantization fp8``) is widened to the activation's type in the
+tile (exactly: every e4m3 value is a bf16 and an fp16 value) and each output column scaled at the end:
+half the weight bytes, with the 16-bit activation kept, as the one-token GEMV does.
 """
 from __future__ import annotations
 
@@ -40,7 +43,10 @@ class GemmConfig(NamedTuple):
 
 
 @triton.jit
-def _store_tile(acc, b_ptr, y_ptr, rows, cols, row_in, stride_ym, HAS_BIAS: tl.constexpr):
+def _store_tile(acc, b_ptr, s_ptr, y_ptr, rows, cols, row_in, stride_ym, HAS_BIAS: tl.constexpr,
+                HAS_SCALE: tl.constexpr):
+    if HAS_SCALE:
+        acc *= tl.load(s_ptr + cols)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -52,6 +58,7 @@ def _skinny_gemm_kernel(
     x_ptr,  # [M, K], last dim contiguous
     w_ptr,  # [N, K], last dim contiguous
     b_ptr,  # [N] (read only when HAS_BIAS)
+    s_ptr,  # [N] float32 row scales of a float8 weight (read only when HAS_SCALE)
     y_ptr,  # [M, N] contiguous
     part_ptr,  # [SPLIT_K, grid_m * BLOCK_M, N] float32 partials (read only when SPLIT_K > 1)
     count_ptr,  # [grid_m * grid_n] int32 arrivals per output tile, zero on entry and on exit
@@ -61,6 +68,7 @@ def _skinny_gemm_kernel(
     stride_wn,
     stride_ym,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -78,15 +86,15 @@ def _skinny_gemm_kernel(
     w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N]: W^T tile
     # No kernel writes the weights: under PDL the first weight tile loads while the previous kernel
     # (which writes x) finishes; with EARLY_LAUNCH the next product launches and does the same at once.
-    b = tl.load(w_ptrs)
+    b = tl.load(w_ptrs).to(x_ptr.dtype.element_ty)  # a float8 weight widens exactly
     wait_for_previous_kernel(USE_GDC, EARLY_LAUNCH)
     acc = tl.dot(tl.load(x_ptrs, mask=row_in[:, None], other=0.0), b, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
     for k0 in range(BLOCK_K, k_len, BLOCK_K):
         a = tl.load(x_ptrs + k0, mask=row_in[:, None], other=0.0)
-        b = tl.load(w_ptrs + k0)
+        b = tl.load(w_ptrs + k0).to(x_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc)
     if SPLIT_K == 1:
-        _store_tile(acc, b_ptr, y_ptr, rows, cols, row_in, stride_ym, HAS_BIAS)
+        _store_tile(acc, b_ptr, s_ptr, y_ptr, rows, cols, row_in, stride_ym, HAS_BIAS, HAS_SCALE)
     else:
         n = tl.num_programs(1) * BLOCK_N
         rows_padded = tl.num_programs(0) * BLOCK_M
@@ -102,7 +110,7 @@ def _skinny_gemm_kernel(
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(part_tile + s * rows_padded * n, cache_modifier=".cg")
-            _store_tile(total, b_ptr, y_ptr, rows, cols, row_in, stride_ym, HAS_BIAS)
+            _store_tile(total, b_ptr, s_ptr, y_ptr, rows, cols, row_in, stride_ym, HAS_BIAS, HAS_SCALE)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
@@ -144,7 +152,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.is_cuda
         and 1 < x.shape[0] <= MAX_ROWS
         and x.dtype in SUPPORTED_DTYPES
-        and weight.dtype == x.dtype
+        and weight.dtype in (x.dtype, torch.float8_e4m3fn)
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
         and default_config(x.shape[0], weight.shape[0], weight.shape[1]) is not None
@@ -174,9 +182,11 @@ def skinny_gemm(
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
     config: GemmConfig | None = None,
+    scale: torch.Tensor | None = None,  # [N] float32 row scales of a float8 weight
 ) -> torch.Tensor:  # [M, N]
     m, k = x.shape
     n = weight.shape[0]
+    assert (scale is not None) == (weight.dtype == torch.float8_e4m3fn), "a float8 weight needs its row scales"
     cfg = config or default_config(m, n, k)
     assert cfg is not None and n % cfg.block_n == 0 and k % (cfg.block_k * cfg.split_k) == 0, (m, n, k, cfg)
     assert workspace_fits(cfg, m, n), (m, n, cfg)
@@ -184,9 +194,10 @@ def skinny_gemm(
     parts, counts = _workspace(x.device) if cfg.split_k > 1 else (y, y)
     grid = (triton.cdiv(m, cfg.block_m), n // cfg.block_n, cfg.split_k)
     _skinny_gemm_kernel[grid](
-        x, weight, bias if bias is not None else y, y, parts, counts,
+        x, weight, bias if bias is not None else y, scale if scale is not None else y, y, parts, counts,
         m, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

@@ -1,17 +1,17 @@
-"""Float8 (e4m3) linears quantized at load: one scale per weight row, one per activation row (token).
+"""Float8 (e4m3) linears: one scale per weight row, one per activation row (token).
 
 ``--quantization fp8`` takes a 16- or 32-bit checkpoint, loads it as usual, then rounds every decoder
-linear's weight to float8 with a float32 scale per output row (the row's largest magnitude over 448).
-A product then runs one of three ways:
-- CUDA with float8 tensor cores (compute capability >= 8.9), one token in a half type: the batch-1 GEMV reads the float8 weight and scales each output row;
-  the activation stays in 16 bits (a decode token is a weight read, and this halves it).
-- the same GPUs, more tokens in a half type: each activation row is quantized the same way (one Triton launch)
-  and ``torch._scaled_mm`` multiplies on the float8 tensor cores, applying both scales to the float32
-  sums (cuBLAS's row-wise scaling).
-  Where a norm or gated activation kernel feeds the linear, it quantizes its own output instead
-  (``quantize_output``, set by ``quantize_model``) and hands over ``Fp8Rows``.
-- Anywhere else (the CPU, older GPUs, float32 models): ``fp8_linear_ref``, the same quantization and the same
-  scaled sum computed in float32, which is also the oracle of the two fast paths.
+linear's weight to float8 with a float32 scale per output row (the row's largest magnitude over 448);
+a float8 checkpoint loads into the same layout as stored (``serialized``). A product runs one of three ways:
+- CUDA with float8 tensor cores (compute capability >= 8.9), one token in a half type: the GEMV reads
+  the float8 weight and scales each output row; the activation stays in 16 bits (a decode token is a
+  weight read, and this halves it). With the opt-in skinny GEMM, up to 16 tokens go the same way.
+- the same GPUs, more tokens: each activation row is quantized the same way (one Triton launch) and
+  ``torch._scaled_mm`` multiplies on the float8 tensor cores, applying both scales to the float32 sums
+  (cuBLAS's row-wise scaling). Where a norm or gated activation kernel feeds the linear, that kernel
+  quantizes its own output instead (``quantize_output``, set by ``quantize_model``): ``Fp8Rows``.
+- anywhere else (the CPU, older GPUs, float32 models): ``fp8_linear_ref``, the same quantization and
+  the same scaled sum in float32, which is also the oracle of the fast paths.
 The embedding and the LM head stay in the model's dtype, as in vLLM.
 """
 from __future__ import annotations
@@ -60,6 +60,18 @@ def float8_products(device_index: int) -> bool:
     """Whether this CUDA device multiplies float8 on its tensor cores (compute capability >= 8.9: Ada, Hopper
     and later); older GPUs take the reference path."""
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+# With the opt-in skinny GEMM (PAGEDLLM_TRITON_GEMM=1), products of up to this many rows also read the
+# float8 weight directly and keep the 16-bit activation, as the one-token GEMV always does.
+WEIGHT_ONLY_MAX_ROWS = 16
+
+
+def weight_only_rows(m: int) -> bool:
+    """Whether a float8 product over ``m`` rows keeps its activation in 16 bits (else it quantizes it)."""
+    from pagedllm.layers.kernels import skinny_gemm
+
+    return m == 1 or (m <= WEIGHT_ONLY_MAX_ROWS and skinny_gemm.enabled())
 
 
 def quantizable(layer: nn.Module) -> bool:
@@ -145,11 +157,13 @@ class Fp8LinearMethod(LinearMethodBase):
             y = torch._scaled_mm(x.q, w.t(), scale_a=x.scales, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
             return y if bias is None else y + bias
         if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and float8_products(x.device.index or 0):
-            if x.shape[0] == 1:
-                from pagedllm.layers.kernels import gemv
+            if weight_only_rows(x.shape[0]):
+                from pagedllm.layers.kernels import gemv, skinny_gemm
 
-                if gemv.usable(x, w):
+                if x.shape[0] == 1 and gemv.usable(x, w):
                     return gemv.gemv(x, w, bias, scale=w_scale)  # [1, N]
+                if x.shape[0] > 1 and skinny_gemm.usable(x, w):
+                    return skinny_gemm.skinny_gemm(x, w, bias, scale=w_scale)  # [T, N]
             from pagedllm.layers.kernels import fp8_quant
 
             if x.shape[0] > 0 and fp8_quant.usable(x) and quantizable(layer):
