@@ -68,9 +68,10 @@ def test_quantized_model_graph_and_eager_identical(tmp_path) -> None:
     assert [len(t) for t in outs[0]] == [9, 17, 4, 23]
 
 
-def test_fused_input_quantization_changes_no_bit(tmp_path) -> None:
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_fused_input_quantization_changes_no_bit(tmp_path, kind: str) -> None:
     """Norms and activations that quantize their own output give the logprobs of the standalone quantizer."""
-    path = make_tiny_model("llama", tmp_path / "llama")
+    path = make_tiny_model(kind, tmp_path / kind)
     gen = torch.Generator().manual_seed(1)
     prompts = [{"prompt_token_ids": torch.randint(3, 380, (int(n),), generator=gen).tolist()} for n in (7, 30, 12)]
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12, logprobs=5, detokenize=False)

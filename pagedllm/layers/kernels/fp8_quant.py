@@ -36,9 +36,18 @@ class Fp8Rows:
     scales: torch.Tensor  # [T, 1] float32
     dtype: torch.dtype  # the 16-bit type the rows had, which the product returns
 
+    # What model code may ask of the rows it passes on (e.g. Gemma 3's MLP block checks the device).
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.q.is_cuda
 
 
 def fuse_wanted(x: torch.Tensor) -> bool:
