@@ -144,3 +144,59 @@ def make_tiny_model_with_tokenizer(tok_name: str, path: str | os.PathLike) -> st
     for f in tdir.iterdir():
         shutil.copy(f, path)
     return os.fspath(path)
+
+
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_fp8_checkpoint(src: str, dst: str, quant_cfg: dict, per_channel: bool, input_scales: bool = False,
+                        keep: tuple[str, ...] = ()) -> str:
+    """``src`` (a tiny model's directory) with every decoder linear but those named in ``keep`` stored in
+    float8 with its scales: one a row (``per_channel``, the scales [N, 1]) or one a tensor. ``quant_cfg``
+    goes into config.json; ``input_scales`` adds static activation scales. Returns ``dst``."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pagedllm.layers.quantization.fp8 import FP8_DTYPE, quantize_rows_ref
+
+    os.makedirs(dst, exist_ok=True)
+    tensors = {}
+    for name, t in load_file(os.path.join(src, "model.safetensors")).items():
+        if name.endswith(".weight") and name.split(".")[-2] in _LINEARS and name.split(".")[-2] not in keep:
+            if per_channel:
+                q, s = quantize_rows_ref(t)  # s [N, 1], the compressed-tensors channel layout
+            else:
+                s = t.float().abs().amax().reshape(1) / 448.0
+                q = (t.float() / s).clamp(-448, 448).to(FP8_DTYPE)
+            tensors[name] = q
+            tensors[name[: -len("weight")] + "weight_scale"] = s
+            if input_scales:
+                tensors[name[: -len("weight")] + "input_scale"] = torch.ones(1)
+        else:
+            tensors[name] = t
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = quant_cfg
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    for extra in os.listdir(src):
+        if extra not in ("model.safetensors", "config.json"):
+            shutil.copy(os.path.join(src, extra), dst)
+    return dst
+
+
+def compressed_tensors_fp8_config(strategy: str, dynamic: bool = True) -> dict:
+    """The ``quantization_config`` of llm-compressor's float8 schemes: weights per ``strategy``, activations per token."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": dynamic},
+        }},
+    }

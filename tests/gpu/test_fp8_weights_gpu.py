@@ -99,3 +99,34 @@ def test_skinny_float8_product_keeps_the_16_bit_activation(m: int, monkeypatch) 
     y = Fp8LinearMethod().apply(layer, x, None)
     ref = (x.float() @ layer.weight.float().t()) * layer.weight_scale[None, :]
     torch.testing.assert_close(y.float(), ref, atol=3e-2, rtol=1e-2)
+
+
+def test_float8_checkpoint_on_the_gpu_equals_quantizing_at_load(tmp_path) -> None:
+    """A per-channel compressed-tensors checkpoint, loaded on the GPU in bf16, runs the same numbers as its
+    32-bit source quantized at load (same float8 rows and scales, same products)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from tiny_models import compressed_tensors_fp8_config, make_fp8_checkpoint
+
+    # A bf16 source, so that quantizing at load starts from the very values the checkpoint was made of.
+    fp32 = make_tiny_model("qwen3", tmp_path / "fp32")
+    src = str(tmp_path / "src")
+    shutil.copytree(fp32, src)
+    weights = {k: v.to(torch.bfloat16) for k, v in load_file(f"{fp32}/model.safetensors").items()}
+    save_file(weights, f"{src}/model.safetensors")
+    ckpt = make_fp8_checkpoint(src, str(tmp_path / "fp8"), compressed_tensors_fp8_config("channel"), per_channel=True)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [{"prompt_token_ids": torch.randint(3, 380, (int(n),), generator=gen).tolist()} for n in (9, 40, 3)]
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10, logprobs=3, detokenize=False)
+    outs = []
+    for path, quantization in ((ckpt, None), (src, "fp8")):
+        llm = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8, max_model_len=256, seed=0, dtype="bfloat16",
+                  quantization=quantization)
+        outs.append([[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]
+                     for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert outs[0] == outs[1]

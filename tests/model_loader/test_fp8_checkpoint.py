@@ -2,65 +2,16 @@
 quantized checkpoints are refused by name."""
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from tiny_models import make_tiny_model
+from safetensors.torch import load_file
+from tiny_models import compressed_tensors_fp8_config, make_fp8_checkpoint, make_tiny_model
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod, quantize_rows_ref
+from pagedllm.layers.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod
 from pagedllm.model_loader.quant_config import checkpoint_fp8_spec
-
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _write_fp8_checkpoint(src: str, dst: str, quant_cfg: dict, per_channel: bool, input_scales: bool = False,
-                          keep: tuple[str, ...] = ()) -> str:
-    """``src`` with every decoder linear but those named in ``keep`` stored in float8 and its scales, and
-    ``quant_cfg`` in config.json."""
-    os.makedirs(dst, exist_ok=True)
-    tensors = {}
-    for name, t in load_file(os.path.join(src, "model.safetensors")).items():
-        if name.endswith(".weight") and name.split(".")[-2] in _LINEARS and name.split(".")[-2] not in keep:
-            if per_channel:
-                q, s = quantize_rows_ref(t)  # s [N, 1], the compressed-tensors channel layout
-            else:
-                s = t.float().abs().amax().reshape(1) / 448.0
-                q = (t.float() / s).clamp(-448, 448).to(FP8_DTYPE)
-            tensors[name] = q
-            tensors[name[: -len("weight")] + "weight_scale"] = s
-            if input_scales:
-                tensors[name[: -len("weight")] + "input_scale"] = torch.ones(1)
-        else:
-            tensors[name] = t
-    save_file(tensors, os.path.join(dst, "model.safetensors"))
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = quant_cfg
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f)
-    for extra in os.listdir(src):
-        if extra not in ("model.safetensors", "config.json"):
-            shutil.copy(os.path.join(src, extra), dst)
-    return dst
-
-
-def _compressed_tensors_cfg(strategy: str, dynamic: bool = True) -> dict:
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "ignore": ["lm_head"],
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": dynamic},
-        }},
-    }
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
@@ -87,7 +38,7 @@ def _fp8_linears(llm: LLM) -> list:
 
 
 def test_per_channel_checkpoint_equals_quantizing_at_load(tiny: str, tmp_path) -> None:
-    path = _write_fp8_checkpoint(tiny, str(tmp_path / "ct"), _compressed_tensors_cfg("channel"), per_channel=True)
+    path = make_fp8_checkpoint(tiny, str(tmp_path / "ct"), compressed_tensors_fp8_config("channel"), per_channel=True)
     stored = _llm(path)
     assert stored.llm_engine.config.model_config.quantization == "fp8"
     linears = _fp8_linears(stored)
@@ -98,9 +49,9 @@ def test_per_channel_checkpoint_equals_quantizing_at_load(tiny: str, tmp_path) -
 
 @pytest.mark.parametrize("layout", ["compressed-tensors", "fp8"])
 def test_per_tensor_checkpoint_broadcasts_each_shards_scale(tiny: str, tmp_path, layout: str) -> None:
-    cfg = _compressed_tensors_cfg("tensor") if layout == "compressed-tensors" else \
+    cfg = compressed_tensors_fp8_config("tensor") if layout == "compressed-tensors" else \
         {"quant_method": "fp8", "activation_scheme": "static"}
-    path = _write_fp8_checkpoint(tiny, str(tmp_path / layout), cfg, per_channel=False, input_scales=layout == "fp8")
+    path = make_fp8_checkpoint(tiny, str(tmp_path / layout), cfg, per_channel=False, input_scales=layout == "fp8")
     stored = _llm(path)
     qkv = _fp8_linears(stored)[0]
     ckpt = load_file(os.path.join(path, "model.safetensors"))
@@ -115,8 +66,8 @@ def test_per_tensor_checkpoint_broadcasts_each_shards_scale(tiny: str, tmp_path,
 
 
 def test_ignored_layers_stay_in_the_model_dtype(tiny: str, tmp_path) -> None:
-    cfg = dict(_compressed_tensors_cfg("channel"), ignore=["lm_head", "re:.*self_attn\\.k_proj", "re:.*down_proj"])
-    path = _write_fp8_checkpoint(tiny, str(tmp_path / "ign"), cfg, per_channel=True, keep=("q_proj", "k_proj",
+    cfg = dict(compressed_tensors_fp8_config("channel"), ignore=["lm_head", "re:.*self_attn\\.k_proj", "re:.*down_proj"])
+    path = make_fp8_checkpoint(tiny, str(tmp_path / "ign"), cfg, per_channel=True, keep=("q_proj", "k_proj",
                                                                                            "v_proj", "down_proj"))
     llm = _llm(path)
     model = llm.llm_engine.engine_core.executor.worker.model_runner.model
@@ -145,7 +96,7 @@ def test_other_quantized_checkpoints_are_refused_by_name(cfg: dict, message: str
 
 def test_spec_reads_ignore_lists() -> None:
     class Config:
-        quantization_config = dict(_compressed_tensors_cfg("channel"), ignore=["lm_head", "re:.*mlp\\.down_proj"])
+        quantization_config = dict(compressed_tensors_fp8_config("channel"), ignore=["lm_head", "re:.*mlp\\.down_proj"])
 
     spec = checkpoint_fp8_spec(Config())
     assert spec.weight_strategy == "channel" and not spec.static_activations
