@@ -41,6 +41,9 @@ def quantize_model(model: nn.Module, method: str) -> int:
         logger.info("quantization %s: %d linear layers kept in %s (dimensions not multiples of 16): %s",
                     method, len(kept), next(model.parameters()).dtype, ", ".join(kept[:4]))
     device = next(model.parameters()).device
+    if device.type == "cpu":
+        logger.warning("quantization %s on the CPU: products run dequantized in float32, slower than the "
+                       "unquantized model; the float8 weights save memory only", method)
     if device.type == "cuda":
         from pagedllm.layers.quantization.fp8 import float8_products
 
