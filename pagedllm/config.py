@@ -23,8 +23,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _KV_CACHE_TORCH_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
-# Weight quantization methods applied at load to a checkpoint in 16 or 32 bits: vLLM's names. "fp8" stores
-# every decoder linear in float8 e4m3 with one scale per output row, and quantizes each activation row on the fly.
+# Weight quantization methods, vLLM's names: applied at load to a 16/32-bit checkpoint, or the layout a quantized
+# checkpoint stores. "fp8" holds every decoder linear in float8 e4m3 with one scale per output row, and quantizes
+# each activation row on the fly.
 QUANTIZATION_METHODS = ("fp8",)
 
 

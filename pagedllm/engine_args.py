@@ -138,7 +138,7 @@ class EngineArgs:
         quantization = self.quantization
         from pagedllm.model_loader.quant_config import checkpoint_fp8_spec
 
-        if checkpoint_fp8_spec(hf_config) is not None:  # raises, naming it, for a quantization not supported
+        if checkpoint_fp8_spec(hf_config, warn=False) is not None:  # raises, naming it, for what is not supported
             if quantization not in (None, "fp8"):
                 raise ValueError(f"quantization {quantization!r} conflicts with the checkpoint's float8 weights")
             quantization = "fp8"

@@ -77,9 +77,9 @@ def _vllm_fp8(cfg: dict) -> Fp8CheckpointSpec:
     return Fp8CheckpointSpec("fp8", "tensor", scheme == "static", tuple(cfg.get("ignored_layers") or ()))
 
 
-def checkpoint_fp8_spec(hf_config: Any) -> Fp8CheckpointSpec | None:
+def checkpoint_fp8_spec(hf_config: Any, warn: bool = True) -> Fp8CheckpointSpec | None:
     """The float8 layout the checkpoint's config declares, None for an unquantized checkpoint; raises for
-    any other quantization, naming it."""
+    any other quantization, naming it. ``warn``: log what of the checkpoint goes unused."""
     cfg = getattr(hf_config, "quantization_config", None)
     if cfg is None:
         return None
@@ -92,7 +92,7 @@ def checkpoint_fp8_spec(hf_config: Any) -> Fp8CheckpointSpec | None:
         spec = _vllm_fp8(cfg)
     else:
         raise _unsupported(str(method), "quant_method")
-    if spec.static_activations:
+    if spec.static_activations and warn:
         logger.warning("checkpoint has static activation scales; pagedllm quantizes activations per token at "
                        "run time instead and leaves the input_scale tensors unused")
     return spec
