@@ -109,8 +109,9 @@ def keep_ignored_unquantized(model: nn.Module, ignores) -> None:
     weight. A fused layer counts as ignored when its own name or a checkpoint name it fuses is."""
     from pagedllm.layers.linear import LinearBase
 
-    fused = {param: [ckpt for p, ckpt, _ in getattr(model, "stacked_params_mapping", ()) if p == param]
-             for param, _, _ in getattr(model, "stacked_params_mapping", ())}
+    fused: dict[str, list[str]] = {}  # fused parameter's module name -> checkpoint module names it holds
+    for param, ckpt, _ in getattr(model, "stacked_params_mapping", ()):
+        fused.setdefault(param, []).append(ckpt)
     for name, layer in model.named_modules():
         if not isinstance(layer, LinearBase):
             continue
@@ -124,6 +125,18 @@ def keep_ignored_unquantized(model: nn.Module, ignores) -> None:
         with torch.device(layer.weight.device):
             layer.quant_method.create_weights(layer, n_in, n_out, layer.bias is not None, layer.params_dtype)
         layer.keep_unquantized = True
+
+
+def _scaled_product(
+    x: Fp8Rows,  # [T, K] float8 rows and their [T, 1] scales
+    layer: nn.Module,
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [T, N] in x.dtype
+    """Float8 rows times the layer's float8 weight on the tensor cores, both scales applied to the float32
+    sums. ``weight.t()`` is the column-major [K, N] operand cuBLAS wants; scale_b its [1, N] row scales."""
+    w = layer.weight
+    y = torch._scaled_mm(x.q, w.t(), scale_a=x.scales, scale_b=layer.weight_scale.view(1, -1), out_dtype=x.dtype)
+    return y if bias is None else y + bias
 
 
 class Fp8LinearMethod(LinearMethodBase):
@@ -154,8 +167,7 @@ class Fp8LinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         w, w_scale = layer.weight, layer.weight_scale
         if isinstance(x, Fp8Rows):  # quantized by the norm or activation kernel that produced the rows (fuse_wanted)
-            y = torch._scaled_mm(x.q, w.t(), scale_a=x.scales, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
-            return y if bias is None else y + bias
+            return _scaled_product(x, layer, bias)
         if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and float8_products(x.device.index or 0):
             if weight_only_rows(x.shape[0]):
                 from pagedllm.layers.kernels import gemv, skinny_gemm
@@ -168,7 +180,5 @@ class Fp8LinearMethod(LinearMethodBase):
 
             if x.shape[0] > 0 and fp8_quant.usable(x) and quantizable(layer):
                 q, scales = fp8_quant.quantize_rows(x)  # [T, K] float8, [T, 1]
-                # w.t() is the column-major [K, N] operand cuBLAS wants; scale_b its [1, N] row scales.
-                y = torch._scaled_mm(q, w.t(), scale_a=scales, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
-                return y if bias is None else y + bias
+                return _scaled_product(Fp8Rows(q, scales, x.dtype), layer, bias)
         return fp8_linear_ref(x, w, w_scale, bias)
