@@ -12,7 +12,9 @@ the KV cache in float8 e4m3 (``kv_cache_dtype="fp8"``, an engine option rather t
 ``fp8pieces792`` keep it too, with float8 decode in one program per (request, KV head), in 512-key pieces, or in
 pieces only from 792 such pairs (``TritonImpl.decode_pieces``, ``decode_piece_len``, ``decode_pieces_min_programs``).
 ``fp8w`` quantizes the weights to float8 at load (``quantization="fp8"``), ``fp8all`` does so over a float8 cache, and
-``fp8wgemm`` sends its 2-16-row float8 products through the skinny GEMM. Each variant runs
+``fp8wgemm`` sends its 2-16-row float8 products through the skinny GEMM (with every other product of
+2-256 rows), and ``fp8wnoskinny`` quantizes the tokens of 2-16-row float8 products for ``torch._scaled_mm``
+instead (PAGEDLLM_FP8_SKINNY=0; ``fp8wskinny`` names the default). Each variant runs
 (1) workload 3, Llama-3-8B batch 1, 1000-token prompt, time per output token, and (2) workload 1,
 Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s; with ``--workload2`` also (3) workload 2. Random weights, bf16, greedy. Prints a
 table of both figures per variant and their ratio to ``base``; writes one JSON file.
@@ -57,10 +59,13 @@ VARIANTS = {
     "fp8all": {"BENCH_QUANTIZATION": "fp8", "BENCH_KV_CACHE_DTYPE": "fp8"},
     # ... and float8 products of 2-16 rows through the skinny GEMM, which reads the float8 weight directly.
     "fp8wgemm": {"BENCH_QUANTIZATION": "fp8", "PAGEDLLM_TRITON_GEMM": "1"},
+    "fp8wskinny": {"BENCH_QUANTIZATION": "fp8", "PAGEDLLM_FP8_SKINNY": "1"},
+    "fp8wnoskinny": {"BENCH_QUANTIZATION": "fp8", "PAGEDLLM_FP8_SKINNY": "0"},
 }
 _BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK_NORM", "BENCH_NO_DECODE_ORDER",
                    "BENCH_PAGED_CHUNK_KEYS", "BENCH_PROMPT_PER_HEAD", "BENCH_KV_CACHE_DTYPE",
-                   "BENCH_FP8_FP16_DOTS", "BENCH_DECODE_PIECES", "BENCH_DECODE_PIECES_MIN", "BENCH_QUANTIZATION")
+                   "BENCH_FP8_FP16_DOTS", "BENCH_DECODE_PIECES", "BENCH_DECODE_PIECES_MIN", "BENCH_QUANTIZATION",
+                   "PAGEDLLM_FP8_SKINNY")
 
 
 def run_variant(args) -> dict:
@@ -96,6 +101,8 @@ def run_variant(args) -> dict:
     llama = make_llm(args.smoke_model or LLAMA, args.smoke, **engine_kw)
     in_len, out_len = (1000, 256) if not args.smoke else (20, 8)
     out["batch1"] = measure_latency(llama, 1, in_len, out_len, num_iters=2, num_warmup=1)
+    for b in (int(v) for v in args.batches.split(",") if v):
+        out[f"batch{b}"] = measure_latency(llama, b, in_len, 128 if not args.smoke else 8, num_iters=2, num_warmup=1)
     if args.workload2:
         from gpu_measure import workload_fixed
 
@@ -112,7 +119,8 @@ def run_variant(args) -> dict:
         import torch
 
         torch.cuda.empty_cache()
-    out["workload1"] = _workload1(args, engine_kw)
+    if not args.no_workload1:
+        out["workload1"] = _workload1(args, engine_kw)
     return out
 
 
@@ -135,6 +143,9 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=240.0, help="per variant")
     ap.add_argument("--workload2", action="store_true", help="also run workload 2 (Llama-3-8B 256 x 1000/1000)")
     ap.add_argument("--only-workload1", action="store_true", help="run workload 1 alone")
+    ap.add_argument("--no-workload1", action="store_true", help="skip workload 1 (the 8B runs alone)")
+    ap.add_argument("--batches", default="", help="BATCH,...: also the 8B's time per output token at these batch "
+                    "sizes (1000-token prompts, 128 output tokens)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -152,6 +163,7 @@ def main() -> None:
         path = os.path.join(args.out, f"switch_{i}.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", path] + (["--workload2"] if args.workload2 else [])
         cmd += ["--only-workload1"] if args.only_workload1 else []
+        cmd += (["--no-workload1"] if args.no_workload1 else []) + (["--batches", args.batches] if args.batches else [])
         if args.smoke:
             cmd += ["--smoke", "--smoke-model", args.smoke_model]
         t0 = time.time()
@@ -174,12 +186,14 @@ def main() -> None:
             print(f"{name:10s} {'failed':>20s}")
             continue
         tpot = res["batch1"]["tpot_ms"] if "batch1" in res else float("nan")
-        tps = res["workload1"]["output_tok_per_s"]
+        tps = res["workload1"]["output_tok_per_s"] if "workload1" in res else float("nan")
         r1 = base["batch1"]["tpot_ms"] / tpot if "batch1" in base else float("nan")
         r2 = tps / base["workload1"]["output_tok_per_s"] if "workload1" in base else float("nan")
         line = f"{name:10s} {tpot:20.3f} {r1:8.3f} {tps:15.0f} {r2:8.3f}"
         if "batch1" in res:
             line += f"  | 8B 1000-token TTFT {res['batch1']['ttft_ms']:6.2f} ms"
+        line += "".join(f"  | b{b} {res[f'batch{b}']['tpot_ms']:.3f} ms" for b in args.batches.split(",")
+                        if f"batch{b}" in res)
         if "workload2" in res:
             w2 = res["workload2"]["output_tok_per_s"]
             r3 = w2 / base["workload2"]["output_tok_per_s"] if "workload2" in base else float("nan")

@@ -5,7 +5,8 @@ one product per layer, each layer with its own weight (so the 60 MB L2 holds non
 replayed from one CUDA graph. Batch-1 rows report the weight-read rate against the device copy rate
 (over the bf16 weight's bytes, so a float8 read at the same rate shows half the time); larger batches
 report TFLOP/s. ``--fp8`` also times the ``quantization="fp8"`` products: the float8 GEMV at batch 1,
-and above it the row quantizer plus ``torch._scaled_mm`` (``fp8``), and the two apart.
+and above it the row quantizer plus ``torch._scaled_mm`` (``fp8``), and the two apart; at 2-16 rows also
+the skinny GEMM on the float8 weight with the 16-bit activation kept (``fp8_skinny``).
 Usage: ``python benchmarks/linear_shapes.py [--json PATH] [--fp8] [--sweep]``.
 """
 from __future__ import annotations
@@ -98,6 +99,22 @@ def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool) -> dict:
                 best = min(best, (t, str(cfg)))
             out["fp8_best"] = best
         return out
+    from pagedllm.layers.kernels import skinny_gemm as sg
+    from pagedllm.layers.quantization.fp8 import WEIGHT_ONLY_MAX_ROWS
+
+    if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS and sg.default_config(x.shape[0], n, k, float8=True) is not None:
+        out["fp8_skinny"] = graph_time_us(lambda: [sg.skinny_gemm(x, q, scale=s) for q, s, _ in qw])
+        if sweep:
+            best = (out["fp8_skinny"], str(sg.default_config(x.shape[0], n, k, float8=True)), None)
+            for cfg, early in fp8_skinny_candidates(n, k):
+                try:
+                    t = graph_time_us(lambda: [sg.skinny_gemm(x, q, config=cfg, scale=s, early_launch=early)
+                                               for q, s, _ in qw], reps=5)
+                except Exception as exc:  # noqa: BLE001 - a tile that does not fit is skipped
+                    print(f"   {cfg}: {type(exc).__name__}")
+                    continue
+                best = min(best, (t, str(cfg), early))
+            out["fp8_skinny_best"] = best
 
     def product(q, s_row):
         xq, xs = fp8_quant.quantize_rows(x)
@@ -125,6 +142,21 @@ def time_fp8_producers(tokens: int, hidden: int, intermediate: int) -> dict:
         "act_then_quant": graph_time_us(lambda: fp8_quant.quantize_rows(activation.act_and_mul(gu, "silu"))),
         "act_quant_fused": graph_time_us(lambda: activation.act_and_mul(gu, "silu", quantize=True)),
     }
+
+
+def fp8_skinny_candidates(n: int, k: int) -> list:
+    """Skinny-GEMM launches over a float8 weight at <= 16 rows: 16-64 columns, 256- or 512-deep K steps,
+    3-4 stages, K split 1-4 ways, with the early launch of the next kernel (which won every case of a
+    wider sweep)."""
+    from pagedllm.layers.kernels import skinny_gemm as sg
+
+    out = []
+    for bn, bk, stages, split, early in itertools.product((16, 32, 64), (256, 512), (3, 4), (1, 2, 4), (True,)):
+        cfg = sg.GemmConfig(16, bn, bk, 4, stages, split)
+        if n % bn or k % (bk * split) or not sg.workspace_fits(cfg, 16, n):
+            continue
+        out.append((cfg, early))
+    return out
 
 
 def skinny_candidates(tokens: int, n: int, k: int) -> list:
@@ -155,6 +187,8 @@ def main() -> None:
     ap.add_argument("--tunable", action="store_true",
                     help="also time torch's TunableOp: each shape tuned eagerly over the BLAS algorithms, then replayed")
     ap.add_argument("--fp8", action="store_true", help="also time the float8 products of quantization='fp8'")
+    ap.add_argument("--fp8-sweep", action="store_true",
+                    help="with --fp8, sweep the float8 GEMV's and skinny GEMM's launches (not the 16-bit ones)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("linear_shapes: no CUDA device; nothing to time")
@@ -210,7 +244,7 @@ def main() -> None:
                                 best = min(best, (t, str(cfg)))
                     res["best"] = best
             if args.fp8 and name != "lm_head":
-                res.update(time_fp8(x, weights, sweep=args.sweep))
+                res.update(time_fp8(x, weights, sweep=args.sweep or args.fp8_sweep))
             if 1 < tokens <= sg.MAX_ROWS and sg.default_config(tokens, n, k) is not None:
                 res["triton"] = graph_time_us(lambda: [sg.skinny_gemm(x, w) for w in weights])
                 err = (sg.skinny_gemm(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max().item()
@@ -225,7 +259,8 @@ def main() -> None:
                             continue
                         best = min(best, (t, str(cfg)))
                     res["best"] = best
-            libs = [key for key in ("cublas", "cublaslt", "tunable", "cublas_l2_hot", "gemv", "triton", "fp8", "fp8_gemv")
+            libs = [key for key in ("cublas", "cublaslt", "tunable", "cublas_l2_hot", "gemv", "triton", "fp8", "fp8_gemv",
+                                "fp8_skinny")
                     if key in res]
             if tokens == 1:
                 rate = "  ".join(f"{key} {res[key]:8.1f} us {nbytes / (res[key] * 1e-6) / 1e12 / bw:6.1%}" for key in libs)
@@ -234,6 +269,8 @@ def main() -> None:
             extra = f"  best {res['best'][0]:.1f} us {res['best'][1]}" if "best" in res else ""
             extra += "".join(f"  {key} {res[key]:.1f} us" for key in ("fp8_quant", "fp8_mm_only") if key in res)
             extra += f"  fp8 best {res['fp8_best'][0]:.1f} us {res['fp8_best'][1]}" if "fp8_best" in res else ""
+            if "fp8_skinny_best" in res:
+                extra += "  fp8 skinny best {:.1f} us {} early={}".format(*res["fp8_skinny_best"])
             print(f"{model:11s} T={tokens:4d} {name:8s} {n:6d}x{k:5d} x{count:2d}: {rate}{extra}", flush=True)
             rows.append(res)
             del weights
@@ -243,7 +280,7 @@ def main() -> None:
         sel = [r for r in rows if r["model"] == model and r["tokens"] == tokens and "cublas" in r]
         summary[f"{model} T={tokens}"] = {
             key: sum(r.get(key, r["cublas"]) for r in sel)
-            for key in ("cublas", "cublaslt", "tunable", "gemv", "triton", "fp8", "fp8_gemv")
+            for key in ("cublas", "cublaslt", "tunable", "gemv", "triton", "fp8", "fp8_gemv", "fp8_skinny")
         }
         if any("best" in r for r in sel):
             summary[f"{model} T={tokens}"]["best"] = sum(min(r["best"][0], r["cublas"]) if "best" in r else r["cublas"]

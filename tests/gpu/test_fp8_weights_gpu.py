@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.kernels import fp8_quant, gemv
-from pagedllm.layers.quantization.fp8 import Fp8LinearMethod, fp8_linear_ref, quantize_rows_ref
+from pagedllm.layers.kernels import fp8_quant, gemv, skinny_gemm
+from pagedllm.layers.quantization.fp8 import Fp8LinearMethod, fp8_linear_ref, quantize_rows_ref, weight_only_rows
 from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -39,9 +39,10 @@ def test_fp8_products_match_the_reference(m: int, n: int, k: int) -> None:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     y = Fp8LinearMethod().apply(layer, x, bias)
-    if m == 1:
-        # The GEMV keeps the activation in 16 bits: its reference is the 16-bit row times the float8 weight.
-        assert gemv.usable(x, layer.weight)
+    if weight_only_rows(m):
+        # The GEMV (one row) and the skinny GEMM (2-16) keep the activation in 16 bits: the reference is the
+        # 16-bit rows times the float8 weight.
+        assert gemv.usable(x, layer.weight) or skinny_gemm.usable(x, layer.weight)
         ref = (x.float() @ layer.weight.float().t()) * layer.weight_scale[None, :] + bias.float()
     else:
         ref = fp8_linear_ref(x.float(), layer.weight, layer.weight_scale, bias.float())
@@ -79,7 +80,8 @@ def test_fused_input_quantization_changes_no_bit(tmp_path, kind: str) -> None:
               quantization="fp8", enforce_eager=True)
     model = llm.llm_engine.engine_core.executor.worker.model_runner.model
     producers = [m for m in model.modules() if getattr(m, "quantize_output", False)]
-    assert len(producers) == 3 * 2
+    # input norm -> qkv, the norm before the MLP -> gate_up, the activation -> down: three a layer
+    assert len(producers) == 3 * llm.llm_engine.config.model_config.hf_config.num_hidden_layers
     fused = llm.generate(prompts, params, use_tqdm=False)
     for m in producers:
         m.quantize_output = False

@@ -172,15 +172,20 @@ def test_quantized_model_flags_the_producers_of_float8_inputs(tiny_llama: str) -
     assert not model.model.norm.quantize_output  # the final norm feeds the 16-bit LM head
 
 
-@pytest.mark.parametrize(("m", "n", "k", "split", "bias"), [(5, 64, 256, 1, False), (16, 96, 512, 2, True)])
-def test_skinny_gemm_reads_float8_weights_with_row_scales(m: int, n: int, k: int, split: int, bias: bool) -> None:
+@pytest.mark.parametrize(("m", "n", "k", "split", "bias"), [(5, 64, 256, 1, False), (16, 96, 512, 2, True),
+                                                            (3, 64, 1024, None, True), (7, 64, 2048, None, False)])
+def test_skinny_gemm_reads_float8_weights_with_row_scales(m: int, n: int, k: int, split: int | None, bias: bool) -> None:
+    """Given tiles, and (split None) the float8 tiles of the default rule: 512 deep, or 256 deep split 4 ways."""
     from pagedllm.layers.kernels import skinny_gemm as sg
 
     gen = torch.Generator().manual_seed(m * n)
     w_q, w_s = quantize_rows_ref(torch.randn(n, k, generator=gen) * k**-0.5)
     x = torch.randn(m, k, generator=gen).half()
     b = torch.randn(n, generator=gen).half() if bias else None
-    cfg = sg.GemmConfig(16, 32, 64, 4, 2, split)
+    cfg = sg.GemmConfig(16, 32, 64, 4, 2, split) if split else None
+    if split is None:
+        assert sg.default_config(m, n, k, float8=True) == (
+            sg.GemmConfig(16, 32, 512, 4, 3) if k <= 1024 else sg.GemmConfig(16, 32, 256, 4, 3, 4))
     y = sg.skinny_gemm(x.to(DEVICE), w_q.to(DEVICE), None if b is None else b.to(DEVICE), config=cfg,
                        scale=w_s.reshape(-1).to(DEVICE))
     ref = (x.float() @ w_q.float().t()) * w_s.reshape(1, -1) + (b.float() if bias else 0.0)
@@ -188,10 +193,13 @@ def test_skinny_gemm_reads_float8_weights_with_row_scales(m: int, n: int, k: int
     torch.testing.assert_close(y.float().cpu(), ref, atol=4e-3, rtol=2e-3)
 
 
-def test_weight_only_rows_follow_the_skinny_gemm_switch(monkeypatch) -> None:
+def test_weight_only_rows_follow_the_skinny_switches(monkeypatch) -> None:
     from pagedllm.layers.quantization.fp8 import WEIGHT_ONLY_MAX_ROWS, weight_only_rows
 
     monkeypatch.delenv("PAGEDLLM_TRITON_GEMM", raising=False)
+    monkeypatch.delenv("PAGEDLLM_FP8_SKINNY", raising=False)
+    assert weight_only_rows(1) and weight_only_rows(WEIGHT_ONLY_MAX_ROWS) and not weight_only_rows(WEIGHT_ONLY_MAX_ROWS + 1)
+    monkeypatch.setenv("PAGEDLLM_FP8_SKINNY", "0")  # off: only the one-token GEMV keeps the 16-bit activation
     assert weight_only_rows(1) and not weight_only_rows(2)
-    monkeypatch.setenv("PAGEDLLM_TRITON_GEMM", "1")
+    monkeypatch.setenv("PAGEDLLM_TRITON_GEMM", "1")  # the skinny GEMM for every product takes them anyway
     assert weight_only_rows(WEIGHT_ONLY_MAX_ROWS) and not weight_only_rows(WEIGHT_ONLY_MAX_ROWS + 1)

@@ -3,9 +3,9 @@
 ``--quantization fp8`` takes a 16- or 32-bit checkpoint, loads it as usual, then rounds every decoder
 linear's weight to float8 with a float32 scale per output row (the row's largest magnitude over 448);
 a float8 checkpoint loads into the same layout as stored (``serialized``). A product runs one of three ways:
-- CUDA with float8 tensor cores (compute capability >= 8.9), one token in a half type: the GEMV reads
-  the float8 weight and scales each output row; the activation stays in 16 bits (a decode token is a
-  weight read, and this halves it). With the opt-in skinny GEMM, up to 16 tokens go the same way.
+- CUDA with float8 tensor cores (compute capability >= 8.9), up to 16 tokens in a half type: the GEMV
+  (one token) or the skinny GEMM reads the float8 weight and scales each output row; the activation stays
+  in 16 bits (a few decode tokens are a weight read, and this halves it).
 - the same GPUs, more tokens: each activation row is quantized the same way (one Triton launch) and
   ``torch._scaled_mm`` multiplies on the float8 tensor cores, applying both scales to the float32 sums
   (cuBLAS's row-wise scaling). Where a norm or gated activation kernel feeds the linear, that kernel
@@ -17,6 +17,7 @@ The embedding and the LM head stay in the model's dtype, as in vLLM.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
@@ -62,16 +63,22 @@ def float8_products(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
-# With the opt-in skinny GEMM (PAGEDLLM_TRITON_GEMM=1), products of up to this many rows also read the
-# float8 weight directly and keep the 16-bit activation, as the one-token GEMV always does.
+# Products of 2 to this many tokens read the float8 weight in the skinny GEMM and keep the 16-bit
+# activation, as the one-token GEMV does: a few tokens make a product a weight read, which float8 halves,
+# while cuBLAS's float8 kernels are slower there than its 16-bit ones. PAGEDLLM_FP8_SKINNY=0 turns this
+# off (the tokens are then quantized for torch._scaled_mm), unless PAGEDLLM_TRITON_GEMM=1.
 WEIGHT_ONLY_MAX_ROWS = 16
+
+
+def _skinny_on() -> bool:
+    from pagedllm.layers.kernels import skinny_gemm
+
+    return skinny_gemm.enabled() or os.environ.get("PAGEDLLM_FP8_SKINNY", "1") != "0"
 
 
 def weight_only_rows(m: int) -> bool:
     """Whether a float8 product over ``m`` rows keeps its activation in 16 bits (else it quantizes it)."""
-    from pagedllm.layers.kernels import skinny_gemm
-
-    return m == 1 or (m <= WEIGHT_ONLY_MAX_ROWS and skinny_gemm.enabled())
+    return m == 1 or (m <= WEIGHT_ONLY_MAX_ROWS and _skinny_on())
 
 
 def quantizable(layer: nn.Module) -> bool:
