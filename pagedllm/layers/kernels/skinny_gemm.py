@@ -127,8 +127,9 @@ def default_config(m: int, n: int, k: int, float8: bool = False) -> GemmConfig |
     A float8 weight at <= 16 rows (``--quantization fp8`` decode) is a weight read: 32-column tiles,
     512 deep over an input of <= 1024, else 256 deep with the input split 4 ways below 64 column tiles
     and 2 ways below 512 (each the best of an H200 sweep, ``linear_shapes.py --fp8 --fp8-sweep``). At 4
-    rows they read Llama-3-8B's float8 products in 3.2 ms, against 6.3 ms for the 16-bit tiles below,
-    5.0 ms for the quantizer plus cuBLAS's float8 product, and 4.0 ms for cuBLAS on the bf16 weights.
+    rows all of Llama-3-8B's products (its bf16 LM head included) then take 3.2 ms, against 6.3 ms with
+    the 16-bit tiles below, 5.0 ms for the quantizer plus cuBLAS's float8 product, and 4.0 ms for cuBLAS
+    on bf16 weights.
 
     Rows: the smallest tensor-core tile holding them, up to 64. Columns: narrow enough that the
     grid has about two programs per SM. K steps of 64 or 128 with a 3-stage pipeline. A deep input
