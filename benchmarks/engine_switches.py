@@ -16,8 +16,10 @@ pieces only from 792 such pairs (``TritonImpl.decode_pieces``, ``decode_piece_le
 2-256 rows), and ``fp8wnoskinny`` quantizes the tokens of 2-16-row float8 products for ``torch._scaled_mm``
 instead (PAGEDLLM_FP8_SKINNY=0; ``fp8wskinny`` names the default). Each variant runs
 (1) workload 3, Llama-3-8B batch 1, 1000-token prompt, time per output token, and (2) workload 1,
-Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s; with ``--workload2`` also (3) workload 2. Random weights, bf16, greedy. Prints a
-table of both figures per variant and their ratio to ``base``; writes one JSON file.
+Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s; with ``--workload2`` also (3) workload 2, with
+``--batches 2,4,...`` the 8B's time per output token at those batch sizes, and with ``--no-workload1`` not
+(2). Random weights, bf16, greedy. Prints a table of the figures per variant and their ratio to ``base``;
+writes one JSON file.
 ``--smoke`` runs the same code with a tiny model on the CPU (switches are then inert).
 """
 from __future__ import annotations
