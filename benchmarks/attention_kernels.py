@@ -17,7 +17,7 @@ def copy_bandwidth(nbytes: int = 1 << 31) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
-    del src, dst
+    src = dst = None  # frees both (a `del` would hide the names from the lambda above)
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
@@ -211,7 +211,7 @@ def main() -> None:
                 line += f"\n      {spec:>10s}: {t * 1e3:8.1f} us  {nbytes / (t * 1e-3) / 1e12:5.2f} TB/s"
         print(line, flush=True)
         results["decode"].append(row)
-        del tensors
+        tensors = None
         torch.cuda.empty_cache()
     if "ragged" in sections:
         ragged_section(results, hq, hkv, d, bs, dtype, copy_bw)
@@ -243,7 +243,7 @@ def ragged_section(results, hq, hkv, d, bs, dtype, copy_bw: float) -> None:
         ("random, 2 splits", base, 2, False),
         ("random, 4 splits", base, 4, False),
         (f"uniform {mean}", [mean] * len(base), None, False),
-        (f"uniform + decode_order", [mean] * len(base), None, True),
+        ("uniform + decode_order", [mean] * len(base), None, True),
     ]
     results["ragged"] = []
     for name, seq_lens, splits, ordered in cases:
@@ -256,7 +256,7 @@ def ragged_section(results, hq, hkv, d, bs, dtype, copy_bw: float) -> None:
         bw = nbytes / (ms * 1e-3) / 1e12
         print(f"{name:22s}: {ms * 1e3:8.1f} us  {bw:5.2f} TB/s  {bw / copy_bw:5.1%}", flush=True)
         results["ragged"].append({"case": name, "us": ms * 1e3, "tbps": bw, "frac_of_copy": bw / copy_bw})
-        del tensors
+        tensors = None
         torch.cuda.empty_cache()
 
 
@@ -287,7 +287,7 @@ def split_section(results, hq, hkv, d, bs, dtype, copy_bw: float) -> None:
         results["split"].append(
             {"batch": batch, "ctx": ctx, "chosen": chosen, "us": {k: v * 1e3 for k, v in timings.items()}}
         )
-        del tensors
+        tensors = None
         torch.cuda.empty_cache()
 
 
@@ -338,7 +338,7 @@ def intercept_section(results, hq, hkv, d, bs, dtype) -> None:
             line += f" {name} {row[f'eight_{name}_us_each']:6.1f}"
         print(line, flush=True)
         results["intercept"].append(row)
-        del layers
+        layers = None
         torch.cuda.empty_cache()
 
 
@@ -398,7 +398,7 @@ def pieces_section(results, args, hq, hkv, d, bs, dtype, copy_bw: float) -> None
             row["tbps_default"] = nbytes / row["default_us"] / 1e6
             print(line + f" | ends {row['piece_ends_us']:.1f} us; default {row['tbps_default']:.2f} TB/s", flush=True)
             results["pieces"].append(row)
-            del tensors
+            tensors = None
             torch.cuda.empty_cache()
 
 
@@ -451,7 +451,7 @@ def prefill_section(results, args, hq, hkv, d, bs, dtype) -> None:
         results["prefill"]["per_head_best"] = sweep(
             "per head ", itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3, 4)), ms_head, prompt_per_head=True
         )
-    del tensors
+    tensors = None
 
 
 def _write(path: str, results: dict) -> None:

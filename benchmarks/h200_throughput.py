@@ -230,7 +230,7 @@ def summarize(res: dict) -> dict:
 
 
 def print_table(res: dict, s: dict) -> None:
-    q, l, h = res.get("qwen", {}), res.get("llama", {}), res.get("hf", {})
+    q, l = res.get("qwen", {}), res.get("llama", {})
     bw = l.get("copy_bw_bytes_per_s") or q.get("copy_bw_bytes_per_s")
     print(f"\ncopy bandwidth (read+write): {_fmt(bw and bw / 1e12, '.2f')} TB/s")
     for name in ("qwen", "llama", "hf"):

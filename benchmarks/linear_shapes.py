@@ -273,7 +273,7 @@ def main() -> None:
                 extra += "  fp8 skinny best {:.1f} us {} early={}".format(*res["fp8_skinny_best"])
             print(f"{model:11s} T={tokens:4d} {name:8s} {n:6d}x{k:5d} x{count:2d}: {rate}{extra}", flush=True)
             rows.append(res)
-            del weights
+            weights = None
         torch.cuda.empty_cache()
     summary = {}
     for model, tokens in cases:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from tiny_models import make_tiny_model
 
 from pagedllm import LLM, SamplingParams
