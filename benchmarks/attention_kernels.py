@@ -17,7 +17,7 @@ def copy_bandwidth(nbytes: int = 1 << 31) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
-    src = dst = None  # frees both (a `del` would hide the names from the lambda above)
+    src = dst = None  # frees both; the lambda above still names them, so they are rebound, not deleted
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 

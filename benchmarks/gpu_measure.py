@@ -46,7 +46,7 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 4 << 30) -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)
     seconds = median_event_ms(lambda: dst.copy_(src), reps=10) / 1e3
-    src = dst = None  # frees both (a `del` would hide the names from the lambda above)
+    src = dst = None  # frees both; the lambda above still names them, so they are rebound, not deleted
     torch.cuda.empty_cache()
     return 2 * nbytes / seconds
 
