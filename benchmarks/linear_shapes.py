@@ -6,7 +6,8 @@ replayed from one CUDA graph. Batch-1 rows report the weight-read rate against t
 (over the bf16 weight's bytes, so a float8 read at the same rate shows half the time); larger batches
 report TFLOP/s. ``--fp8`` also times the ``quantization="fp8"`` products: the float8 GEMV at batch 1,
 and above it the row quantizer plus ``torch._scaled_mm`` (``fp8``), and the two apart; at 2-16 rows also
-the skinny GEMM on the float8 weight with the 16-bit activation kept (``fp8_skinny``).
+the skinny GEMM on the float8 weight with the 16-bit activation kept (``fp8_skinny``); ``--fp8-sweep``
+sweeps its tiles up to 64 rows.
 Usage: ``python benchmarks/linear_shapes.py [--json PATH] [--fp8] [--sweep]``.
 """
 from __future__ import annotations
@@ -102,11 +103,14 @@ def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool) -> dict:
     from pagedllm.layers.kernels import skinny_gemm as sg
     from pagedllm.layers.quantization.fp8 import WEIGHT_ONLY_MAX_ROWS
 
-    if x.shape[0] <= WEIGHT_ONLY_MAX_ROWS and sg.default_config(x.shape[0], n, k, float8=True) is not None:
+    # The sweep also runs at 17-64 rows, where float8 products now take the quantizer and cuBLAS, to find
+    # whether the skinny GEMM's float8 tiles should reach further.
+    max_rows = 64 if sweep else WEIGHT_ONLY_MAX_ROWS
+    if x.shape[0] <= max_rows and sg.default_config(x.shape[0], n, k, float8=True) is not None:
         out["fp8_skinny"] = graph_time_us(lambda: [sg.skinny_gemm(x, q, scale=s) for q, s, _ in qw])
         if sweep:
             best = (out["fp8_skinny"], str(sg.default_config(x.shape[0], n, k, float8=True)), None)
-            for cfg, early in fp8_skinny_candidates(n, k):
+            for cfg, early in fp8_skinny_candidates(x.shape[0], n, k):
                 try:
                     t = graph_time_us(lambda: [sg.skinny_gemm(x, q, config=cfg, scale=s, early_launch=early)
                                                for q, s, _ in qw], reps=5)
@@ -144,18 +148,19 @@ def time_fp8_producers(tokens: int, hidden: int, intermediate: int) -> dict:
     }
 
 
-def fp8_skinny_candidates(n: int, k: int) -> list:
-    """Skinny-GEMM launches over a float8 weight at <= 16 rows: 16-64 columns, 256- or 512-deep K steps,
-    3-4 stages, K split 1-4 ways, with the early launch of the next kernel (which won every case of a
-    wider sweep)."""
+def fp8_skinny_candidates(m: int, n: int, k: int) -> list:
+    """Skinny-GEMM launches over a float8 weight: 16-row tiles, and above 16 rows also tiles as tall as the
+    rows (up to 64); 16-64 columns, 256- or 512-deep K steps, 3-4 stages, K split 1-4 ways, with the
+    early launch of the next kernel up to 16 rows (which won every case of a wider sweep there)."""
     from pagedllm.layers.kernels import skinny_gemm as sg
 
+    row_tiles = sorted({16, min(64, 1 << (m - 1).bit_length())})
     out = []
-    for bn, bk, stages, split, early in itertools.product((16, 32, 64), (256, 512), (3, 4), (1, 2, 4), (True,)):
-        cfg = sg.GemmConfig(16, bn, bk, 4, stages, split)
-        if n % bn or k % (bk * split) or not sg.workspace_fits(cfg, 16, n):
+    for bm, bn, bk, stages, split in itertools.product(row_tiles, (16, 32, 64), (256, 512), (3, 4), (1, 2, 4)):
+        cfg = sg.GemmConfig(bm, bn, bk, 4, stages, split)
+        if n % bn or k % (bk * split) or not sg.workspace_fits(cfg, m, n):
             continue
-        out.append((cfg, early))
+        out.append((cfg, m <= sg.EARLY_LAUNCH_MAX_ROWS))
     return out
 
 
