@@ -154,7 +154,7 @@ def fp8_skinny_candidates(m: int, n: int, k: int) -> list:
     early launch of the next kernel up to 16 rows (which won every case of a wider sweep there)."""
     from pagedllm.layers.kernels import skinny_gemm as sg
 
-    row_tiles = sorted({16, min(64, 1 << (m - 1).bit_length())})
+    row_tiles = sorted({16, min(64, max(16, 1 << (m - 1).bit_length()))})
     out = []
     for bm, bn, bk, stages, split in itertools.product(row_tiles, (16, 32, 64), (256, 512), (3, 4), (1, 2, 4)):
         cfg = sg.GemmConfig(bm, bn, bk, 4, stages, split)
