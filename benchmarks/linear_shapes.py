@@ -110,6 +110,7 @@ def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool) -> dict:
         out["fp8_skinny"] = graph_time_us(lambda: [sg.skinny_gemm(x, q, scale=s) for q, s, _ in qw])
         if sweep:
             best = (out["fp8_skinny"], str(sg.default_config(x.shape[0], n, k, float8=True)), None)
+            best_swapped = (float("inf"), "", None)
             for cfg, early in fp8_skinny_candidates(x.shape[0], n, k):
                 try:
                     t = graph_time_us(lambda: [sg.skinny_gemm(x, q, config=cfg, scale=s, early_launch=early)
@@ -118,7 +119,10 @@ def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool) -> dict:
                     print(f"   {cfg}: {type(exc).__name__}")
                     continue
                 best = min(best, (t, str(cfg), early))
+                if cfg.swap_ab:
+                    best_swapped = min(best_swapped, (t, str(cfg), early))
             out["fp8_skinny_best"] = best
+            out["fp8_swapped_best"] = best_swapped
 
     def product(q, s_row):
         xq, xs = fp8_quant.quantize_rows(x)
@@ -151,16 +155,33 @@ def time_fp8_producers(tokens: int, hidden: int, intermediate: int) -> dict:
 def fp8_skinny_candidates(m: int, n: int, k: int) -> list:
     """Skinny-GEMM launches over a float8 weight: 16-row tiles, and above 16 rows also tiles as tall as the
     rows (up to 64); 16-64 columns, 256- or 512-deep K steps, 3-4 stages, K split 1-4 ways, with the
-    early launch of the next kernel up to 16 rows (which won every case of a wider sweep there)."""
+    early launch of the next kernel up to 16 rows (which won every case of a wider sweep there). Then the
+    swapped tiles (``swap_ab``): 64 or 128 weight rows a program, 128 or 256 deep."""
     from pagedllm.layers.kernels import skinny_gemm as sg
 
     row_tiles = sorted({16, min(64, max(16, 1 << (m - 1).bit_length()))})
+    early = m <= sg.EARLY_LAUNCH_MAX_ROWS
     out = []
     for bm, bn, bk, stages, split in itertools.product(row_tiles, (16, 32, 64), (256, 512), (3, 4), (1, 2, 4)):
         cfg = sg.GemmConfig(bm, bn, bk, 4, stages, split)
         if n % bn or k % (bk * split) or not sg.workspace_fits(cfg, m, n):
             continue
-        out.append((cfg, m <= sg.EARLY_LAUNCH_MAX_ROWS))
+        out.append((cfg, early))
+    return out + [(cfg, early) for cfg in swapped_candidates(m, n, k)]
+
+
+def swapped_candidates(m: int, n: int, k: int) -> list:
+    """Swapped skinny-GEMM tiles: the rows' own token tile (16-64), 64 or 128 weight rows (4 or 8 warps),
+    128 or 256 deep, 3-4 stages, K split 1-4 ways."""
+    from pagedllm.layers.kernels import skinny_gemm as sg
+
+    bm = min(64, max(16, 1 << (m - 1).bit_length()))
+    out = []
+    for bn, warps, bk, stages, split in itertools.product((64, 128), (4, 8), (128, 256), (3, 4), (1, 2, 4)):
+        cfg = sg.GemmConfig(bm, bn, bk, warps, stages, split, swap_ab=True)
+        if (bn == 64 and warps == 8) or n % bn or k % (bk * split) or not sg.workspace_fits(cfg, m, n):
+            continue
+        out.append(cfg)
     return out
 
 
@@ -178,7 +199,7 @@ def skinny_candidates(tokens: int, n: int, k: int) -> list:
         if n % bn or k % (bk * split) or not sg.workspace_fits(cfg, tokens, n):
             continue
         out.append(cfg)
-    return out
+    return out + swapped_candidates(tokens, n, k)
 
 
 def main() -> None:
@@ -276,6 +297,8 @@ def main() -> None:
             extra += f"  fp8 best {res['fp8_best'][0]:.1f} us {res['fp8_best'][1]}" if "fp8_best" in res else ""
             if "fp8_skinny_best" in res:
                 extra += "  fp8 skinny best {:.1f} us {} early={}".format(*res["fp8_skinny_best"])
+            if "fp8_swapped_best" in res:
+                extra += "  swapped best {:.1f} us {}".format(*res["fp8_swapped_best"][:2])
             print(f"{model:11s} T={tokens:4d} {name:8s} {n:6d}x{k:5d} x{count:2d}: {rate}{extra}", flush=True)
             rows.append(res)
             weights = None

@@ -193,6 +193,25 @@ def test_skinny_gemm_reads_float8_weights_with_row_scales(m: int, n: int, k: int
     torch.testing.assert_close(y.float().cpu(), ref, atol=4e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize(("m", "cfg"), [(5, (16, 64, 128, 4, 2, 1)), (16, (16, 64, 64, 4, 2, 2)),
+                                        (37, (64, 64, 128, 4, 2, 1)), (20, (32, 128, 64, 4, 2, 4))])
+def test_swapped_tiles_read_float8_weights_as_the_left_operand(m: int, cfg: tuple) -> None:
+    """Weight rows as the product's left operand (``swap_ab``): ragged rows, K splits and the column scales
+    give what the reference gives."""
+    from pagedllm.layers.kernels import skinny_gemm as sg
+
+    n, k = 256, 512
+    gen = torch.Generator().manual_seed(m)
+    w_q, w_s = quantize_rows_ref(torch.randn(n, k, generator=gen) * k**-0.5)
+    x = torch.randn(m, k, generator=gen).half()
+    b = torch.randn(n, generator=gen).half()
+    y = sg.skinny_gemm(x.to(DEVICE), w_q.to(DEVICE), b.to(DEVICE), config=sg.GemmConfig(*cfg, swap_ab=True),
+                       scale=w_s.reshape(-1).to(DEVICE))
+    ref = (x.float() @ w_q.float().t()) * w_s.reshape(1, -1) + b.float()
+    assert y.shape == (m, n)
+    torch.testing.assert_close(y.float().cpu(), ref, atol=4e-3, rtol=2e-3)
+
+
 def test_weight_only_rows_follow_the_skinny_switches(monkeypatch) -> None:
     from pagedllm.layers.quantization.fp8 import WEIGHT_ONLY_MAX_ROWS, weight_only_rows
 

@@ -69,7 +69,9 @@ def test_skinny_gemm_matches_fp32_product(m: int, n: int, k: int, bias: bool) ->
     torch.testing.assert_close(y.float(), ref, atol=4e-3, rtol=0)
 
 
-@pytest.mark.parametrize("config", [sg_k.GemmConfig(16, 32, 32, 4, 2), sg_k.GemmConfig(32, 64, 64, 4, 3)])
+@pytest.mark.parametrize("config", [sg_k.GemmConfig(16, 32, 32, 4, 2), sg_k.GemmConfig(32, 64, 64, 4, 3),
+                                    sg_k.GemmConfig(16, 64, 64, 4, 2, swap_ab=True),
+                                    sg_k.GemmConfig(64, 128, 32, 4, 3, 2, swap_ab=True)])
 def test_skinny_gemm_tiles_agree(config) -> None:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(40, 256, generator=gen).to(DEVICE, torch.float16)

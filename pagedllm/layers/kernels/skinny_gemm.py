@@ -43,6 +43,10 @@ class GemmConfig(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1  # programs sharing one output tile, each over K / split_k of the input dimension
+    # The weight tile [block_n, block_k] as the product's left operand and the tokens as its right: the
+    # tensor cores' 64-row side then runs over weight rows, not over a handful of tokens, and a float8
+    # tile widened in registers feeds them from there (Hopper) instead of another trip through shared memory.
+    swap_ab: bool = False
 
 
 @triton.jit
@@ -54,6 +58,15 @@ def _store_tile(acc, b_ptr, s_ptr, y_ptr, rows, cols, row_in, stride_ym, HAS_BIA
         acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_in[:, None])
+
+
+@triton.jit
+def _mma(w, x, acc, SWAP_AB: tl.constexpr):
+    """acc += the tile product: w [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M] when swapped, else
+    x [BLOCK_M, BLOCK_K] @ W^T [BLOCK_K, BLOCK_N]."""
+    if SWAP_AB:
+        return tl.dot(w, x, acc)
+    return tl.dot(x, w, acc)
 
 
 @triton.jit
@@ -78,6 +91,7 @@ def _skinny_gemm_kernel(
     SPLIT_K: tl.constexpr,
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
     EARLY_LAUNCH: tl.constexpr,  # (USE_GDC) let the next kernel launch as soon as this one has waited
+    SWAP_AB: tl.constexpr,  # GemmConfig.swap_ab
 ):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -85,17 +99,28 @@ def _skinny_gemm_kernel(
     k_len = K // SPLIT_K  # a multiple of BLOCK_K (host checks)
     ks = pid_k * k_len + tl.arange(0, BLOCK_K)  # [BLOCK_K]
     row_in = rows < M
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N]: W^T tile
+    dt = x_ptr.dtype.element_ty
+    if SWAP_AB:
+        x_ptrs = x_ptr + rows.to(tl.int64)[None, :] * stride_xm + ks[:, None]  # [BLOCK_K, BLOCK_M]: x^T tile
+        w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]: W tile
+        x_in = row_in[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
+        w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N]: W^T tile
+        x_in = row_in[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # No kernel writes the weights: under PDL the first weight tile loads while the previous kernel
     # (which writes x) finishes; with EARLY_LAUNCH the next product launches and does the same at once.
-    b = tl.load(w_ptrs).to(x_ptr.dtype.element_ty)  # a float8 weight widens exactly
+    w = tl.load(w_ptrs).to(dt)  # a float8 weight widens exactly
     wait_for_previous_kernel(USE_GDC, EARLY_LAUNCH)
-    acc = tl.dot(tl.load(x_ptrs, mask=row_in[:, None], other=0.0), b, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+    acc = _mma(w, tl.load(x_ptrs, mask=x_in, other=0.0), acc, SWAP_AB)
     for k0 in range(BLOCK_K, k_len, BLOCK_K):
-        a = tl.load(x_ptrs + k0, mask=row_in[:, None], other=0.0)
-        b = tl.load(w_ptrs + k0).to(x_ptr.dtype.element_ty)
-        acc = tl.dot(a, b, acc)
+        a = tl.load(x_ptrs + k0, mask=x_in, other=0.0)
+        w = tl.load(w_ptrs + k0).to(dt)
+        acc = _mma(w, a, acc, SWAP_AB)
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if SPLIT_K == 1:
         _store_tile(acc, b_ptr, s_ptr, y_ptr, rows, cols, row_in, stride_ym, HAS_BIAS, HAS_SCALE)
     else:
@@ -220,6 +245,7 @@ def skinny_gemm(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k,
+        SWAP_AB=cfg.swap_ab,
         # On an H200 an early launch paid at 16 rows (products 4-11% faster) and cost up to 55% at
         # 128-256, where the next product's loads compete with this one's several waves.
         EARLY_LAUNCH=m <= EARLY_LAUNCH_MAX_ROWS if early_launch is None else early_launch,
