@@ -152,6 +152,9 @@ def time_fp8_producers(tokens: int, hidden: int, intermediate: int) -> dict:
     }
 
 
+ONLY_SWAPPED = False  # --only-swapped
+
+
 def fp8_skinny_candidates(m: int, n: int, k: int) -> list:
     """Skinny-GEMM launches over a float8 weight: 16-row tiles, and above 16 rows also tiles as tall as the
     rows (up to 64); 16-64 columns, 256- or 512-deep K steps, 3-4 stages, K split 1-4 ways, with the
@@ -167,7 +170,7 @@ def fp8_skinny_candidates(m: int, n: int, k: int) -> list:
         if n % bn or k % (bk * split) or not sg.workspace_fits(cfg, m, n):
             continue
         out.append((cfg, early))
-    return out + [(cfg, early) for cfg in swapped_candidates(m, n, k)]
+    return ([] if ONLY_SWAPPED else out) + [(cfg, early) for cfg in swapped_candidates(m, n, k)]
 
 
 def swapped_candidates(m: int, n: int, k: int) -> list:
@@ -199,7 +202,7 @@ def skinny_candidates(tokens: int, n: int, k: int) -> list:
         if n % bn or k % (bk * split) or not sg.workspace_fits(cfg, tokens, n):
             continue
         out.append(cfg)
-    return out + swapped_candidates(tokens, n, k)
+    return ([] if ONLY_SWAPPED else out) + swapped_candidates(tokens, n, k)
 
 
 def main() -> None:
@@ -215,7 +218,10 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="also time the float8 products of quantization='fp8'")
     ap.add_argument("--fp8-sweep", action="store_true",
                     help="with --fp8, sweep the float8 GEMV's and skinny GEMM's launches (not the 16-bit ones)")
+    ap.add_argument("--only-swapped", action="store_true", help="sweep only the swapped skinny tiles (swap_ab)")
     args = ap.parse_args()
+    global ONLY_SWAPPED
+    ONLY_SWAPPED = args.only_swapped
     if not torch.cuda.is_available():
         print("linear_shapes: no CUDA device; nothing to time")
         return

@@ -65,8 +65,10 @@ def _mma(w, x, acc, SWAP_AB: tl.constexpr):
     """acc += the tile product: w [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M] when swapped, else
     x [BLOCK_M, BLOCK_K] @ W^T [BLOCK_K, BLOCK_N]."""
     if SWAP_AB:
-        return tl.dot(w, x, acc)
-    return tl.dot(x, w, acc)
+        acc = tl.dot(w, x, acc)
+    else:
+        acc = tl.dot(x, w, acc)
+    return acc
 
 
 @triton.jit
