@@ -101,12 +101,10 @@ def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool) -> dict:
             out["fp8_best"] = best
         return out
     from pagedllm.layers.kernels import skinny_gemm as sg
-    from pagedllm.layers.quantization.fp8 import WEIGHT_ONLY_MAX_ROWS
+    from pagedllm.layers.quantization.fp8 import NARROW_MAX_ROWS
 
-    # The sweep also runs at 17-64 rows, where float8 products now take the quantizer and cuBLAS, to find
-    # whether the skinny GEMM's float8 tiles should reach further.
-    max_rows = 64 if sweep else WEIGHT_ONLY_MAX_ROWS
-    if x.shape[0] <= max_rows and sg.default_config(x.shape[0], n, k, float8=True) is not None:
+    # Up to 64 rows, whether or not the engine's rule (quantization/fp8.py) sends this product there.
+    if x.shape[0] <= NARROW_MAX_ROWS and sg.default_config(x.shape[0], n, k, float8=True) is not None:
         out["fp8_skinny"] = graph_time_us(lambda: [sg.skinny_gemm(x, q, scale=s) for q, s, _ in qw])
         if sweep:
             best = (out["fp8_skinny"], str(sg.default_config(x.shape[0], n, k, float8=True)), None)

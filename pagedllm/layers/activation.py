@@ -17,11 +17,12 @@ def _kernel_act_and_mul(module: nn.Module, x: torch.Tensor, act: str):
 
     if not kernel.usable(x):
         return None
-    return kernel.act_and_mul(x, act, quantize=module.quantize_output and fuse_wanted(x))
+    return kernel.act_and_mul(x, act, quantize=module.quantize_output and fuse_wanted(x, module.quantize_for))
 
 
 class SiluAndMul(nn.Module):
     quantize_output = False
+    quantize_for: tuple[int, int] | None = None  # the float8 consumer's weight shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2F] -> [T, F]
         if x.is_cuda and (out := _kernel_act_and_mul(self, x, "silu")) is not None:
@@ -34,6 +35,7 @@ class GeluAndMul(nn.Module):
     """GELU-gated unit; ``approximate="tanh"`` is HF's ``gelu_pytorch_tanh`` (Gemma)."""
 
     quantize_output = False
+    quantize_for: tuple[int, int] | None = None  # the float8 consumer's weight shape
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()

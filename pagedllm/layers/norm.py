@@ -17,6 +17,7 @@ class RMSNorm(nn.Module):
     """
 
     quantize_output = False
+    quantize_for: tuple[int, int] | None = None  # the float8 consumer's weight shape
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -44,7 +45,7 @@ class RMSNorm(nn.Module):
                 from pagedllm.layers.kernels.fp8_quant import fuse_wanted
 
                 return kernel.rms_norm(x, self.weight, self.eps, residual, gemma=isinstance(self, GemmaRMSNorm),
-                                       quantize=self.quantize_output and fuse_wanted(x))
+                                       quantize=self.quantize_output and fuse_wanted(x, self.quantize_for))
         if residual is not None:
             x = x + residual
             residual = x

@@ -32,15 +32,16 @@ class _Layer(torch.nn.Module):
         Fp8LinearMethod.process_weights_after_loading(self)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 4096), (1, 4096, 14336), (7, 6144, 4096), (256, 4096, 14336),
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 4096), (1, 4096, 14336), (7, 6144, 4096), (24, 6144, 4096),
+                                           (64, 4096, 14336), (64, 28672, 4096), (256, 4096, 14336),
                                            (1000, 28672, 4096)])
 def test_fp8_products_match_the_reference(m: int, n: int, k: int) -> None:
     layer = _Layer(n, k, torch.bfloat16)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     y = Fp8LinearMethod().apply(layer, x, bias)
-    if weight_only_rows(m):
-        # The GEMV (one row) and the skinny GEMM (2-16) keep the activation in 16 bits: the reference is the
+    if weight_only_rows(m, (n, k)):
+        # The GEMV (one row) and the skinny GEMM (2-32 rows, or up to 64 with n <= k) keep the activation in 16 bits: the reference is the
         # 16-bit rows times the float8 weight.
         assert gemv.usable(x, layer.weight) or skinny_gemm.usable(x, layer.weight)
         ref = (x.float() @ layer.weight.float().t()) * layer.weight_scale[None, :] + bias.float()

@@ -50,15 +50,15 @@ class Fp8Rows:
         return self.q.is_cuda
 
 
-def fuse_wanted(x: torch.Tensor) -> bool:
+def fuse_wanted(x: torch.Tensor, consumer: tuple[int, int] | None = None) -> bool:
     """Whether a producer flagged ``quantize_output`` should hand these rows over quantized: exactly when the
-    float8 linear would quantize them itself (CUDA, a 16-bit type, more rows than the products that keep
-    the 16-bit activation take)."""
+    float8 linear (whose weight's shape is ``consumer``) would quantize them itself (CUDA, a 16-bit type,
+    more rows than its products that keep the 16-bit activation take)."""
     if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2):
         return False
     from pagedllm.layers.quantization.fp8 import float8_products, weight_only_rows
 
-    return not weight_only_rows(x.shape[0]) and float8_products(x.device.index or 0)
+    return not weight_only_rows(x.shape[0], consumer) and float8_products(x.device.index or 0)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_ROWS = 256
 EARLY_LAUNCH_MAX_ROWS = 16
 # Up to this many rows a float8 weight gets its own tile (``default_config``).
-FLOAT8_ROWS = 16
+FLOAT8_ROWS = 64
 # Per device, shared by every split launch (one stream runs them one after another): float32 partials
 # and one arrival counter per output tile, zero between launches (the last program of a tile resets it).
 WORKSPACE_FLOATS = 4 << 20
@@ -151,12 +151,14 @@ def enabled() -> bool:
 def default_config(m: int, n: int, k: int, float8: bool = False) -> GemmConfig | None:
     """A tile for an [m, k] x [n, k]^T product, or None when no tile divides the weight.
 
-    A float8 weight at <= 16 rows (``--quantization fp8`` decode) is a weight read: 32-column tiles,
-    512 deep over an input of <= 1024, else 256 deep with the input split 4 ways below 64 column tiles
-    and 2 ways below 512 (each the best of an H200 sweep, ``linear_shapes.py --fp8 --fp8-sweep``). At 4
-    rows all of Llama-3-8B's products (its bf16 LM head included) then take 3.2 ms, against 6.3 ms with
-    the 16-bit tiles below, 5.0 ms for the quantizer plus cuBLAS's float8 product, and 4.0 ms for cuBLAS
-    on bf16 weights.
+    A float8 weight (``--quantization fp8`` decode) is a weight read. Over an input of >= 4096 and 17-64
+    rows it takes swapped tiles (64 weight rows, 128 deep, split 4 ways below 256 column tiles, else 2):
+    at 32 rows all of Llama-3-8B's products (its bf16 LM head included) then took 3.92 ms, against 4.55 ms
+    with the quantizer plus cuBLAS's float8 product and 4.22 ms with cuBLAS on bf16 weights. Otherwise 16 x 32 tiles, 512 deep
+    over an input of <= 1024, else 256 deep with the input split 4 ways below 64 column tiles and 2 ways
+    below 512. Each is the best of H200 sweeps (``linear_shapes.py --fp8 --fp8-sweep``); at 4 rows the
+    8B's products (its bf16 LM head included) take 3.2 ms, against 6.3 ms with the 16-bit tiles below,
+    5.0 ms for the quantizer plus cuBLAS's float8 product, and 4.0 ms for cuBLAS on bf16 weights.
 
     Rows: the smallest tensor-core tile holding them, up to 64. Columns: narrow enough that the
     grid has about two programs per SM. K steps of 64 or 128 with a 3-stage pipeline. A deep input
@@ -165,6 +167,12 @@ def default_config(m: int, n: int, k: int, float8: bool = False) -> GemmConfig |
     splitting K = 1024 never paid.
     """
     if float8 and m <= FLOAT8_ROWS and n % 32 == 0 and k % 256 == 0:
+        if m > 16 and k >= 4096 and n % 64 == 0:
+            split = 4 if n // 64 < 256 else 2
+            cfg = GemmConfig(min(64, triton.next_power_of_2(m)), 64, 128, 4, 3, split, swap_ab=True)
+            while cfg.split_k > 1 and (k % (128 * cfg.split_k) or not workspace_fits(cfg, m, n)):
+                cfg = cfg._replace(split_k=cfg.split_k // 2)
+            return cfg
         if k <= 1024 and k % 512 == 0:
             return GemmConfig(16, 32, 512, 4, 3)
         split = 4 if n // 32 < 64 else 2 if n // 32 < 512 else 1

@@ -37,6 +37,7 @@ def quantize_model(model: nn.Module, method: str) -> int:
         for producer, consumer in getattr(module, "fp8_input_producers", lambda: [])():
             if isinstance(consumer.quant_method, Fp8LinearMethod) and quantizable(consumer):
                 producer.quantize_output = True
+                producer.quantize_for = tuple(consumer.weight.shape)  # the consumer's (outputs, inputs)
     if kept:
         logger.info("quantization %s: %d linear layers kept in %s (dimensions not multiples of 16): %s",
                     method, len(kept), next(model.parameters()).dtype, ", ".join(kept[:4]))

@@ -65,9 +65,12 @@ def float8_products(device_index: int) -> bool:
 
 # Products of 2 to this many tokens read the float8 weight in the skinny GEMM and keep the 16-bit
 # activation, as the one-token GEMV does: a few tokens make a product a weight read, which float8 halves,
-# while cuBLAS's float8 kernels are slower there than its 16-bit ones. PAGEDLLM_FP8_SKINNY=0 turns this
-# off (the tokens are then quantized for torch._scaled_mm), unless PAGEDLLM_TRITON_GEMM=1.
-WEIGHT_ONLY_MAX_ROWS = 16
+# while cuBLAS's float8 kernels are slower there than its 16-bit ones. Up to NARROW_MAX_ROWS tokens the
+# products with no more outputs than inputs (attention's output and the MLP's down projection) still
+# do; wider ones win on cuBLAS there (H200, ``linear_shapes.py --fp8 --fp8-sweep``). PAGEDLLM_FP8_SKINNY=0
+# turns this off (the tokens are then quantized for torch._scaled_mm), unless PAGEDLLM_TRITON_GEMM=1.
+WEIGHT_ONLY_MAX_ROWS = 32
+NARROW_MAX_ROWS = 64
 
 
 def _skinny_on() -> bool:
@@ -76,9 +79,14 @@ def _skinny_on() -> bool:
     return skinny_gemm.enabled() or os.environ.get("PAGEDLLM_FP8_SKINNY", "1") != "0"
 
 
-def weight_only_rows(m: int) -> bool:
-    """Whether a float8 product over ``m`` rows keeps its activation in 16 bits (else it quantizes it)."""
-    return m == 1 or (m <= WEIGHT_ONLY_MAX_ROWS and _skinny_on())
+def weight_only_rows(m: int, shape: tuple[int, int] | None = None) -> bool:
+    """Whether a float8 product over ``m`` rows keeps its activation in 16 bits (else it quantizes it);
+    ``shape``: the weight's (outputs, inputs), where known."""
+    if m == 1:
+        return True
+    if not _skinny_on():
+        return False
+    return m <= WEIGHT_ONLY_MAX_ROWS or (m <= NARROW_MAX_ROWS and shape is not None and shape[0] <= shape[1])
 
 
 def quantizable(layer: nn.Module) -> bool:
@@ -176,7 +184,7 @@ class Fp8LinearMethod(LinearMethodBase):
         if isinstance(x, Fp8Rows):  # quantized by the norm or activation kernel that produced the rows (fuse_wanted)
             return _scaled_product(x, layer, bias)
         if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and float8_products(x.device.index or 0):
-            if weight_only_rows(x.shape[0]):
+            if weight_only_rows(x.shape[0], tuple(w.shape)):
                 from pagedllm.layers.kernels import gemv, skinny_gemm
 
                 if x.shape[0] == 1 and gemv.usable(x, w):
