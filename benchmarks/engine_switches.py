@@ -12,8 +12,8 @@ the KV cache in float8 e4m3 (``kv_cache_dtype="fp8"``, an engine option rather t
 ``fp8pieces792`` keep it too, with float8 decode in one program per (request, KV head), in 512-key pieces, or in
 pieces only from 792 such pairs (``TritonImpl.decode_pieces``, ``decode_piece_len``, ``decode_pieces_min_programs``).
 ``fp8w`` quantizes the weights to float8 at load (``quantization="fp8"``), ``fp8all`` does so over a float8 cache, and
-``fp8wgemm`` sends its 2-16-row float8 products through the skinny GEMM (with every other product of
-2-256 rows), and ``fp8wnoskinny`` quantizes the tokens of 2-16-row float8 products for ``torch._scaled_mm``
+``fp8wgemm`` sends its 2-64-row float8 products through the skinny GEMM (with every other product of
+2-256 rows), and ``fp8wnoskinny`` quantizes the tokens of 2-64-row float8 products for ``torch._scaled_mm``
 instead (PAGEDLLM_FP8_SKINNY=0; ``fp8wskinny`` names the default). Each variant runs
 (1) workload 3, Llama-3-8B batch 1, 1000-token prompt, time per output token, and (2) workload 1,
 Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s; with ``--workload2`` also (3) workload 2, with
@@ -59,7 +59,7 @@ VARIANTS = {
     # This script's child builds its engines with quantization="fp8" (float8 weights), alone or with the float8 cache.
     "fp8w": {"BENCH_QUANTIZATION": "fp8"},
     "fp8all": {"BENCH_QUANTIZATION": "fp8", "BENCH_KV_CACHE_DTYPE": "fp8"},
-    # ... and float8 products of 2-16 rows through the skinny GEMM, which reads the float8 weight directly.
+    # ... and float8 products of 2-64 rows (by the rule of quantization/fp8.py) through the skinny GEMM, which reads the float8 weight directly.
     "fp8wgemm": {"BENCH_QUANTIZATION": "fp8", "PAGEDLLM_TRITON_GEMM": "1"},
     "fp8wskinny": {"BENCH_QUANTIZATION": "fp8", "PAGEDLLM_FP8_SKINNY": "1"},
     "fp8wnoskinny": {"BENCH_QUANTIZATION": "fp8", "PAGEDLLM_FP8_SKINNY": "0"},

@@ -5,9 +5,9 @@ one product per layer, each layer with its own weight (so the 60 MB L2 holds non
 replayed from one CUDA graph. Batch-1 rows report the weight-read rate against the device copy rate
 (over the bf16 weight's bytes, so a float8 read at the same rate shows half the time); larger batches
 report TFLOP/s. ``--fp8`` also times the ``quantization="fp8"`` products: the float8 GEMV at batch 1,
-and above it the row quantizer plus ``torch._scaled_mm`` (``fp8``), and the two apart; at 2-16 rows also
-the skinny GEMM on the float8 weight with the 16-bit activation kept (``fp8_skinny``); ``--fp8-sweep``
-sweeps its tiles up to 64 rows.
+and above it the row quantizer plus ``torch._scaled_mm`` (``fp8``), and the two apart; at 2-64 rows also
+the skinny GEMM on the float8 weight with the 16-bit activation kept (``fp8_skinny``, its default tile);
+``--fp8-sweep`` sweeps its tiles up to 64 rows, the swapped ones included (``--only-swapped``: those alone).
 Usage: ``python benchmarks/linear_shapes.py [--json PATH] [--fp8] [--sweep]``.
 """
 from __future__ import annotations

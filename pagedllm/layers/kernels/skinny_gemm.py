@@ -10,7 +10,8 @@ Opt in with ``PAGEDLLM_TRITON_GEMM=1`` (bf16/fp16 on CUDA); everything else stay
 A float8 weight with row scales (``--quantization fp8``) is widened to the activation's type in the
 tile (exactly: every e4m3 value is a bf16 and an fp16 value) and each output column scaled at the end:
 half the weight bytes, with the 16-bit activation kept, as the one-token GEMV does. That path is on by
-default for 2-16 rows (``quantization/fp8.py``).
+default for 2-64 rows (``quantization/fp8.py`` says which products). Swapped tiles (``GemmConfig.swap_ab``) put
+the weight rows on the tensor cores' 64-row side, so that a handful of tokens wastes none of it.
 """
 from __future__ import annotations
 
