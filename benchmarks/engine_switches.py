@@ -59,7 +59,8 @@ VARIANTS = {
     # This script's child builds its engines with quantization="fp8" (float8 weights), alone or with the float8 cache.
     "fp8w": {"BENCH_QUANTIZATION": "fp8"},
     "fp8all": {"BENCH_QUANTIZATION": "fp8", "BENCH_KV_CACHE_DTYPE": "fp8"},
-    # ... and float8 products of 2-64 rows (by the rule of quantization/fp8.py) through the skinny GEMM, which reads the float8 weight directly.
+    # ... and float8 products of 2-64 rows (by the rule of quantization/fp8.py) through the skinny GEMM,
+    # which reads the float8 weight directly.
     "fp8wgemm": {"BENCH_QUANTIZATION": "fp8", "PAGEDLLM_TRITON_GEMM": "1"},
     "fp8wskinny": {"BENCH_QUANTIZATION": "fp8", "PAGEDLLM_FP8_SKINNY": "1"},
     "fp8wnoskinny": {"BENCH_QUANTIZATION": "fp8", "PAGEDLLM_FP8_SKINNY": "0"},
