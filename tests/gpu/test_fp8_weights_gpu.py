@@ -41,8 +41,8 @@ def test_fp8_products_match_the_reference(m: int, n: int, k: int) -> None:
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     y = Fp8LinearMethod().apply(layer, x, bias)
     if weight_only_rows(m, (n, k)):
-        # The GEMV (one row) and the skinny GEMM (2-32 rows, or up to 64 with n <= k) keep the activation in 16 bits: the reference is the
-        # 16-bit rows times the float8 weight.
+        # The GEMV (one row) and the skinny GEMM (2-32 rows, or up to 64 with n <= k) keep the activation
+        # in 16 bits: the reference is the 16-bit rows times the float8 weight.
         assert gemv.usable(x, layer.weight) or skinny_gemm.usable(x, layer.weight)
         ref = (x.float() @ layer.weight.float().t()) * layer.weight_scale[None, :] + bias.float()
     else:

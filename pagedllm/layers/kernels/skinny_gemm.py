@@ -10,8 +10,9 @@ Opt in with ``PAGEDLLM_TRITON_GEMM=1`` (bf16/fp16 on CUDA); everything else stay
 A float8 weight with row scales (``--quantization fp8``) is widened to the activation's type in the
 tile (exactly: every e4m3 value is a bf16 and an fp16 value) and each output column scaled at the end:
 half the weight bytes, with the 16-bit activation kept, as the one-token GEMV does. That path is on by
-default for 2-64 rows (``quantization/fp8.py`` says which products). Swapped tiles (``GemmConfig.swap_ab``) put
-the weight rows on the tensor cores' 64-row side, so that a handful of tokens wastes none of it.
+default for 2-64 rows (``quantization/fp8.py`` says which products). Swapped tiles
+(``GemmConfig.swap_ab``) put the weight rows on the tensor cores' 64-row side, so that a handful of
+tokens wastes none of it.
 """
 from __future__ import annotations
 
@@ -155,9 +156,9 @@ def default_config(m: int, n: int, k: int, float8: bool = False) -> GemmConfig |
     A float8 weight (``--quantization fp8`` decode) is a weight read. Over an input of >= 4096 and 17-64
     rows it takes swapped tiles (64 weight rows, 128 deep, split 4 ways below 256 column tiles, else 2):
     at 32 rows all of Llama-3-8B's products (its bf16 LM head included) then took 3.92 ms, against 4.55 ms
-    with the quantizer plus cuBLAS's float8 product and 4.22 ms with cuBLAS on bf16 weights. Otherwise 16 x 32 tiles, 512 deep
-    over an input of <= 1024, else 256 deep with the input split 4 ways below 64 column tiles and 2 ways
-    below 512. Each is the best of H200 sweeps (``linear_shapes.py --fp8 --fp8-sweep``); at 4 rows the
+    with the quantizer plus cuBLAS's float8 product and 4.22 ms with cuBLAS on bf16 weights. Otherwise
+    16 x 32 tiles, 512 deep over an input of <= 1024, else 256 deep with the input split 4 ways below 64
+    column tiles and 2 ways below 512. Each is the best of H200 sweeps (``linear_shapes.py --fp8 --fp8-sweep``); at 4 rows the
     8B's products (its bf16 LM head included) take 3.2 ms, against 6.3 ms with the 16-bit tiles below,
     5.0 ms for the quantizer plus cuBLAS's float8 product, and 4.0 ms for cuBLAS on bf16 weights.
 
