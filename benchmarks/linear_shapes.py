@@ -77,7 +77,7 @@ def time_tunable(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
     return {"tunable": t, "tunable_bit_equal": same}
 
 
-def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool) -> dict:
+def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool, only_swapped: bool = False) -> dict:
     """The float8 products of these weights (quantized per row) on these rows: the GEMV at one row, else the
     quantizer plus ``torch._scaled_mm``; with ``sweep``, the GEMV's tile configs too."""
     from pagedllm.layers.kernels import fp8_quant
@@ -109,7 +109,7 @@ def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool) -> dict:
         if sweep:
             best = (out["fp8_skinny"], str(sg.default_config(x.shape[0], n, k, float8=True)), None)
             best_swapped = (float("inf"), "", None)
-            for cfg, early in fp8_skinny_candidates(x.shape[0], n, k):
+            for cfg, early in fp8_skinny_candidates(x.shape[0], n, k, only_swapped):
                 try:
                     t = graph_time_us(lambda: [sg.skinny_gemm(x, q, config=cfg, scale=s, early_launch=early)
                                                for q, s, _ in qw], reps=5)
@@ -150,10 +150,7 @@ def time_fp8_producers(tokens: int, hidden: int, intermediate: int) -> dict:
     }
 
 
-ONLY_SWAPPED = False  # --only-swapped
-
-
-def fp8_skinny_candidates(m: int, n: int, k: int) -> list:
+def fp8_skinny_candidates(m: int, n: int, k: int, only_swapped: bool = False) -> list:
     """Skinny-GEMM launches over a float8 weight: 16-row tiles, and above 16 rows also tiles as tall as the
     rows (up to 64); 16-64 columns, 256- or 512-deep K steps, 3-4 stages, K split 1-4 ways, with the
     early launch of the next kernel up to 16 rows (which won every case of a wider sweep there). Then the
@@ -168,7 +165,7 @@ def fp8_skinny_candidates(m: int, n: int, k: int) -> list:
         if n % bn or k % (bk * split) or not sg.workspace_fits(cfg, m, n):
             continue
         out.append((cfg, early))
-    return ([] if ONLY_SWAPPED else out) + [(cfg, early) for cfg in swapped_candidates(m, n, k)]
+    return ([] if only_swapped else out) + [(cfg, early) for cfg in swapped_candidates(m, n, k)]
 
 
 def swapped_candidates(m: int, n: int, k: int) -> list:
@@ -186,7 +183,7 @@ def swapped_candidates(m: int, n: int, k: int) -> list:
     return out
 
 
-def skinny_candidates(tokens: int, n: int, k: int) -> list:
+def skinny_candidates(tokens: int, n: int, k: int, only_swapped: bool = False) -> list:
     """Skinny-GEMM launch shapes to sweep: row tiles near the token count, 32-128 columns, K split 1-8 ways."""
     from pagedllm.layers.kernels import skinny_gemm as sg
 
@@ -200,7 +197,7 @@ def skinny_candidates(tokens: int, n: int, k: int) -> list:
         if n % bn or k % (bk * split) or not sg.workspace_fits(cfg, tokens, n):
             continue
         out.append(cfg)
-    return ([] if ONLY_SWAPPED else out) + swapped_candidates(tokens, n, k)
+    return ([] if only_swapped else out) + swapped_candidates(tokens, n, k)
 
 
 def main() -> None:
@@ -218,8 +215,6 @@ def main() -> None:
                     help="with --fp8, sweep the float8 GEMV's and skinny GEMM's launches (not the 16-bit ones)")
     ap.add_argument("--only-swapped", action="store_true", help="sweep only the swapped skinny tiles (swap_ab)")
     args = ap.parse_args()
-    global ONLY_SWAPPED
-    ONLY_SWAPPED = args.only_swapped
     if not torch.cuda.is_available():
         print("linear_shapes: no CUDA device; nothing to time")
         return
@@ -274,14 +269,14 @@ def main() -> None:
                                 best = min(best, (t, str(cfg)))
                     res["best"] = best
             if args.fp8 and name != "lm_head":
-                res.update(time_fp8(x, weights, sweep=args.sweep or args.fp8_sweep))
+                res.update(time_fp8(x, weights, sweep=args.sweep or args.fp8_sweep, only_swapped=args.only_swapped))
             if 1 < tokens <= sg.MAX_ROWS and sg.default_config(tokens, n, k) is not None:
                 res["triton"] = graph_time_us(lambda: [sg.skinny_gemm(x, w) for w in weights])
                 err = (sg.skinny_gemm(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max().item()
                 res["triton_max_abs_diff"] = err
                 if args.sweep and name != "lm_head":
                     best = (res["triton"], str(sg.default_config(tokens, n, k)))
-                    for cfg in skinny_candidates(tokens, n, k):
+                    for cfg in skinny_candidates(tokens, n, k, args.only_swapped):
                         try:
                             t = graph_time_us(lambda: [sg.skinny_gemm(x, w, config=cfg) for w in weights], reps=5)
                         except Exception as exc:  # noqa: BLE001 - a tile that does not fit is skipped

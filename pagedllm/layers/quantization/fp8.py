@@ -184,7 +184,7 @@ class Fp8LinearMethod(LinearMethodBase):
         if isinstance(x, Fp8Rows):  # quantized by the norm or activation kernel that produced the rows (fuse_wanted)
             return _scaled_product(x, layer, bias)
         if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and float8_products(x.device.index or 0):
-            if weight_only_rows(x.shape[0], tuple(w.shape)):
+            if weight_only_rows(x.shape[0], w.shape):
                 from pagedllm.layers.kernels import gemv, skinny_gemm
 
                 if x.shape[0] == 1 and gemv.usable(x, w):
