@@ -81,21 +81,18 @@ def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool, only_swa
     """The float8 products of these weights (quantized per row) on these rows: the GEMV at one row, else the
     quantizer plus ``torch._scaled_mm``; with ``sweep``, the GEMV's tile configs too."""
     from pagedllm.layers.kernels import fp8_quant
-    from pagedllm.layers.kernels.gemv import GemvConfig, default_config, gemv
+    from pagedllm.layers.kernels.gemv import default_config, gemv
     from pagedllm.layers.quantization.fp8 import quantize_rows_ref
 
     quantized = [quantize_rows_ref(w) for w in weights]
     qw = [(q, s.reshape(-1), s.view(1, -1)) for q, s in quantized]
     n, k = weights[0].shape
     out = {}
-    if x.shape[0] == 1 and default_config(n, k) is not None:
+    if x.shape[0] == 1 and default_config(n, k, float8=True) is not None:
         out["fp8_gemv"] = graph_time_us(lambda: [gemv(x, q, scale=s) for q, s, _ in qw])
         if sweep:
-            best = (out["fp8_gemv"], str(default_config(n, k)))
-            for bn, bk, warps in itertools.product((4, 8, 16), (512, 1024, 2048, 4096), (4, 8)):
-                if n % bn or k % bk or bn * bk // (32 * warps) > 256:
-                    continue
-                cfg = GemvConfig(bn, bk, warps)
+            best = (out["fp8_gemv"], str(default_config(n, k, float8=True)))
+            for cfg in gemv_candidates(n, k):
                 t = graph_time_us(lambda: [gemv(x, q, config=cfg, scale=s) for q, s, _ in qw], reps=5)
                 best = min(best, (t, str(cfg)))
             out["fp8_best"] = best
@@ -148,6 +145,18 @@ def time_fp8_producers(tokens: int, hidden: int, intermediate: int) -> dict:
         "act_then_quant": graph_time_us(lambda: fp8_quant.quantize_rows(activation.act_and_mul(gu, "silu"))),
         "act_quant_fused": graph_time_us(lambda: activation.act_and_mul(gu, "silu", quantize=True)),
     }
+
+
+def gemv_candidates(n: int, k: int) -> list:
+    """GEMV tiles to sweep: 2-16 rows by 512-2048 columns, 4 or 8 warps, 16 products folded or none."""
+    from pagedllm.layers.kernels.gemv import GemvConfig
+
+    out = []
+    for bn, bk, warps, fold in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8), (1, 16)):
+        if n % bn or k % bk or bn * bk // (32 * warps) > 256 or (warps == 8 and bn < 8):
+            continue
+        out.append(GemvConfig(bn, bk, warps, fold))
+    return out
 
 
 def fp8_skinny_candidates(m: int, n: int, k: int, only_swapped: bool = False) -> list:
@@ -219,7 +228,7 @@ def main() -> None:
         print("linear_shapes: no CUDA device; nothing to time")
         return
     from pagedllm.layers.kernels import skinny_gemm as sg
-    from pagedllm.layers.kernels.gemv import GemvConfig, default_config, gemv
+    from pagedllm.layers.kernels.gemv import default_config, gemv
 
     bw = copy_tbps()
     print(f"device copy {bw:.2f} TB/s (read + write)")
@@ -259,14 +268,9 @@ def main() -> None:
                 res["gemv_max_abs_diff"] = err
                 if args.sweep:
                     best = (res["gemv"], str(default_config(n, k)))
-                    for bn in (4, 8, 16):
-                        for bk in (256, 512, 1024):
-                            for warps in (4, 8):
-                                if n % bn or k % bk or bn * bk // (32 * warps) > 128:
-                                    continue
-                                cfg = GemvConfig(bn, bk, warps)
-                                t = graph_time_us(lambda: [gemv(x, w, config=cfg) for w in weights], reps=5)
-                                best = min(best, (t, str(cfg)))
+                    for cfg in gemv_candidates(n, k):
+                        t = graph_time_us(lambda: [gemv(x, w, config=cfg) for w in weights], reps=5)
+                        best = min(best, (t, str(cfg)))
                     res["best"] = best
             if args.fp8 and name != "lm_head":
                 res.update(time_fp8(x, weights, sweep=args.sweep or args.fp8_sweep, only_swapped=args.only_swapped))

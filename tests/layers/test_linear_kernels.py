@@ -35,7 +35,8 @@ def test_gemv_matches_fp32_product(n: int, k: int, bias: bool, dtype: torch.dtyp
     torch.testing.assert_close(y.float(), ref, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("config", [gemv_k.GemvConfig(4, 128, 4), gemv_k.GemvConfig(16, 256, 8)])
+@pytest.mark.parametrize("config", [gemv_k.GemvConfig(4, 128, 4, fold=1), gemv_k.GemvConfig(16, 256, 8),
+                                    gemv_k.GemvConfig(2, 512, 4, fold=4)])
 def test_gemv_tile_shapes_agree(config: gemv_k.GemvConfig) -> None:
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(1, 1024, generator=gen).to(DEVICE, torch.float16)
@@ -45,11 +46,19 @@ def test_gemv_tile_shapes_agree(config: gemv_k.GemvConfig) -> None:
 
 
 def test_config_covers_model_shapes_and_refuses_odd_ones() -> None:
-    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (151936, 1024)]:
-        cfg = gemv_k.default_config(n, k)
-        assert cfg is not None and n % cfg.block_n == 0 and k % cfg.block_k == 0
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (151936, 1024),
+                 (1024, 3072), (6144, 1024)]:
+        for float8 in (False, True):
+            cfg = gemv_k.default_config(n, k, float8)
+            assert cfg is not None and n % cfg.block_n == 0 and k % cfg.block_k == 0 and cfg.block_k % cfg.fold == 0
+    # Float8 rows carry half the bytes a column: taller or wider tiles than 16-bit ones (gemv_variants.py).
+    assert gemv_k.default_config(4096, 4096) == gemv_k.GemvConfig(2, 2048, 4)
+    assert gemv_k.default_config(28672, 4096, float8=True) == gemv_k.GemvConfig(16, 512, 4)
+    assert gemv_k.default_config(6144, 4096, float8=True) == gemv_k.GemvConfig(8, 1024, 4)
+    assert gemv_k.default_config(4096, 14336, float8=True) == gemv_k.GemvConfig(4, 2048, 4)
+    assert gemv_k.default_config(1024, 3072, float8=True).block_k == 1024  # 2048 does not divide 3072
     assert gemv_k.default_config(4096, 100) is None  # no K tile divides 100
-    assert gemv_k.default_config(4098, 4096) is None  # no N tile divides 4098
+    assert gemv_k.default_config(4097, 4096) is None  # no N tile divides 4097
     x = torch.zeros(2, 512, dtype=torch.float16)
     assert not gemv_k.usable(x, torch.zeros(64, 512, dtype=torch.float16))  # two tokens: not a GEMV
 

@@ -3,8 +3,10 @@
 At one token a linear layer is a weight read: the time is the weight's bytes over HBM bandwidth. cuBLAS
 answers the narrow shapes (an output of a few thousand rows over a long input) with split-K, which adds a
 second, reduction kernel per product and its launch gap. Here each program owns ``BLOCK_N`` output rows,
-walks the whole input dimension in ``BLOCK_K`` steps with an fp32 element-wise accumulator, and reduces
-once at the end: one launch, no partial sums in memory, and a fixed summation order (run-to-run identical).
+walks the whole input dimension in ``BLOCK_K`` steps, and reduces once at the end: one launch, no partial
+sums in memory, and a fixed summation order (run-to-run identical). Each thread first sums its ``fold``
+neighbouring products of a step in registers, so that its float32 accumulator holds ``BLOCK_K / fold``
+columns, not ``BLOCK_K``: the registers saved keep more programs, and so more weight bytes, in flight.
 A float8 weight with one scale per output row (``--quantization fp8``) is read as is and each row's sum is
 multiplied by its scale: half the bytes, and the 16-bit activation is not quantized.
 """
@@ -25,6 +27,17 @@ class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int
+    fold: int = 16  # products a thread sums before its accumulator (1: an element-wise accumulator)
+
+
+@triton.jit
+def _fold_add(acc, prod, FOLD: tl.constexpr):
+    """acc [N, K / FOLD] + prod [N, K] summed over each FOLD neighbouring columns (one thread's own)."""
+    if FOLD == 1:
+        acc += prod
+    else:
+        acc += tl.sum(tl.reshape(prod, [prod.shape[0], prod.shape[1] // FOLD, FOLD]), axis=2)
+    return acc
 
 
 @triton.jit
@@ -40,24 +53,27 @@ def _gemv_kernel(
     HAS_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    FOLD: tl.constexpr,  # GemvConfig.fold
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]; N % BLOCK_N == 0 (host checks)
     cols = tl.arange(0, BLOCK_K)  # [BLOCK_K]; K % BLOCK_K == 0
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]  # [BLOCK_N, BLOCK_K]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # A [1, BLOCK_K] row broadcast over the tile, not a vector: it then takes the tile's own layout.
+    x_ptrs = x_ptr + cols[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K // FOLD], dtype=tl.float32)
     k_first = 0
     if USE_GDC:
         # No kernel ever writes the weights, so the first tile is read before waiting for the previous
         # kernel (which writes x): that read overlaps the wait.
         w0 = tl.load(w_ptrs).to(tl.float32)
         tl.extra.cuda.gdc_wait()
-        acc += w0 * tl.load(x_ptr + cols).to(tl.float32)[None, :]
+        acc = _fold_add(acc, w0 * tl.load(x_ptrs).to(tl.float32), FOLD)
         k_first = BLOCK_K
     for k0 in range(k_first, K, BLOCK_K):
-        x = tl.load(x_ptr + k0 + cols).to(tl.float32)  # [BLOCK_K]
+        x = tl.load(x_ptrs + k0).to(tl.float32)  # [1, BLOCK_K]
         w = tl.load(w_ptrs + k0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        acc += w * x[None, :]
+        acc = _fold_add(acc, w * x, FOLD)
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_SCALE:
         y *= tl.load(s_ptr + rows)
@@ -66,17 +82,24 @@ def _gemv_kernel(
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
 
 
-def default_config(n: int, k: int) -> GemvConfig | None:
-    """Tile shape for an [n, k] weight, or None when no tile divides it (the caller falls back).
+def default_config(n: int, k: int, float8: bool = False) -> GemvConfig | None:
+    """Tile shape for an [n, k] weight (``float8``: stored in float8), or None when no tile divides it (the
+    caller falls back).
 
-    From an H200 sweep over the Llama-3-8B and Qwen3-0.6B linears (bf16): 1024-wide K steps win
-    everywhere; 4-row programs win except on 4096-row outputs over a 4096+ input, where 8 rows do.
+    From H200 sweeps over the Llama-3-8B linears (``benchmarks/gemv_variants.py``), with the products of
+    16 columns folded: 2 rows by 2,048 columns for 16-bit weights; for float8 ones, which carry half the
+    bytes a column, 16 x 512 on the tall gate_up, 8 x 1,024 on outputs wider than the input, 4 x 2,048 else.
+    Narrower K steps where 2,048 does not divide the input.
     """
-    block_k = next((b for b in (1024, 512, 256, 128) if k % b == 0), None)
-    if block_k is None:
+    if float8:
+        block_n, block_k = (16, 512) if n >= 4 * k else (8, 1024) if n > k else (4, 2048)
+    else:
+        block_n, block_k = 2, 2048
+    while k % block_k and block_k > 128:
+        block_k //= 2
+    if k % block_k:
         return None
-    preferred = (8, 4, 16) if n <= 4096 and k >= 4096 else (4, 8, 16)
-    block_n = next((b for b in preferred if n % b == 0), None)
+    block_n = next((b for b in (block_n, 4, 8, 16, 2) if n % b == 0), None)
     return GemvConfig(block_n, block_k, 4) if block_n is not None else None
 
 
@@ -90,7 +113,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.dtype in SUPPORTED_DTYPES
         and weight.dtype in (x.dtype, torch.float8_e4m3fn)
         and weight.stride(-1) == 1
-        and default_config(weight.shape[0], weight.shape[1]) is not None
+        and default_config(weight.shape[0], weight.shape[1], weight.dtype == torch.float8_e4m3fn) is not None
     )
 
 
@@ -103,7 +126,7 @@ def gemv(
 ) -> torch.Tensor:  # [1, N]
     n, k = weight.shape
     assert (scale is not None) == (weight.dtype == torch.float8_e4m3fn), "a float8 weight needs its row scales"
-    cfg = config or default_config(n, k)
+    cfg = config or default_config(n, k, weight.dtype == torch.float8_e4m3fn)
     assert cfg is not None and n % cfg.block_n == 0 and k % cfg.block_k == 0, (n, k, cfg)
     x = x.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
@@ -114,6 +137,7 @@ def gemv(
         HAS_SCALE=scale is not None,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        FOLD=cfg.fold,
         num_warps=cfg.num_warps,
         **pdl_launch_args(x),
     )
