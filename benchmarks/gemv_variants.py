@@ -17,7 +17,8 @@ no step waits at a barrier (``xtile``), or with the next weight tile loaded befo
 (``prefetch``); or a [1, BLOCK_K] activation row broadcast over the tile (``xrow``), with each thread's
 R neighbouring products summed before they meet the accumulator (``foldR``: R times fewer registers).
 Prints µs for all layers, the read rate over the float8 bytes, and whether the output equals ``cvt``'s.
-``--dump-sass`` writes each variant's SASS and counts its instructions by opcode; ``--single`` launches
+``--tokens 2,3,4`` times instead a GEMV of a few tokens (each weight tile read once for all of them)
+against cuBLAS's bf16 product and the engine's float8 skinny GEMM. ``--dump-sass`` writes each variant's SASS and counts its instructions by opcode; ``--single`` launches
 each named variant once, for ``ncu``.
 
     PYTHONPATH=$PWD python3 benchmarks/gemv_variants.py [--out DIR] [--dump-sass]
@@ -114,6 +115,76 @@ def run_variant(x, w, s, mode: str, load: str, bn: int, bk: int, warps: int):
                                      num_warps=warps), y
 
 
+@triton.jit
+def _gemv_tokens(x_ptr, w_ptr, s_ptr, y_ptr, M, K, N, stride_xm, stride_wn, HAS_SCALE: tl.constexpr,
+                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr):
+    """A few tokens at once: each weight tile read once and multiplied by every token's row, folded."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    cols = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    toks = tl.arange(0, M_PAD)  # [M_PAD]
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + toks[:, None, None] * stride_xm + cols[None, None, :]  # [M_PAD, 1, BLOCK_K]
+    x_in = toks[:, None, None] < M
+    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // FOLD], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = tl.load(w_ptrs + k0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        x = tl.load(x_ptrs + k0, mask=x_in, other=0.0).to(tl.float32)  # [M_PAD, 1, BLOCK_K]
+        prod = w[None, :, :] * x  # [M_PAD, BLOCK_N, BLOCK_K]
+        acc += tl.sum(tl.reshape(prod, [M_PAD, BLOCK_N, BLOCK_K // FOLD, FOLD]), axis=3)
+    y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
+    if HAS_SCALE:
+        y *= tl.load(s_ptr + rows)[None, :]
+    tl.store(y_ptr + toks[:, None] * N + rows[None, :], y.to(y_ptr.dtype.element_ty), mask=toks[:, None] < M)
+
+
+def run_tokens(x, w, s, bn: int, bk: int, warps: int, fold: int = 16):
+    """x [M, K] (M <= 4), w [N, K] bf16 or float8 (s [N] its scales, or None) -> y [M, N]."""
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _gemv_tokens[(n // bn,)](x, w, s if s is not None else y, y, m, k, n, x.stride(0), w.stride(0),
+                             HAS_SCALE=s is not None, M_PAD=max(2, triton.next_power_of_2(m)), BLOCK_N=bn,
+                             BLOCK_K=bk, FOLD=fold, num_warps=warps)
+    return y
+
+
+def tokens_sweep(tokens: list[int], shapes) -> list[dict]:
+    """The few-token kernel against cuBLAS (bf16) and the engine's float8 path (skinny GEMM)."""
+    import torch.nn.functional as F
+
+    from pagedllm.layers.kernels import skinny_gemm as sg
+
+    tiles = [(2, 1024, 4), (4, 1024, 4), (2, 2048, 4), (4, 512, 4), (8, 512, 4), (4, 2048, 8), (8, 1024, 8),
+             (16, 512, 8), (8, 256, 4), (2, 512, 4)]
+    out = []
+    for name, n, k in shapes:
+        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(LAYERS)]
+        w8 = [w.to(torch.float8_e4m3fn) for w in w16]
+        ss = [torch.rand(n, device="cuda") * 0.01 + 1e-3 for _ in range(LAYERS)]
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"shape": name, "tokens": m,
+                   "cublas_bf16": graph_us(lambda: [F.linear(x, w) for w in w16]),
+                   "skinny_fp8": graph_us(lambda: [sg.skinny_gemm(x, w, scale=s) for w, s in zip(w8, ss)])}
+            ref16 = F.linear(x, w16[0]).float()
+            ref8 = (x.float() @ w8[0].float().t()) * ss[0]
+            for dt, ws, sc, ref in (("bf16", w16, [None] * LAYERS, ref16), ("fp8", w8, ss, ref8)):
+                best = (float("inf"), None, None)
+                for bn, bk, warps in tiles:
+                    if n % bn or k % bk:
+                        continue
+                    err = (run_tokens(x, ws[0], sc[0], bn, bk, warps).float() - ref).abs().max().item()
+                    us = graph_us(lambda: [run_tokens(x, w, s, bn, bk, warps) for w, s in zip(ws, sc)], reps=5)
+                    best = min(best, (us, [bn, bk, warps], err))
+                row[f"tokens_{dt}"], row[f"tokens_{dt}_tile"], row[f"tokens_{dt}_err"] = best
+            out.append(row)
+            print(f"{name:8s} T={m}: cuBLAS bf16 {row['cublas_bf16']:7.1f}  tokens-GEMV bf16 {row['tokens_bf16']:7.1f} "
+                  f"{row['tokens_bf16_tile']} | skinny fp8 {row['skinny_fp8']:7.1f}  tokens-GEMV fp8 "
+                  f"{row['tokens_fp8']:7.1f} {row['tokens_fp8_tile']} (err {row['tokens_bf16_err']:.2g}/"
+                  f"{row['tokens_fp8_err']:.2g})", flush=True)
+    return out
+
+
 def graph_us(fn, reps: int = 10) -> float:
     fn()
     torch.cuda.synchronize()
@@ -149,6 +220,7 @@ def main() -> None:
     ap.add_argument("--modes", default="cvt,f16", help=f"from {','.join(MODES)}")
     ap.add_argument("--loads", default="plain,xtile", help="from plain,prefetch,xtile,xrow,foldR (R: 2-16)")
     ap.add_argument("--load", default="plain", help="the load of --single")
+    ap.add_argument("--tokens", default="", help="T,...: time the few-token GEMV at these token counts instead")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
@@ -163,6 +235,15 @@ def main() -> None:
              (8, 2048, 4), (16, 1024, 4), (4, 4096, 4), (2, 2048, 4), (2, 4096, 4), (4, 512, 4), (16, 2048, 4),
              (8, 4096, 4), (16, 2048, 8)]
     shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
+    if args.tokens:
+        rows = tokens_sweep([int(t) for t in args.tokens.split(",")], shapes)
+        with open(os.path.join(args.out, "gemv_tokens.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        for m in sorted({r["tokens"] for r in rows}):
+            sums = {key: sum(r[key] for r in rows if r["tokens"] == m)
+                    for key in ("cublas_bf16", "tokens_bf16", "skinny_fp8", "tokens_fp8")}
+            print(f"T={m} all shapes: " + "  ".join(f"{key} {v:.0f}" for key, v in sums.items()))
+        return
     rows, sass_out = [], {}
     for name, n, k in shapes:
         ws = [(torch.randn(n, k, device=dev) * 0.05).to(torch.float8_e4m3fn) for _ in range(LAYERS)]
