@@ -7,7 +7,8 @@ replayed from one CUDA graph. Batch-1 rows report the weight-read rate against t
 report TFLOP/s. ``--fp8`` also times the ``quantization="fp8"`` products: the float8 GEMV at batch 1,
 and above it the row quantizer plus ``torch._scaled_mm`` (``fp8``), and the two apart; at 2-64 rows also
 the skinny GEMM on the float8 weight with the 16-bit activation kept (``fp8_skinny``, its default tile);
-``--fp8-sweep`` sweeps its tiles up to 64 rows, the swapped ones included (``--only-swapped``: those alone).
+``--fp8-sweep`` sweeps its tiles up to 64 rows, the swapped ones included (``--only-swapped``: those alone;
+``--light-tiles``: 16-row tiles of fewer registers and less shared memory instead).
 Usage: ``python benchmarks/linear_shapes.py [--json PATH] [--fp8] [--sweep]``.
 """
 from __future__ import annotations
@@ -77,7 +78,8 @@ def time_tunable(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
     return {"tunable": t, "tunable_bit_equal": same}
 
 
-def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool, only_swapped: bool = False) -> dict:
+def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool, only_swapped: bool = False,
+             light: bool = False) -> dict:
     """The float8 products of these weights (quantized per row) on these rows: the GEMV at one row, else the
     quantizer plus ``torch._scaled_mm``; with ``sweep``, the GEMV's tile configs too."""
     from pagedllm.layers.kernels import fp8_quant
@@ -106,7 +108,7 @@ def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool, only_swa
         if sweep:
             best = (out["fp8_skinny"], str(sg.default_config(x.shape[0], n, k, float8=True)), None)
             best_swapped = (float("inf"), "", None)
-            for cfg, early in fp8_skinny_candidates(x.shape[0], n, k, only_swapped):
+            for cfg, early in fp8_skinny_candidates(x.shape[0], n, k, only_swapped, light):
                 try:
                     t = graph_time_us(lambda: [sg.skinny_gemm(x, q, config=cfg, scale=s, early_launch=early)
                                                for q, s, _ in qw], reps=5)
@@ -159,16 +161,25 @@ def gemv_candidates(n: int, k: int) -> list:
     return out
 
 
-def fp8_skinny_candidates(m: int, n: int, k: int, only_swapped: bool = False) -> list:
+def fp8_skinny_candidates(m: int, n: int, k: int, only_swapped: bool = False, light: bool = False) -> list:
     """Skinny-GEMM launches over a float8 weight: 16-row tiles, and above 16 rows also tiles as tall as the
     rows (up to 64); 16-64 columns, 256- or 512-deep K steps, 3-4 stages, K split 1-4 ways, with the
     early launch of the next kernel up to 16 rows (which won every case of a wider sweep there). Then the
-    swapped tiles (``swap_ab``): 64 or 128 weight rows a program, 128 or 256 deep."""
+    swapped tiles (``swap_ab``): 64 or 128 weight rows a program, 128 or 256 deep. ``light``: instead,
+    16-row tiles that hold fewer registers and less shared memory, for more programs an SM: 16-32
+    columns, 64-256 deep, 2-3 stages, 2 or 4 warps, K split 2-8 ways."""
     from pagedllm.layers.kernels import skinny_gemm as sg
 
     row_tiles = sorted({16, min(64, max(16, 1 << (m - 1).bit_length()))})
     early = m <= sg.EARLY_LAUNCH_MAX_ROWS
     out = []
+    if light:
+        for bn, bk, stages, warps, split in itertools.product((16, 32), (64, 128, 256), (2, 3), (2, 4), (2, 4, 8)):
+            cfg = sg.GemmConfig(16, bn, bk, warps, stages, split)
+            if n % bn or k % (bk * split) or not sg.workspace_fits(cfg, m, n):
+                continue
+            out.append((cfg, early))
+        return out
     for bm, bn, bk, stages, split in itertools.product(row_tiles, (16, 32, 64), (256, 512), (3, 4), (1, 2, 4)):
         cfg = sg.GemmConfig(bm, bn, bk, 4, stages, split)
         if n % bn or k % (bk * split) or not sg.workspace_fits(cfg, m, n):
@@ -223,6 +234,8 @@ def main() -> None:
     ap.add_argument("--fp8-sweep", action="store_true",
                     help="with --fp8, sweep the float8 GEMV's and skinny GEMM's launches (not the 16-bit ones)")
     ap.add_argument("--only-swapped", action="store_true", help="sweep only the swapped skinny tiles (swap_ab)")
+    ap.add_argument("--light-tiles", action="store_true",
+                    help="with --fp8-sweep, sweep float8 skinny tiles of fewer registers and less shared memory instead")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("linear_shapes: no CUDA device; nothing to time")
@@ -273,7 +286,8 @@ def main() -> None:
                         best = min(best, (t, str(cfg)))
                     res["best"] = best
             if args.fp8 and name != "lm_head":
-                res.update(time_fp8(x, weights, sweep=args.sweep or args.fp8_sweep, only_swapped=args.only_swapped))
+                res.update(time_fp8(x, weights, sweep=args.sweep or args.fp8_sweep, only_swapped=args.only_swapped,
+                                    light=args.light_tiles))
             if 1 < tokens <= sg.MAX_ROWS and sg.default_config(tokens, n, k) is not None:
                 res["triton"] = graph_time_us(lambda: [sg.skinny_gemm(x, w) for w in weights])
                 err = (sg.skinny_gemm(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max().item()
