@@ -35,6 +35,7 @@ import re
 import torch
 import triton
 import triton.language as tl
+from linear_shapes import graph_time_us as graph_us  # benchmarks/ is first on the path when run as a script
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 LAYERS = 32
@@ -183,23 +184,6 @@ def tokens_sweep(tokens: list[int], shapes) -> list[dict]:
                   f"{row['tokens_fp8']:7.1f} {row['tokens_fp8_tile']} (err {row['tokens_bf16_err']:.2g}/"
                   f"{row['tokens_fp8_err']:.2g})", flush=True)
     return out
-
-
-def graph_us(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def sass_counts(compiled) -> dict:

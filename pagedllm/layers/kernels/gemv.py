@@ -128,6 +128,7 @@ def gemv(
     assert (scale is not None) == (weight.dtype == torch.float8_e4m3fn), "a float8 weight needs its row scales"
     cfg = config or default_config(n, k, weight.dtype == torch.float8_e4m3fn)
     assert cfg is not None and n % cfg.block_n == 0 and k % cfg.block_k == 0, (n, k, cfg)
+    assert cfg.block_k % cfg.fold == 0, cfg
     x = x.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(n // cfg.block_n,)](
