@@ -190,7 +190,7 @@ def fp8_skinny_candidates(m: int, n: int, k: int, only_swapped: bool = False, li
 
 def swapped_candidates(m: int, n: int, k: int) -> list:
     """Swapped skinny-GEMM tiles: the rows' own token tile (16-64), 64 or 128 weight rows (4 or 8 warps),
-    128 or 256 deep, 3-4 stages, K split 1-4 ways."""
+    128 or 256 deep, 3-4 stages, K split 1-4 ways; up to 16 rows also 16 or 32 weight rows (1-4 warps)."""
     from pagedllm.layers.kernels import skinny_gemm as sg
 
     bm = min(64, max(16, 1 << (m - 1).bit_length()))
@@ -200,6 +200,13 @@ def swapped_candidates(m: int, n: int, k: int) -> list:
         if (bn == 64 and warps == 8) or n % bn or k % (bk * split) or not sg.workspace_fits(cfg, m, n):
             continue
         out.append(cfg)
+    if m <= 16:
+        # 16 or 32 weight rows on the tensor cores' left side (mma.sync rather than wgmma), 1-4 warps.
+        for bn, warps, bk, split in itertools.product((16, 32), (1, 2, 4), (256, 512), (1, 2, 4)):
+            cfg = sg.GemmConfig(bm, bn, bk, warps, 3, split, swap_ab=True)
+            if n % bn or k % (bk * split) or not sg.workspace_fits(cfg, m, n):
+                continue
+            out.append(cfg)
     return out
 
 
