@@ -97,6 +97,11 @@ def main() -> None:
     rotary.rotary_neox_(pos, q, k, torch.ones(32), 64)
     norm = RMSNorm(64, params_dtype=bf)
     qk_norm_rotary.apply_(pos, q, k, norm, norm, RotaryEmbedding(64, torch.ones(32)))
+    # ... storing keys and values into a paged cache in the same launch (bf16, and a float8 cache).
+    for cache_dtype in (bf, torch.float8_e4m3fn):
+        kc = torch.zeros(4, 16, 2, 64, dtype=cache_dtype)
+        write = qk_norm_rotary.KVCacheWrite(torch.zeros(2, 2 * 64, dtype=bf), kc, kc.clone(), torch.zeros(2, dtype=torch.int64))
+        qk_norm_rotary.apply_(pos, q, k, norm, norm, RotaryEmbedding(64, torch.ones(32)), write)
     # A pure-decode batch (fused write, rotary, split) and a mixed one (separate cache write).
     # Pure-decode batches (fused write and rotary, split; then with the q/k norm too) and a mixed one.
     for reqs, splits, rope, norm in (([(200, 1), (70, 1)], 4, True, False), ([(9, 1), (3, 1)], 1, True, True),

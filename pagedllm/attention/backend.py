@@ -53,6 +53,12 @@ class AttentionImpl(ABC):
         RMSNorm in this step (asked only when ``fuses_decode_rotary`` said yes)."""
         return False
 
+    def takes_written_kv(self, attn_metadata: AttentionMetadata) -> bool:
+        """Whether ``forward(..., kv_written=True)`` may be called: the caller has already stored this step's
+        keys and values into the cache at ``slot_mapping`` (the cache layout of ``get_kv_cache_shape``), so
+        the backend only attends."""
+        return False
+
 
 class AttentionBackend(ABC):
     name: str

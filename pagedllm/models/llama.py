@@ -113,6 +113,7 @@ class LlamaAttention(nn.Module):
 
             use_fused = fused.modules_usable(positions, q, k, self.q_norm, self.k_norm, self.rotary_emb)
         rotary_in_attention = norms_in_attention = None
+        kv_written = False
         in_attention = q.is_cuda and self.attn.fuses_decode_rotary(attn_metadata, self.rotary_emb)
         if in_attention and self.q_norm is not None:
             in_attention = use_fused and self.attn.fuses_decode_qk_norm(attn_metadata)
@@ -126,14 +127,24 @@ class LlamaAttention(nn.Module):
                     isinstance(self.q_norm, GemmaRMSNorm),
                 )
         elif use_fused:
-            q, k = fused.apply_(positions, q, k, self.q_norm, self.k_norm, self.rotary_emb)
+            cache = None
+            if self.attn.takes_written_kv(attn_metadata):
+                # The same launch stores the finished keys and the values into the paged cache, so the
+                # attention launch only reads it (one launch a layer less in prompt steps, and no write
+                # before a barrier in decode).
+                cache = fused.KVCacheWrite(v, kv_cache[0], kv_cache[1], attn_metadata.slot_mapping)
+                if not fused.cache_write_usable(cache, k, self.head_size):
+                    cache = None
+            q, k = fused.apply_(positions, q, k, self.q_norm, self.k_norm, self.rotary_emb, cache)
+            kv_written = cache is not None
         else:
             if self.q_norm is not None:
                 q = self.q_norm(q.unflatten(-1, (-1, self.head_size)))
                 k = self.k_norm(k.unflatten(-1, (-1, self.head_size)))
             q, k = self.rotary_emb(positions, q, k)
         out = self.attn(
-            q.flatten(1), k.flatten(1), v, kv_cache, attn_metadata, rotary=rotary_in_attention, qk_norm=norms_in_attention
+            q.flatten(1), k.flatten(1), v, kv_cache, attn_metadata, rotary=rotary_in_attention, qk_norm=norms_in_attention,
+            kv_written=kv_written,
         )
         if output_rows is not None:
             out = out.index_select(0, output_rows)

@@ -198,6 +198,30 @@ def test_decode_kv_write_fused_or_separate_is_identical(num_splits):
     assert torch.equal(outs[0][1], outs[1][1])
 
 
+@pytest.mark.parametrize("reqs", [[(33, 1), (0, 1), (70, 1), (16, 1)], [(20, 5), (0, 9), (3, 1)]],
+                         ids=["decode", "mixed"])
+def test_kv_written_by_caller_only_attends(reqs):
+    # kv_written=True: the caller stored this step's K/V already (qk_norm_rotary's cache write), so the
+    # launch must neither write the cache nor need key/value for the cache; same output as the
+    # launch that writes them itself. Decode reads the new token from the cache; a prompt chunk may
+    # still read its own keys from the step's rows (chunk_kv_from_step), which hold the same values.
+    query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, torch.float32, 13, 1,
+                                                                 device=DEVICE)
+    impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
+    assert impl.takes_written_kv(metadata())
+    written_cache = kv_cache.clone()
+    expected = impl.forward(query, key, value, written_cache, metadata())
+    cache = written_cache.clone()
+    if all(q == 1 for _, q in reqs):
+        key, value = torch.full_like(key, float("nan")), torch.full_like(value, float("nan"))
+    out = impl.forward(query, key, value, cache, metadata(), kv_written=True)
+    assert torch.equal(out, expected)
+    assert torch.equal(cache, written_cache)
+    with pytest.raises(ValueError, match="rotary"):
+        impl.forward(query, key, value, cache, metadata(), kv_written=True,
+                     rotary=RotaryEmbedding(64, torch.ones(32, device=DEVICE)))
+
+
 @pytest.mark.parametrize(
     ("dtype", "rotary_dim", "scaling", "num_splits"),
     [(torch.float32, 64, 1.0, 1), (torch.float16, 32, 1.25, 4), (torch.float16, 64, 1.0, 1)],

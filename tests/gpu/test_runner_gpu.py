@@ -122,6 +122,23 @@ def test_fp32_gpu_greedy_with_qk_norm_in_decode_attention(model, tmp_path, monke
     assert got == ref
 
 
+def test_fp32_gpu_greedy_with_kv_written_by_attention(tiny_path, monkeypatch):
+    # The default stores Qwen3's keys and values in the q/k norm + rotary launch; the attention launch
+    # writing them (as for models without q/k norms) must give the CPU path's tokens too.
+    from pagedllm.attention.backends.triton import TritonImpl
+
+    monkeypatch.setattr(TritonImpl, "kv_written_by_caller", False)
+    prompts = _prompts(5, seed=8)
+    max_tokens = [5, 9, 14, 20, 26]
+    cpu = _llm(tiny_path, device="cpu", attention_backend="torch_ref", dtype="float32")
+    ref = [o.outputs[0].token_ids for o in _generate(cpu, prompts, max_tokens)]
+    _free(cpu)
+    gpu = _llm(tiny_path, device="cuda", dtype="float32", kv_cache_memory_bytes=_KV_BYTES)
+    got = [o.outputs[0].token_ids for o in _generate(gpu, prompts, max_tokens)]
+    _free(gpu)
+    assert got == ref
+
+
 @pytest.mark.parametrize("model", ["llama", "qwen3"])
 def test_programmatic_dependent_launch_changes_nothing(model, tmp_path, monkeypatch):
     # PDL (the default on sm90; PAGEDLLM_PDL=0 turns it off) launches the Triton kernels early (graphs

@@ -180,3 +180,71 @@ def test_llama_attention_forward_uses_fused_kernel(gemma, monkeypatch):
     (fq, fk), (uq, uk) = captured
     _assert_matches(fq, uq)
     _assert_matches(fk, uk)
+
+
+CACHE_CASES = [
+    # (activation dtype, cache dtype, head size, rotary dim, q heads, kv heads, values as [T, H, D])
+    (torch.float16, torch.float16, 64, 64, 4, 2, False),
+    (torch.float32, torch.float16, 128, 128, 16, 2, True),  # a narrower cache, as float32 compute keeps
+    (torch.float16, torch.float8_e4m3fn, 64, 64, 8, 1, False),
+    (torch.float16, torch.float16, 80, 40, 3, 1, True),  # partial rotary: the pass-through channels too
+] + ([(torch.bfloat16, torch.bfloat16, 128, 128, 16, 8, False)] if _ON_GPU else [])
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,head_size,rotary_dim,hq,hkv,three_d", CACHE_CASES)
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama_w", "gemma_1pw"])
+def test_cache_write_equals_reshape_and_cache(dtype, cache_dtype, head_size, rotary_dim, hq, hkv, three_d, gemma):
+    """With ``cache``, the launch stores the finished keys and the values at their slots: the same cache
+    bytes as the kernel without it followed by reshape_and_cache, the same q and k, padding slots untouched."""
+    from pagedllm.attention.kernels.reshape_and_cache import reshape_and_cache
+
+    torch.manual_seed(hq * 11 + hkv + head_size)
+    q_norm, k_norm, rope = _layers(head_size, rotary_dim, dtype, gemma)
+    positions = torch.tensor(POSITIONS, dtype=torch.int64, device=DEVICE)
+    tokens, block_size, num_blocks = positions.numel(), 4, 5
+    width = (hq + 2 * hkv) * head_size
+    qkv = (3 * torch.randn(tokens, width + 8, dtype=torch.float32, device=DEVICE)).to(dtype)[:, :width]
+    # Scattered slots over several blocks, and two padding tokens (-1) that own none.
+    slots = torch.tensor([13, 2, -1, 7, 19, -1, 0], dtype=torch.int64, device=DEVICE)
+    views = []
+    for _ in range(2):
+        t = qkv.clone()
+        q, k, v = t[:, : hq * head_size], t[:, hq * head_size : (hq + hkv) * head_size], t[:, (hq + hkv) * head_size :]
+        if three_d:
+            q, k, v = (x.unflatten(-1, (-1, head_size)) for x in (q, k, v))
+        views.append((t, q, k, v))
+    fill = torch.randn(2, num_blocks, block_size, hkv, head_size, device=DEVICE).to(cache_dtype)
+    ref_cache, got_cache = fill.clone(), fill.clone()
+
+    (ref_t, q, k, v), (got_t, gq, gk, gv) = views
+    qkr_k.apply_(positions, q, k, q_norm, k_norm, rope)
+    flat = lambda x: x if x.dim() == 3 else x.unflatten(-1, (-1, head_size))  # noqa: E731
+    reshape_and_cache(flat(k), flat(v), ref_cache[0], ref_cache[1], slots)
+
+    write = qkr_k.KVCacheWrite(gv, got_cache[0], got_cache[1], slots)
+    assert qkr_k.cache_write_usable(write, gk, head_size)
+    qkr_k.apply_(positions, gq, gk, q_norm, k_norm, rope, write)
+    assert torch.equal(got_t, ref_t), "q, k and v must come out as without the cache write"
+    assert torch.equal(got_cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    written[slots[slots >= 0]] = True
+    untouched = got_cache.flatten(1, 2)[:, ~written]
+    assert torch.equal(untouched.view(torch.uint8), fill.flatten(1, 2)[:, ~written].view(torch.uint8))
+
+
+def test_cache_write_not_usable_cases():
+    head_size = 64
+    k = torch.zeros(3, 2 * head_size, dtype=torch.float16, device=DEVICE)
+    cache = torch.zeros(2, 4, 16, 2, head_size, dtype=torch.float16, device=DEVICE)
+    slots = torch.arange(3, device=DEVICE)
+    ok = qkr_k.KVCacheWrite(k.clone(), cache[0], cache[1], slots)
+    assert qkr_k.cache_write_usable(ok, k, head_size)
+    bad = [
+        ok._replace(slot_mapping=slots.int()),  # int32 slots
+        ok._replace(slot_mapping=slots[:2]),  # fewer slots than tokens
+        ok._replace(value=k[:, :head_size]),  # one value head for two key heads
+        ok._replace(v_cache=cache[1].transpose(1, 2)),  # another layout than the key cache
+        ok._replace(k_cache=cache[0][..., :32], v_cache=cache[1][..., :32]),  # another head size
+    ]
+    for write in bad:
+        assert not qkr_k.cache_write_usable(write, k, head_size)

@@ -21,6 +21,9 @@ class TritonImpl(AttentionImpl):
     fuse_decode_kv_write: bool = True
     # ... and may apply the per-head q/k RMSNorm there too (Qwen3, Gemma 3); off until measured on a GPU.
     fuse_decode_qk_norm: bool = False
+    # A layer that runs its own q/k norm and rotary launch (Qwen3, Gemma 3) may store the K/V there
+    # instead (``takes_written_kv``), in every kind of step.
+    kv_written_by_caller: bool = True
     # Pure-decode launches take requests longest context first when the metadata gives that order.
     use_decode_order: bool = True
     # Other launches read the step's own keys from its key/value rows instead of through the block
@@ -51,6 +54,7 @@ class TritonImpl(AttentionImpl):
         attn_metadata: AttentionMetadata,
         rotary=None,  # a RotaryEmbedding when fuses_decode_rotary said yes
         qk_norm: tuple[torch.Tensor, torch.Tensor, float, float, bool] | None = None,
+        kv_written: bool = False,  # the cache already holds this step's K/V (takes_written_kv said yes)
     ) -> torch.Tensor:  # [T_padded, Hq, D]
         """``rotary``: query and key arrive unrotated and the kernel rotates them (see fuses_decode_rotary).
         ``qk_norm`` = (q weight [D], k weight [D], q eps, k eps, gemma style): they also arrive before their
@@ -65,11 +69,14 @@ class TritonImpl(AttentionImpl):
             rope = (rotary.inv_freq, rotary.attention_scaling)
         if qk_norm is not None and (rotary is None or not self.fuses_decode_qk_norm(md)):
             raise ValueError("the q/k norm is fused only together with the rotary embedding, in pure-decode steps")
+        if kv_written and rotary is not None:
+            raise ValueError("rotary embedding in the attention launch needs the cache write there too")
         chunk_kv = None
-        if md.max_query_len == 1 and self.fuse_decode_kv_write:
+        if md.max_query_len == 1 and self.fuse_decode_kv_write and not kv_written:
             new_kv = (key, value, md.slot_mapping)
         else:
-            reshape_and_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache, md.slot_mapping[:num_tokens])
+            if not kv_written:
+                reshape_and_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache, md.slot_mapping[:num_tokens])
             if md.max_query_len > 1 and self.chunk_kv_from_step and key.dtype == k_cache.dtype:
                 chunk_kv = (key, value)
 
@@ -148,6 +155,9 @@ class TritonImpl(AttentionImpl):
 
     def fuses_decode_qk_norm(self, md: AttentionMetadata) -> bool:
         return md.max_query_len == 1 and self.fuse_decode_kv_write and self.fuse_decode_qk_norm
+
+    def takes_written_kv(self, md: AttentionMetadata) -> bool:
+        return self.kv_written_by_caller
 
 
 class TritonBackend(AttentionBackend):

@@ -11,8 +11,14 @@ weight in that dtype, Gemma multiplies by ``1 + w`` in float32 and casts after; 
 ``freqs = pos * inv_freq`` in float32, ``cos/sin * attention_scaling`` rounded to the activation
 dtype, and ``x*cos + rotate_half(x)*sin`` with each product and the sum rounded to that dtype.
 Channels past ``rotary_dim`` (partial rotary) are normalized but not rotated.
+
+With ``cache`` the same launch also stores each token's finished key and its value into the paged KV
+cache at its slot (what ``reshape_and_cache`` would do next, with the same bits), so the attention
+launch neither writes the cache nor waits on a write: one launch and one barrier less a layer.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -42,6 +48,10 @@ def _norm_rotate_heads(
     REST_P2: tl.constexpr,
     BLOCK_H: tl.constexpr,
     EXACT: tl.constexpr,  # kernel_math.exact_rounding
+    cache_ptr,  # this token's cache row [num_heads, stride_ch] (used only when WRITE_CACHE)
+    stride_ch,
+    has_slot,  # whether the token owns a cache slot (padding does not)
+    WRITE_CACHE: tl.constexpr,  # also store the result there, cast to the cache's dtype
 ):
     dims = tl.arange(0, HALF_P2)[None, :]  # [1, HALF_P2]
     heads = h0 + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
@@ -70,11 +80,23 @@ def _norm_rotate_heads(
     n1 = norm_weight(x1 * rstd, w1, GEMMA, dt)  # [BLOCK_H, HALF_P2], dt-rounded values in float32
     n2 = norm_weight(x2 * rstd, w2, GEMMA, dt)
     # rot*cos + cat(-x2, x1)*sin, each product and the sum rounded like torch's half ops (kernels/rotary.py).
-    tl.store(p1, rope_combine(n1, -n2, cos, sin, dt, EXACT), mask=mask)
-    tl.store(p1 + half, rope_combine(n2, n1, cos, sin, dt, EXACT), mask=mask)
+    r1 = rope_combine(n1, -n2, cos, sin, dt, EXACT)  # [BLOCK_H, HALF_P2] dt
+    r2 = rope_combine(n2, n1, cos, sin, dt, EXACT)
+    tl.store(p1, r1, mask=mask)
+    tl.store(p1 + half, r2, mask=mask)
+    if WRITE_CACHE:
+        # Through float32, one rounding from dt, as reshape_and_cache stores the value just written.
+        ct = cache_ptr.dtype.element_ty
+        c1 = cache_ptr + heads * stride_ch + dims
+        tl.store(c1, r1.to(tl.float32).to(ct), mask=mask & has_slot)
+        tl.store(c1 + half, r2.to(tl.float32).to(ct), mask=mask & has_slot)
     if HAS_REST:
         wr = tl.load(w_ptr + 2 * half + rdims, mask=rdims < head_size - 2 * half, other=0.0).to(tl.float32)
-        tl.store(pr, norm_weight(xr * rstd, wr, GEMMA, dt).to(dt), mask=rmask)
+        rest = norm_weight(xr * rstd, wr, GEMMA, dt).to(dt)
+        tl.store(pr, rest, mask=rmask)
+        if WRITE_CACHE:
+            tl.store(cache_ptr + heads * stride_ch + 2 * half + rdims, rest.to(tl.float32).to(cache_ptr.dtype.element_ty),
+                     mask=rmask & has_slot)
 
 
 @triton.jit
@@ -93,12 +115,21 @@ def _qk_norm_rotary_kernel(
     half,  # R/2
     scaling,
     num_q_blocks,  # cdiv(Hq, BLOCK_H): tiles 0..num_q_blocks-1 of axis 1 are q, the rest k
+    v_ptr,  # [T, Hkv, D] addressed by strides (read only when WRITE_CACHE)
+    stride_vt, stride_vh,
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D], last dim contiguous (only when WRITE_CACHE)
+    v_cache_ptr,  # likewise
+    slot_ptr,  # [T] int64: block * BLOCK_SIZE + offset; < 0 (padding) owns no slot
+    stride_cb, stride_cp, stride_ch,  # the caches' block, page and head strides (k and v alike)
     GEMMA: tl.constexpr,
     HAS_REST: tl.constexpr,
     HALF_P2: tl.constexpr,
     REST_P2: tl.constexpr,
     BLOCK_H: tl.constexpr,
     EXACT: tl.constexpr,  # kernel_math.exact_rounding
+    WRITE_CACHE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # the cache's tokens per block
+    D_P2: tl.constexpr,  # next power of two of D, for the value copy
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
     wait_for_previous_kernel(USE_GDC, True)
@@ -116,13 +147,28 @@ def _qk_norm_rotary_kernel(
     if blk < num_q_blocks:
         _norm_rotate_heads(
             q_ptr + tok * stride_qt, qw_ptr, blk * BLOCK_H, num_q_heads, stride_qh, q_eps, head_size, half,
-            cos, sin, GEMMA, HAS_REST, HALF_P2, REST_P2, BLOCK_H, EXACT,
+            cos, sin, GEMMA, HAS_REST, HALF_P2, REST_P2, BLOCK_H, EXACT, q_ptr, 0, False, False,
         )
     else:
+        h0 = (blk - num_q_blocks) * BLOCK_H
+        row_off = 0
+        has_slot = False
+        if WRITE_CACHE:
+            slot = tl.load(slot_ptr + tok)
+            has_slot = slot >= 0
+            row_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cp
         _norm_rotate_heads(
-            k_ptr + tok * stride_kt, kw_ptr, (blk - num_q_blocks) * BLOCK_H, num_k_heads, stride_kh, k_eps,
-            head_size, half, cos, sin, GEMMA, HAS_REST, HALF_P2, REST_P2, BLOCK_H, EXACT,
+            k_ptr + tok * stride_kt, kw_ptr, h0, num_k_heads, stride_kh, k_eps, head_size, half, cos, sin,
+            GEMMA, HAS_REST, HALF_P2, REST_P2, BLOCK_H, EXACT, k_cache_ptr + row_off, stride_ch, has_slot,
+            WRITE_CACHE,
         )
+        if WRITE_CACHE:
+            heads = h0 + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+            ch = tl.arange(0, D_P2)[None, :]  # [1, D_P2]
+            vmask = (heads < num_k_heads) & (ch < head_size) & has_slot
+            v = tl.load(v_ptr + tok * stride_vt + heads * stride_vh + ch, mask=vmask)
+            tl.store(v_cache_ptr + row_off + heads * stride_ch + ch, v.to(tl.float32).to(v_cache_ptr.dtype.element_ty),
+                     mask=vmask)
 
 
 def _weight_ok(weight: torch.Tensor, x: torch.Tensor, head_size: int, gemma: bool) -> bool:
@@ -200,6 +246,7 @@ def qk_norm_rotary_(
     head_size: int,
     attention_scaling: float = 1.0,
     gemma: bool = False,
+    cache: KVCacheWrite | None = None,  # also store the keys and values into the paged cache
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (query, key), the same tensors
     sqt, sqh, hq = _heads_view(query, head_size)
     skt, skh, hk = _heads_view(key, head_size)
@@ -212,14 +259,53 @@ def qk_norm_rotary_(
     block_h = max(1, min(triton.next_power_of_2(max(hq, hk)), 1024 // triton.next_power_of_2(head_size)))
     num_q_blocks = triton.cdiv(hq, block_h)
     grid = (query.shape[0], num_q_blocks + triton.cdiv(hk, block_h))
+    if cache is not None:
+        assert cache_write_usable(cache, key, head_size), "the cache write needs a [T, Hkv, D] value view and a paged cache"
+        svt, svh, _ = _heads_view(cache.value, head_size)
+        kc, vc = cache.k_cache, cache.v_cache
+        cache_args = (cache.value, svt, svh, kc, vc, cache.slot_mapping, kc.stride(0), kc.stride(1), kc.stride(2))
+        block_size = kc.shape[1]
+    else:
+        cache_args = (query, 0, 0, query, query, positions, 0, 0, 0)
+        block_size = 1
     _qk_norm_rotary_kernel[grid](
         positions, inv_freq, query, key, q_weight, k_weight,
         hq, hk, sqt, sqh, skt, skh,
         float(q_eps), float(k_eps), head_size, half, float(attention_scaling), num_q_blocks,
+        *cache_args,
         GEMMA=gemma, HAS_REST=rest > 0, HALF_P2=half_p2, REST_P2=rest_p2, BLOCK_H=block_h, EXACT=exact_rounding(query),
+        WRITE_CACHE=cache is not None, BLOCK_SIZE=block_size, D_P2=triton.next_power_of_2(head_size),
         num_warps=4, **pdl_launch_args(query),
     )
     return query, key
+
+
+class KVCacheWrite(NamedTuple):
+    """Where ``qk_norm_rotary_`` also stores a step's keys (as finished) and values: reshape_and_cache's arguments."""
+
+    value: torch.Tensor  # [T, Hkv*D] or [T, Hkv, D], last dim contiguous
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D], the same strides
+    slot_mapping: torch.Tensor  # [>= T] int64; negative entries (padding) are skipped
+
+
+def cache_write_usable(cache: KVCacheWrite, key: torch.Tensor, head_size: int) -> bool:
+    kc, vc = cache.k_cache, cache.v_cache
+    view = _heads_view(cache.value, head_size)
+    return (
+        view is not None
+        and view[2] == _heads_view(key, head_size)[2]
+        and cache.value.shape[0] == key.shape[0]
+        and kc.dim() == 4
+        and kc.shape == vc.shape
+        and kc.stride() == vc.stride()
+        and kc.stride(-1) == 1
+        and kc.shape[2] == view[2]
+        and kc.shape[3] == head_size
+        and kc.device == key.device
+        and cache.slot_mapping.dtype == torch.int64
+        and cache.slot_mapping.shape[0] >= key.shape[0]
+    )
 
 
 def apply_(
@@ -229,12 +315,14 @@ def apply_(
     q_norm,
     k_norm,
     rotary_emb,
+    cache: KVCacheWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (query, key), the same tensors
-    """``rotary_emb(positions, q_norm(q), k_norm(k))`` from the layer's modules; check ``modules_usable`` first."""
+    """``rotary_emb(positions, q_norm(q), k_norm(k))`` from the layer's modules; check ``modules_usable`` first
+    (and ``cache_write_usable`` for ``cache``)."""
     from pagedllm.layers.norm import GemmaRMSNorm
 
     return qk_norm_rotary_(
         positions, query, key, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps,
         rotary_emb.inv_freq, rotary_emb.head_size, rotary_emb.attention_scaling,
-        gemma=type(q_norm) is GemmaRMSNorm,
+        gemma=type(q_norm) is GemmaRMSNorm, cache=cache,
     )
