@@ -162,9 +162,16 @@ def test_llama_attention_forward_uses_fused_kernel(gemma, monkeypatch):
     captured = []
 
     class Capture(torch.nn.Module):  # stands in for attention: records the q and k it is handed
-        def forward(self, q, k, v, kv_cache, md):
+        def forward(self, q, k, v, kv_cache, md, **fused):
+            assert not any(fused.values()), fused  # nothing left for attention to apply or skip
             captured.append((q.clone(), k.clone()))
             return q
+
+        def fuses_decode_rotary(self, md, rotary):
+            return False
+
+        def takes_written_kv(self, md):
+            return False
 
     monkeypatch.setattr(layer, "attn", Capture())
     monkeypatch.setattr(layer, "o_proj", torch.nn.Identity())
