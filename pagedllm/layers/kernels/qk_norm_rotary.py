@@ -34,7 +34,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _norm_rotate_heads(
     base_ptr,  # this token's row of q or k: [num_heads, stride_h], head channels contiguous
-    w_ptr,  # [D] norm weight, contiguous
+    w_ptr,  # [D] norm weight, contiguous (its pass-through channels are read here)
+    w1, w2,  # [1, HALF_P2] float32: the weight's two rotary halves, loaded by the caller
     h0,  # first head of this program's tile
     num_heads,
     stride_h,
@@ -75,8 +76,6 @@ def _norm_rotate_heads(
     # Same expression as the rmsnorm kernel: mean of squares over the whole head, then 1/sqrt.
     rstd = (1.0 / tl.sqrt(sumsq / head_size + eps))[:, None]  # [BLOCK_H, 1] float32
 
-    w1 = tl.load(w_ptr + dims, mask=dmask, other=0.0).to(tl.float32)  # [1, HALF_P2]
-    w2 = tl.load(w_ptr + half + dims, mask=dmask, other=0.0).to(tl.float32)
     n1 = norm_weight(x1 * rstd, w1, GEMMA, dt)  # [BLOCK_H, HALF_P2], dt-rounded values in float32
     n2 = norm_weight(x2 * rstd, w2, GEMMA, dt)
     # rot*cos + cat(-x2, x1)*sin, each product and the sum rounded like torch's half ops (kernels/rotary.py).
@@ -132,33 +131,40 @@ def _qk_norm_rotary_kernel(
     D_P2: tl.constexpr,  # next power of two of D, for the value copy
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
-    wait_for_previous_kernel(USE_GDC, True)
     # int64: tok * stride_qt passes 2**31 for long prefills of wide models.
     tok = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
+    is_q = blk < num_q_blocks
+    # Positions, slots and weights were written before this step's first launch, never by the previous
+    # kernel: under PDL they load (and cos/sin are computed) while that kernel finishes.
     dims = tl.arange(0, HALF_P2)  # [HALF_P2]
+    dmask = dims[None, :] < half
     pos = tl.load(pos_ptr + tok).to(tl.float32)
     inv = tl.load(inv_freq_ptr + dims, mask=dims < half, other=0.0)
     freqs = pos * inv  # [HALF_P2] float32
     dt = q_ptr.dtype.element_ty
     cos = (tl.cos(freqs) * scaling).to(dt).to(tl.float32)[None, :]  # [1, HALF_P2]
     sin = (tl.sin(freqs) * scaling).to(dt).to(tl.float32)[None, :]
+    w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
+    w1 = tl.load(w_ptr + dims[None, :], mask=dmask, other=0.0).to(tl.float32)  # [1, HALF_P2]
+    w2 = tl.load(w_ptr + half + dims[None, :], mask=dmask, other=0.0).to(tl.float32)
+    row_off = 0
+    has_slot = False
+    if WRITE_CACHE:
+        slot = tl.load(slot_ptr + tok)
+        has_slot = (slot >= 0) & (blk >= num_q_blocks)
+        row_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cp
+    wait_for_previous_kernel(USE_GDC, True)
     # A tile of heads, not a whole token, per program: small decode batches get several programs a token.
-    if blk < num_q_blocks:
+    if is_q:
         _norm_rotate_heads(
-            q_ptr + tok * stride_qt, qw_ptr, blk * BLOCK_H, num_q_heads, stride_qh, q_eps, head_size, half,
+            q_ptr + tok * stride_qt, w_ptr, w1, w2, blk * BLOCK_H, num_q_heads, stride_qh, q_eps, head_size, half,
             cos, sin, GEMMA, HAS_REST, HALF_P2, REST_P2, BLOCK_H, EXACT, q_ptr, 0, False, False,
         )
     else:
         h0 = (blk - num_q_blocks) * BLOCK_H
-        row_off = 0
-        has_slot = False
-        if WRITE_CACHE:
-            slot = tl.load(slot_ptr + tok)
-            has_slot = slot >= 0
-            row_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cp
         _norm_rotate_heads(
-            k_ptr + tok * stride_kt, kw_ptr, h0, num_k_heads, stride_kh, k_eps, head_size, half, cos, sin,
+            k_ptr + tok * stride_kt, w_ptr, w1, w2, h0, num_k_heads, stride_kh, k_eps, head_size, half, cos, sin,
             GEMMA, HAS_REST, HALF_P2, REST_P2, BLOCK_H, EXACT, k_cache_ptr + row_off, stride_ch, has_slot,
             WRITE_CACHE,
         )

@@ -36,12 +36,14 @@ def _rmsnorm_kernel(
     BLOCK_H: tl.constexpr,  # next power of two >= hidden: the whole row is one tile
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
 ):
-    wait_for_previous_kernel(USE_GDC, True)
     row = tl.program_id(0)
     i0 = row // n_inner
     i1 = row % n_inner
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     mask = cols < hidden
+    # No kernel writes the weight: under PDL it loads while the previous kernel finishes.
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    wait_for_previous_kernel(USE_GDC, True)
     x = tl.load(x_ptr + i0 * stride_x0 + i1 * stride_x1 + cols, mask=mask, other=0.0)  # [BLOCK_H] input dtype
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + i0 * stride_r0 + i1 * stride_r1 + cols, mask=mask, other=0.0)
@@ -51,7 +53,6 @@ def _rmsnorm_kernel(
     xf = x.to(tl.float32)  # [BLOCK_H]
     var = tl.sum(xf * xf, axis=0) / hidden
     normed = xf * (1.0 / tl.sqrt(var + eps))  # [BLOCK_H] float32
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     if GEMMA:
         out = normed * (1.0 + w.to(tl.float32))
     else:
