@@ -2,11 +2,13 @@
 
 A decode step is a few hundred short kernels, and at small batches the gaps between them are a visible
 share of the step. With PDL a kernel is launched while its predecessor on the stream is still running;
-each of our kernels then executes ``gdc_wait`` before its first memory access, which blocks until the
-predecessor has finished and its writes are visible. Results are those of serialized launches; what
-overlaps is the launch itself, plus what a kernel does before its wait: small-grid kernels (norms,
-activations, rotary, the split reduction) let their successor launch at once, and the GEMV reads its
-first weight tile (weights are never written) before waiting. On by default on CUDA devices of compute
+each of our kernels then executes ``gdc_wait`` before it reads anything a kernel of the step may have
+written, which blocks until the predecessor has finished and its writes are visible. Results are those
+of serialized launches; what overlaps is the launch itself, plus what a kernel does before its wait:
+small-grid kernels (norms, activations, rotary, the split reduction) let their successor launch at
+once; the GEMV and the skinny GEMM read their first weight tile, the norms their weights, and the q/k
+norm + rotary launch its positions and cache slots (written by the host before the step's first
+launch, which runs fully serialized) before waiting. On by default on CUDA devices of compute
 capability >= 9.0, where it took 4% off a batch-1 8B decode step; ``PAGEDLLM_PDL=0`` turns it off.
 
 Only launches over at most ``PDL_MAX_TOKENS`` tokens use it: decode steps and short chunks, which are
