@@ -110,8 +110,12 @@ def test_fp32_gpu_greedy_with_qk_norm_in_decode_attention(model, tmp_path, monke
     from pagedllm.attention.backends.triton import TritonImpl
 
     monkeypatch.setattr(TritonImpl, "fuse_decode_qk_norm", True)
-    path = make_tiny_model(model, tmp_path / model)
-    prompts = _prompts(5, seed=6)
+    _assert_fp32_gpu_matches_cpu(make_tiny_model(model, tmp_path / model), seed=6)
+
+
+def _assert_fp32_gpu_matches_cpu(path, seed: int) -> None:
+    """Five prompts of 5-26 greedy tokens: the GPU's float32 tokens equal the CPU torch_ref path's."""
+    prompts = _prompts(5, seed=seed)
     max_tokens = [5, 9, 14, 20, 26]
     cpu = _llm(path, device="cpu", attention_backend="torch_ref", dtype="float32")
     ref = [o.outputs[0].token_ids for o in _generate(cpu, prompts, max_tokens)]
@@ -128,15 +132,7 @@ def test_fp32_gpu_greedy_with_kv_written_by_attention(tiny_path, monkeypatch):
     from pagedllm.attention.backends.triton import TritonImpl
 
     monkeypatch.setattr(TritonImpl, "kv_written_by_caller", False)
-    prompts = _prompts(5, seed=8)
-    max_tokens = [5, 9, 14, 20, 26]
-    cpu = _llm(tiny_path, device="cpu", attention_backend="torch_ref", dtype="float32")
-    ref = [o.outputs[0].token_ids for o in _generate(cpu, prompts, max_tokens)]
-    _free(cpu)
-    gpu = _llm(tiny_path, device="cuda", dtype="float32", kv_cache_memory_bytes=_KV_BYTES)
-    got = [o.outputs[0].token_ids for o in _generate(gpu, prompts, max_tokens)]
-    _free(gpu)
-    assert got == ref
+    _assert_fp32_gpu_matches_cpu(tiny_path, seed=8)
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen3"])
