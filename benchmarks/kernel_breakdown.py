@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--prefill", default="", help="comma-separated prompt lengths, or NUMxLENGTH for NUM prompts in one step")
     ap.add_argument("--latency", default="", help="comma-separated BATCH:IN:OUT, timed end to end (TTFT, TPOT)")
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--quantization", default=None, help="e.g. fp8: float8 weights (the engine option)")
     ap.add_argument("--attn-kv-write", action="store_true",
                     help="the attention launch stores the new K/V (TritonImpl.kv_written_by_caller off)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -44,7 +45,7 @@ def main() -> None:
 
         TritonImpl.kv_written_by_caller = False
     os.makedirs(args.out, exist_ok=True)
-    llm = make_llm(MODELS[args.model], smoke=False)
+    llm = make_llm(MODELS[args.model], smoke=False, quantization=args.quantization)
     results: dict = {}
     from pagedllm.benchmarks.latency import measure_latency
 
@@ -70,7 +71,8 @@ def main() -> None:
     if args.prefill:
         results["launch_overhead_us"] = launch_overhead_us()
         print("== host us per eager launch: " + ", ".join(f"{k} {v:.1f}" for k, v in results["launch_overhead_us"].items()))
-    with open(os.path.join(args.out, f"kernel_breakdown_{args.model}.json"), "w") as f:
+    suffix = f"_{args.quantization}" if args.quantization else ""
+    with open(os.path.join(args.out, f"kernel_breakdown_{args.model}{suffix}.json"), "w") as f:
         json.dump(results, f, indent=1)
 
 

@@ -296,6 +296,7 @@ class KVCacheWrite(NamedTuple):
 
 
 def cache_write_usable(cache: KVCacheWrite, key: torch.Tensor, head_size: int) -> bool:
+    """Whether the launch can store into ``cache`` for this ``key`` (else the attention backend writes)."""
     kc, vc = cache.k_cache, cache.v_cache
     view = _heads_view(cache.value, head_size)
     return (
