@@ -67,12 +67,14 @@ def main() -> None:
     from pagedllm.layers.kernels import activation, fp8_quant, gemv, qk_norm_rotary, rmsnorm, rotary, skinny_gemm
     from pagedllm.layers.norm import RMSNorm
     from pagedllm.layers.rotary import RotaryEmbedding
+    from pagedllm.sample import argmax_triton
 
     launches: list = []
     for kernel in (gemv._gemv_kernel, skinny_gemm._skinny_gemm_kernel, rmsnorm._rmsnorm_kernel, activation._act_and_mul_kernel, rotary._rotary_kernel,
                    qk_norm_rotary._qk_norm_rotary_kernel, rc._reshape_and_cache_kernel, pa._paged_attention_kernel,
                    pa._reduce_splits_kernel, dp._piece_ends_kernel, dp._decode_pieces_kernel, fp8_quant._quant_rows_kernel,
-                   activation._act_and_mul_quant_kernel):
+                   activation._act_and_mul_quant_kernel, argmax_triton._chunk_argmax_kernel,
+                   argmax_triton._row_argmax_kernel):
         _record(kernel, launches)
     bf = torch.bfloat16
     gemv.gemv(torch.zeros(1, 1024, dtype=bf), torch.zeros(64, 1024, dtype=bf))
@@ -92,6 +94,7 @@ def main() -> None:
     skinny_gemm.skinny_gemm(torch.zeros(16, 1024, dtype=bf), torch.zeros(1024, 1024, dtype=bf), config=split)
     rmsnorm.rms_norm(torch.zeros(1, 1024, dtype=bf), torch.ones(1024, dtype=bf), 1e-6, torch.zeros(1, 1024, dtype=bf))
     activation.act_and_mul(torch.zeros(1, 2048, dtype=bf), "silu")
+    argmax_triton.argmax_rows_triton(torch.zeros(2, 151936, dtype=bf))
     pos = torch.zeros(2, dtype=torch.int64)
     q, k = torch.zeros(2, 4 * 64, dtype=bf), torch.zeros(2, 2 * 64, dtype=bf)
     rotary.rotary_neox_(pos, q, k, torch.ones(32), 64)

@@ -1,4 +1,4 @@
-"""Row-wise argmax over the vocabulary that stays parallel when there are only a few rows."""
+"""Row-wise argmax over the vocabulary that stays parallel at any number of rows (Triton on CUDA, chunks in torch ops)."""
 from __future__ import annotations
 
 import torch
@@ -12,8 +12,14 @@ _CHUNKS = (256, 128, 64, 32, 16)
 def argmax_rows(logits: torch.Tensor, chunked: bool | None = None) -> torch.Tensor:  # [S, V] -> [S] int64
     """``logits.argmax(dim=-1)``, ties to the first index (and NaN counting as the maximum) alike.
 
-    ``chunked`` forces the two-stage form on or off; by default it runs for a few rows on CUDA.
+    On CUDA, by default, two Triton launches over (row, chunk) pairs (``argmax_triton``). ``chunked``
+    forces the two-stage form in torch ops on or off; without Triton it runs for a few rows on CUDA.
     """
+    if chunked is None and logits.is_cuda:
+        from pagedllm.sample import argmax_triton
+
+        if argmax_triton.usable(logits):
+            return argmax_triton.argmax_rows_triton(logits)
     rows, vocab = logits.shape
     chunks = next((c for c in _CHUNKS if vocab % c == 0 and vocab >= 64 * c), None)
     if chunked is None:
