@@ -20,7 +20,9 @@ _NO_INDEX = 2**31 - 1  # above every vocabulary index: the neutral element of "f
 
 @triton.jit
 def _first_max(x, offs, valid):
-    """(value, index) of the first maximum of ``x`` where ``valid``, a NaN counting as the maximum."""
+    """(value, index) of the first maximum of ``x`` where ``valid``, a NaN counting as the maximum.
+
+    2147483647 is ``_NO_INDEX`` (a Python global is not a constant inside a Triton function)."""
     nan = (x != x) & valid
     first_nan = tl.min(tl.where(nan, offs, 2147483647), axis=0)
     best = tl.max(tl.where(valid & ~nan, x, float("-inf")), axis=0)
