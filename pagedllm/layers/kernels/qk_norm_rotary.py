@@ -152,7 +152,7 @@ def _qk_norm_rotary_kernel(
     has_slot = False
     if WRITE_CACHE:
         slot = tl.load(slot_ptr + tok)
-        has_slot = (slot >= 0) & (blk >= num_q_blocks)
+        has_slot = slot >= 0  # (k programs only use it)
         row_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cp
     wait_for_previous_kernel(USE_GDC, True)
     # A tile of heads, not a whole token, per program: small decode batches get several programs a token.
