@@ -95,21 +95,24 @@ def _kernel_name(node: int, names: dict[int, str | None]) -> str | None:
 def link_early(graph: int, kernels: set[str], sources: set[str] | None = None) -> list[str]:
     """Turns every default edge from a kernel node into a kernel named in ``kernels`` programmatic (with
     ``sources``, only edges from kernels named there). Returns the linked targets' names."""
-    lib, names, linked = _driver(), {}, []
-    for src, dst, data in _edges(graph):
+    lib, names, todo = _driver(), {}, []
+    for src, dst, data in _edges(graph):  # every lookup first: a failed one leaves the graph untouched
         if data != (0, 0, 0):
             continue  # already programmatic (a PDL launch), or a port we do not touch
         src_name, dst_name = _kernel_name(src, names), _kernel_name(dst, names)
-        if src_name is None or dst_name not in kernels or (sources is not None and src_name not in sources):
-            continue
+        if src_name is not None and dst_name in kernels and (sources is None or src_name in sources):
+            todo.append((src, dst, dst_name))
+    g = ctypes.c_void_p(graph)
+    for src, dst, _ in todo:
         frm, to = (ctypes.c_void_p * 1)(src), (ctypes.c_void_p * 1)(dst)
         edge = (_EdgeData * 1)()
         edge[0].from_port, edge[0].type = _PORT_PROGRAMMATIC, _EDGE_PROGRAMMATIC
-        g = ctypes.c_void_p(graph)
         _check(lib.cuGraphRemoveDependencies_v2(g, frm, to, None, ctypes.c_size_t(1)), "cuGraphRemoveDependencies_v2")
-        _check(lib.cuGraphAddDependencies_v2(g, frm, to, edge, ctypes.c_size_t(1)), "cuGraphAddDependencies_v2")
-        linked.append(dst_name)
-    return linked
+        code = lib.cuGraphAddDependencies_v2(g, frm, to, edge, ctypes.c_size_t(1))
+        if code != 0:  # put the plain edge back: the graph must never lose an ordering
+            _check(lib.cuGraphAddDependencies_v2(g, frm, to, None, ctypes.c_size_t(1)), "cuGraphAddDependencies_v2")
+            _check(code, "cuGraphAddDependencies_v2 (programmatic)")
+    return [name for _, _, name in todo]
 
 
 @triton.jit
@@ -177,14 +180,21 @@ class LibraryLinker:
         self.never: set[str] = set()  # kernels seen reading before their predecessor finished
 
     def check(self, calls: dict) -> None:
+        """Race-checks each recorded call (layers/library_calls.py) whose shape key is new."""
+        new = 0
         for key, (x, weight, bias) in calls.items():
             if key in self._checked or not x.is_contiguous():
                 continue
             names, ok = check_waits(x, weight, bias)
             self._checked[key] = (names, ok)
             (self.waits if ok else self.never).update(names)
+            new += 1
             if not ok and names:
                 logger.info("cuBLAS kernel(s) %s read before their predecessor finished: left unlinked", names)
+        if new:
+            # The checks' buffers (up to a 256-row LM head's logits) go back to the device, so that they
+            # are not counted as graph memory nor held beside the KV cache.
+            torch.cuda.empty_cache()
 
     def link(self, graph: torch.cuda.CUDAGraph) -> int:
         return len(link_early(graph.raw_cuda_graph(), self.waits - self.never))
