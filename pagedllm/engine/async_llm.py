@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.core_client import CoreClient, EngineDeadError
+from pagedllm.engine.heap import freeze_start_up_heap, unfreeze_heap
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.tokenizer import get_tokenizer
@@ -72,6 +73,7 @@ class AsyncLLM:
         self.latest_stats = SchedulerStats()
         self.core.wait_ready(startup_timeout_s)
         self.core.on_dead = self._on_dead
+        freeze_start_up_heap()  # the front-end's full collections would stall its event loop (heap.py)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -258,6 +260,7 @@ class AsyncLLM:
         if self._output_task is not None and not self._output_task.done():
             self._output_task.cancel()
         self.core.shutdown()
+        unfreeze_heap()
 
 
 class RequestStream:

@@ -9,6 +9,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from pagedllm.engine.heap import freeze_start_up_heap, unfreeze_heap
 from pagedllm.executor.base import Executor
 
 logger = logging.getLogger("pagedllm")
@@ -47,6 +48,7 @@ class EngineCore:
         # ``step`` returning them: the serving loop sends them on from here (core_proc.py).
         self.emit_outputs: Callable[[list[EngineCoreOutput]], None] | None = None
         self._output_at: float | None = None
+        freeze_start_up_heap()
 
     def _check_cache_fits(self, num_blocks: int) -> None:
         bs = self.config.cache_config.block_size
@@ -163,3 +165,4 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        unfreeze_heap()

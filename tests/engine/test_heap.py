@@ -1,0 +1,40 @@
+"""engine/heap.py: a started engine's objects leave the collector's full collections; shutdown gives them back."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+from tiny_models import make_tiny_model
+
+from pagedllm import LLM, SamplingParams
+
+
+def _llm(path):
+    return LLM(model=path, skip_tokenizer_init=True, max_num_seqs=4, max_model_len=128, seed=0, device="cpu",
+               dtype="float32", kv_cache_memory_bytes=1 << 22)
+
+
+def test_engine_freezes_its_start_up_heap_and_shutdown_releases_it(tmp_path):
+    path = make_tiny_model("qwen3", tmp_path / "qwen3")
+    gc.unfreeze()
+    llm = _llm(path)
+    model = weakref.ref(llm.llm_engine.engine_core.executor.worker.model_runner.model)
+    frozen = gc.get_freeze_count()
+    assert frozen > 10_000  # the imported modules and the model's objects, at least
+    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=4, ignore_eos=True,
+                                                                        detokenize=False), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    llm.llm_engine.engine_core.shutdown()
+    assert gc.get_freeze_count() == 0
+    del llm, out
+    gc.collect()
+    assert model() is None
+
+
+def test_freezing_can_be_turned_off(tmp_path, monkeypatch):
+    path = make_tiny_model("llama", tmp_path / "llama")
+    gc.unfreeze()
+    monkeypatch.setenv("PAGEDLLM_GC_FREEZE", "0")
+    llm = _llm(path)
+    assert gc.get_freeze_count() == 0
+    llm.llm_engine.engine_core.shutdown()
