@@ -17,8 +17,8 @@ pieces only from 792 such pairs (``TritonImpl.decode_pieces``, ``decode_piece_le
 instead (PAGEDLLM_FP8_SKINNY=0; ``fp8wskinny`` names the default). ``unfolded`` and ``fp8wunfolded`` give the
 one-token GEMV an element-wise accumulator and its earlier tiles (``_unfolded_gemv_config``). ``attnwrite``
 has the attention launch store Qwen3's new keys and values, not its q/k norm + rotary launch
-(``TritonImpl.kv_written_by_caller``). ``nolibpdl`` leaves cuBLAS's products in CUDA graphs on their captured
-edges instead of launching them early (PAGEDLLM_LIBRARY_PDL=0, ``worker/graph_edges.py``). Each variant runs
+(``TritonImpl.kv_written_by_caller``). ``nogcfreeze`` leaves the engine's start-up objects in the garbage
+collector's full collections (PAGEDLLM_GC_FREEZE=0, ``engine/heap.py``). Each variant runs
 (1) workload 3, Llama-3-8B batch 1, 1000-token prompt, time per output token, and (2) workload 1,
 Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s; with ``--workload2`` also (3) workload 2, with
 ``--batches 2,4,...`` the 8B's time per output token at those batch sizes, and with ``--no-workload1`` not
@@ -72,14 +72,14 @@ VARIANTS = {
     "attnwrite": {"BENCH_KV_WRITE_IN_ATTENTION": "1"},
     "unfolded": {"BENCH_GEMV_UNFOLDED": "1"},
     "fp8wunfolded": {"BENCH_QUANTIZATION": "fp8", "BENCH_GEMV_UNFOLDED": "1"},
-    # cuBLAS's products in CUDA graphs keep the plain edges they were captured with (worker/graph_edges.py).
-    "nolibpdl": {"PAGEDLLM_LIBRARY_PDL": "0"},
+    # The engine leaves its start-up objects in the garbage collector's full collections (engine/heap.py).
+    "nogcfreeze": {"PAGEDLLM_GC_FREEZE": "0"},
 }
 _BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK_NORM", "BENCH_NO_DECODE_ORDER",
                    "BENCH_PAGED_CHUNK_KEYS", "BENCH_PROMPT_PER_HEAD", "BENCH_KV_CACHE_DTYPE",
                    "BENCH_FP8_FP16_DOTS", "BENCH_DECODE_PIECES", "BENCH_DECODE_PIECES_MIN", "BENCH_QUANTIZATION",
                    "PAGEDLLM_FP8_SKINNY", "BENCH_GEMV_UNFOLDED", "BENCH_KV_WRITE_IN_ATTENTION",
-                   "PAGEDLLM_LIBRARY_PDL")
+                   "PAGEDLLM_GC_FREEZE")
 
 
 def _unfolded_gemv_config(n: int, k: int, float8: bool = False):

@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.library_calls import library_linear
 from pagedllm.layers.cpu_linear import PackedWeight, cpu_linear
 
 
@@ -106,7 +105,7 @@ class ParallelLMHead(VocabEmbedding):
                 if gemv.usable(hidden_states, self.weight):
                     logits = gemv.gemv(hidden_states, self.weight, self.bias)
             if logits is None:
-                logits = library_linear(hidden_states, self.weight, self.bias)
+                logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, logits)

@@ -12,9 +12,9 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.library_calls import library_linear
 from pagedllm.layers.cpu_linear import PackedWeight, cpu_linear
 
 ShardId = int | str | None
@@ -67,7 +67,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
             if skinny_gemm.enabled() and skinny_gemm.usable(x, layer.weight):
                 return skinny_gemm.skinny_gemm(x, layer.weight, bias)  # [T, N]: small tiles (opt-in)
-        return library_linear(x, layer.weight, bias)
+        return F.linear(x, layer.weight, bias)
 
 
 # The method of linears built without an explicit one: set while a quantized checkpoint's model is built.

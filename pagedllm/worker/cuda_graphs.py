@@ -19,8 +19,6 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.layers.library_calls import recording_library_calls
-
 logger = logging.getLogger("pagedllm")
 
 # Larger decode batches gain little from graphs (the GPU work dwarfs the launches) and cost capture time.
@@ -96,7 +94,6 @@ class CudaGraphRunner:
         self._forward: Callable[[int], torch.Tensor] | None = None
         self.pool = None
         self.pool_bytes = 0
-        self.library_edges = 0  # graph edges into cuBLAS kernels made programmatic (graph_edges.py)
 
     @property
     def max_size(self) -> int:
@@ -132,31 +129,14 @@ class CudaGraphRunner:
             if size in warm:
                 forward(size)  # eager: Triton compiles this size's variants outside the capture
                 torch.cuda.synchronize()
-            linker = self._library_linker(size)
-            graph = torch.cuda.CUDAGraph(keep_graph=linker is not None)
-            with recording_library_calls() as calls, torch.cuda.graph(graph, pool=pool):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
                 out = forward(size)
-            if linker is not None:
-                # cuBLAS's products launch while their predecessor runs, as our kernels do (graph_edges.py).
-                try:
-                    linker.check(calls)
-                    self.library_edges += linker.link(graph)
-                except RuntimeError as e:  # a driver call refused: the graph keeps (or got back) plain edges
-                    logger.warning("CUDA graphs: cuBLAS launches left unlinked (%s)", e)
-                graph.instantiate()
             self._graphs[size] = graph
             self._outputs[size] = out
         torch.cuda.synchronize()
         self.pool_bytes = torch.cuda.memory_reserved() - reserved0
-        if self.library_edges:
-            logger.info("CUDA graphs: %d cuBLAS launches linked to their predecessors (PDL)", self.library_edges)
         return time.perf_counter() - t0
-
-    def _library_linker(self, size: int):
-        """The graph_edges.LibraryLinker for a graph of ``size`` tokens, or None where it does not apply."""
-        from pagedllm.worker import graph_edges  # imports Triton: CUDA only
-
-        return graph_edges.shared_linker() if graph_edges.enabled(torch.device("cuda"), size) else None
 
     def replay(self, size: int) -> torch.Tensor:  # -> [tokens, H], valid until the next replay
         if not self.capture_enabled:
