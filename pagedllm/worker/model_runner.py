@@ -445,9 +445,11 @@ class ModelRunner:
             hidden = fwd.hidden[row : row + 1]  # [1, H]
             self.model.compute_logits(hidden).argmax(dim=-1)
         if self.device.type == "cuda" and hidden is not None:
-            # The logits of a full batch, in the model dtype and in float32, once: the caching allocator
-            # then holds blocks for them, instead of growing by a cudaMalloc each time a step samples more
-            # rows than any before it (the first such steps of a run stalled the host by 5-18 ms each).
+            # The logits of a full batch, in the model dtype and in float32, once (within the sampler's
+            # share of the memory budget): the caching allocator then holds blocks for them, instead of
+            # growing by a cudaMalloc each time a step samples more rows than any before it. (A first
+            # pass of workload 1 grew it by 15 segments, and its steps that first sampled more rows
+            # took 5-18 ms more host time than in a second pass.)
             full = hidden.expand(self.max_num_seqs, -1).contiguous()  # [max_num_seqs, H]
             argmax_rows(self.model.compute_logits(full, float32=False))
             self.model.compute_logits(full)
