@@ -416,13 +416,11 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up_kernels(self) -> None:
         """Compiles the mixed-batch kernels' variants (one per class of longest query run) now, rather than
-        inside the first steps that need them: one tiny single-request step per power of two up to 64; on
-        CUDA, then computes a full batch's logits once.
+        inside the first steps that need them: one tiny single-request step per power of two up to 64.
 
         The steps write no KV (padding slots) and read block 0, whatever it holds; outputs are dropped.
         """
         bs = self.block_size
-        hidden = None
         for q_len in (2, 4, 8, 16, 32, 64):
             if q_len > min(self.max_model_len, self.buffers.max_tokens):
                 break
@@ -442,17 +440,7 @@ class ModelRunner:
             )
             fwd = self._forward(b, None)
             row = 0 if fwd.per_request else q_len - 1
-            hidden = fwd.hidden[row : row + 1]  # [1, H]
-            self.model.compute_logits(hidden).argmax(dim=-1)
-        if self.device.type == "cuda" and hidden is not None:
-            # The logits of a full batch, in the model dtype and in float32, once (within the sampler's
-            # share of the memory budget): the caching allocator then holds blocks for them, instead of
-            # growing by a cudaMalloc each time a step samples more rows than any before it. (A first
-            # pass of workload 1 grew it by 15 segments, and its steps that first sampled more rows
-            # took 5-18 ms more host time than in a second pass.)
-            full = hidden.expand(self.max_num_seqs, -1).contiguous()  # [max_num_seqs, H]
-            argmax_rows(self.model.compute_logits(full, float32=False))
-            self.model.compute_logits(full)
+            self.model.compute_logits(fwd.hidden[row : row + 1]).argmax(dim=-1)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
