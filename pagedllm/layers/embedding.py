@@ -92,9 +92,12 @@ class ParallelLMHead(VocabEmbedding):
         hidden_states: torch.Tensor,  # [N, E]
         soft_cap: float | None = None,
         float32: bool = True,
+        out: torch.Tensor | None = None,  # [>= N, shard] in the weight's dtype, on the weight's GPU
     ) -> torch.Tensor:  # [N, vocab] float32, or the weight's dtype when float32=False and no soft cap
         """``float32=False`` skips the float32 copy when only an argmax follows: the conversion is exact,
-        so the argmax (first maximum included) is the same; a soft cap is always applied in float32."""
+        so the argmax (first maximum included) is the same; a soft cap is always applied in float32.
+        ``out``: the product of N > 1 rows is written into its first N rows (one rank only), by the same
+        cuBLAS call as ``F.linear``; the logits returned may then be a view of it."""
         if hidden_states.device.type == "cpu":
             logits = cpu_linear(hidden_states, self.weight, self.bias, self.packed_weight)
         else:
@@ -104,6 +107,12 @@ class ParallelLMHead(VocabEmbedding):
 
                 if gemv.usable(hidden_states, self.weight):
                     logits = gemv.gemv(hidden_states, self.weight, self.bias)
+            if logits is None and out is not None and self.tp_size == 1 and hidden_states.shape[0] <= out.shape[0]:
+                dst = out[: hidden_states.shape[0]]
+                if self.bias is None:
+                    logits = torch.mm(hidden_states, self.weight.t(), out=dst)
+                else:
+                    logits = torch.addmm(self.bias, hidden_states, self.weight.t(), out=dst)
             if logits is None:
                 logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:

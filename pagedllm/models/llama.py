@@ -291,9 +291,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata, output_rows)
 
     def compute_logits(
-        self, hidden_states: torch.Tensor, float32: bool = True
-    ) -> torch.Tensor:  # [N, H] -> [N, vocab] float32 (see ParallelLMHead.compute_logits for float32=False)
-        return self.lm_head.compute_logits(hidden_states, soft_cap=self.final_logit_softcapping, float32=float32)
+        self, hidden_states: torch.Tensor, float32: bool = True, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [N, H] -> [N, vocab] float32 (see ParallelLMHead.compute_logits for float32=False, out)
+        return self.lm_head.compute_logits(hidden_states, soft_cap=self.final_logit_softcapping, float32=float32,
+                                           out=out)
 
     def sliding_windows(self) -> list[int | None]:
         """One entry per layer, for the KV cache manager: the layer's window, or None for full attention."""

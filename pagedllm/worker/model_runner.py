@@ -58,6 +58,7 @@ class ModelRunner:
         # doing the same makes graph and eager runs compute bit-identical results.
         self.decode_len_bound = self.max_model_len if graph_safe else None
         self.mixed_query_len_bound = MIXED_QUERY_LEN_BOUND if graph_safe else None
+        self._logits_out: torch.Tensor | None = None  # [max_num_seqs, vocab shard] (_logits)
         # A mixed graph's batch always has this many requests: every request the scheduler may run,
         # plus one padding request that owns the padding tokens.
         self.mixed_graph_reqs = self.max_num_seqs + 1
@@ -314,9 +315,9 @@ class ModelRunner:
             if all(st.plain_greedy for st in states):
                 # What the sampler does for an all-greedy batch, minus building its metadata and the
                 # float32 copy of the logits ([S, vocab] in the model dtype; the argmax is the same).
-                token_ids, lp = argmax_rows(self.model.compute_logits(last_hidden, float32=False)), None
+                token_ids, lp = argmax_rows(self._logits(last_hidden)), None
             else:
-                token_ids, lp = self._sample(self.model.compute_logits(last_hidden), states)  # [S, vocab] float32
+                token_ids, lp = self._sample(self._logits(last_hidden), states)
             step.rows, step.states, step.token_ids = rows, states, token_ids
             step.sampled_row = {st.req_id: j for j, st in enumerate(states)}
             # Sent to pinned host memory behind this step's kernels; _resolve waits for the event.
@@ -366,6 +367,20 @@ class ModelRunner:
             req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs,
             device_time_s=device_time_s,
         )
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, vocab]
+        """The sampled rows' logits, in the model's dtype (float32 under a soft cap); the sampler upcasts
+        its own copy. On a GPU they are written into a buffer of max_num_seqs rows kept across steps:
+        the rows sampled change every step, and each new largest count used to take a new segment from
+        the caching allocator (a cudaMalloc on the host's path) through a batch's first steps. Every use
+        of a step's logits is launched before the next step's product, on the same stream."""
+        if self.device.type != "cuda" or hidden.shape[0] > self.max_num_seqs:
+            return self.model.compute_logits(hidden, float32=False)
+        if self._logits_out is None:
+            lm = self.model.lm_head
+            self._logits_out = torch.empty(self.max_num_seqs, lm.weight.shape[0], dtype=lm.weight.dtype,
+                                           device=self.device)
+        return self.model.compute_logits(hidden, float32=False, out=self._logits_out)
 
     def _sample(self, logits: torch.Tensor, states: list) -> tuple[torch.Tensor, object]:  # ids [S]
         from pagedllm.sample.metadata import build_sampling_metadata

@@ -217,3 +217,30 @@ def test_start_up_reports_memory_and_phases(tiny_path):
     assert mem.weights > 0 and mem.kv_cache > 0 and mem.activations > 0
     assert mem.weights + mem.kv_cache + mem.activations <= mem.usable
     _free(llm)
+
+
+def test_sampled_logits_are_written_into_one_kept_buffer(tiny_path):
+    # The rows sampled change every step: their logits go into a buffer of max_num_seqs rows that the
+    # runner keeps, by the same product as F.linear, and generation is unchanged by it.
+    prompts = _prompts(7, seed=5)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=6 + 3 * i, logprobs=2,
+                             detokenize=False, ignore_eos=True) for i in range(7)]
+    outs = {}
+    for kept in (True, False):
+        llm = _llm(tiny_path, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=_KV_BYTES)
+        runner = _runner(llm)
+        if kept:
+            h = torch.randn(5, runner.model.lm_head.weight.shape[1], dtype=torch.bfloat16, device="cuda")
+            logits = runner._logits(h)
+            buf = runner._logits_out
+            assert buf is not None and buf.shape[0] == runner.max_num_seqs
+            assert logits.data_ptr() == buf.data_ptr() and logits.shape[0] == 5
+            ref = torch.nn.functional.linear(h, runner.model.lm_head.weight)[:, : logits.shape[1]]
+            assert torch.equal(logits, ref)
+            assert runner._logits(h[:3]).data_ptr() == buf.data_ptr()
+        else:
+            runner._logits = lambda hidden: runner.model.compute_logits(hidden, float32=False)
+        res = llm.generate(prompts, params, use_tqdm=False)
+        outs[kept] = [(o.outputs[0].token_ids, [list(d.items()) for d in o.outputs[0].logprobs]) for o in res]
+        _free(llm)
+    assert outs[True] == outs[False]
