@@ -1,9 +1,9 @@
-"""What a decode step's products cost in a chain of PDL launches: cuBLAS against the skinny GEMM, with and without an L2 weight prefetch.
+"""What a decode step's products cost in a chain of PDL launches: cuBLAS against the skinny GEMM and a sweep of its tiles.
 
 In a decode step every product follows a small kernel (an RMSNorm, act·mul, the q/k norm) that, under
-PDL, lets its successor launch at once. A product of our own can then start bringing its weight slice
-into L2 (``skinny_gemm(prefetch=True)``) while that kernel still runs, and reads it from there once its
-input is ready; cuBLAS's products launch only after their predecessor has ended (``library_pdl.py``).
+PDL, lets its successor launch at once. A product of our own then launches during that kernel and can
+start reading its weights before its input is ready; cuBLAS's products launch only after their
+predecessor has ended (``library_pdl.py``). This measures what that is worth where it counts, in a chain.
 
 For each model, row count and product shape, every layer runs an RMSNorm of the product's input and
 then the product with the layer's own weight (so L2 holds none of them), all replayed from one CUDA
@@ -13,6 +13,7 @@ add to the chain, µs a product. Every variant is checked against cuBLAS first.
     python3 benchmarks/product_chain.py [--model qwen|llama] [--rows 32,64,128,256] [--sweep] [--json PATH]
 
 ``--workers N`` first compiles every launch in N processes sharing Triton's cache (a sweep is ~270 tiles).
+``--fp8`` times float8 weights in the skinny GEMM's default tile instead (``time_fp8``).
 """
 from __future__ import annotations
 
@@ -66,31 +67,30 @@ def candidates(m: int, n: int, k: int, deep: bool = False) -> list:
 
 
 def launches(m: int, n: int, k: int, sweep: bool, deep: bool = False) -> list:
-    """(config, prefetch) of every skinny-GEMM launch ``time_shape`` makes."""
+    """The config of every skinny-GEMM launch ``time_shape`` makes."""
     from pagedllm.layers.kernels import skinny_gemm as sg
 
     cfg = sg.default_config(m, n, k)
-    out = [] if cfg is None else [(cfg, False), (cfg, True)]
-    return out + ([(c, p) for c in candidates(m, n, k, deep) for p in (True, False)] if sweep else [])
+    return ([] if cfg is None else [cfg]) + (candidates(m, n, k, deep) if sweep else [])
 
 
 def compile_shard(jobs: list, shard: int, shards: int) -> None:
     """Launch every shard-th job once, so that Triton compiles it into the shared cache."""
     from pagedllm.layers.kernels import skinny_gemm as sg
 
-    for m, n, k, cfg, prefetch in jobs[shard::shards]:
+    for m, n, k, cfg in jobs[shard::shards]:
         x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
         w = torch.zeros(n, k, dtype=torch.bfloat16, device="cuda")
         try:
-            sg.skinny_gemm(x, w, config=cfg, prefetch=prefetch)
+            sg.skinny_gemm(x, w, config=cfg)
         except Exception as e:
             print(f"  compile {cfg}: {type(e).__name__}", file=sys.stderr)
     torch.cuda.synchronize()
 
 
 def time_fp8(m: int, n: int, k: int, layers: int) -> dict:
-    """A float8 weight with row scales (``--quantization fp8``) in the skinny GEMM's default tile, with and
-    without the prefetch, against cuBLAS on the bf16 weight; the same chain of norms."""
+    """A float8 weight with row scales (``--quantization fp8``) in the skinny GEMM's default tile against
+    cuBLAS on the bf16 weight; the same chain of norms."""
     from pagedllm.layers.kernels import skinny_gemm as sg
     from pagedllm.layers.kernels.rmsnorm import rms_norm
     from pagedllm.layers.quantization.fp8 import quantize_rows_ref
@@ -110,9 +110,7 @@ def time_fp8(m: int, n: int, k: int, layers: int) -> dict:
 
     norms = graph_time_us(chain(lambda x, w: None, ws))
     out = {"norms_us": norms, "cublas": (graph_time_us(chain(F.linear, ws)) - norms) / layers}
-    for pf in (False, True):
-        t = graph_time_us(chain(lambda x, qw: sg.skinny_gemm(x, qw[0], scale=qw[1], prefetch=pf), qs))
-        out["fp8_skinny" + ("_prefetch" if pf else "")] = (t - norms) / layers
+    out["fp8_skinny"] = (graph_time_us(chain(lambda x, qw: sg.skinny_gemm(x, qw[0], scale=qw[1]), qs)) - norms) / layers
     return out
 
 
@@ -148,12 +146,11 @@ def time_shape(m: int, n: int, k: int, layers: int, sweep: bool, deep: bool = Fa
     cfg = sg.default_config(m, n, k)
     if cfg is not None:
         out["skinny"] = cost(lambda x, w: sg.skinny_gemm(x, w, config=cfg))
-        out["skinny_prefetch"] = cost(lambda x, w: sg.skinny_gemm(x, w, config=cfg, prefetch=True))
     if sweep:
         best = None
         for c in candidates(m, n, k, deep):
             try:
-                t = cost(lambda x, w, c=c: sg.skinny_gemm(x, w, config=c, prefetch=True))
+                t = cost(lambda x, w, c=c: sg.skinny_gemm(x, w, config=c))
             except Exception as e:  # a tile the compiler rejects (shared memory) is skipped, named
                 print(f"  skipped {c}: {type(e).__name__}", file=sys.stderr)
                 continue
@@ -161,8 +158,7 @@ def time_shape(m: int, n: int, k: int, layers: int, sweep: bool, deep: bool = Fa
                 best = (t, c)
         if best is not None:
             t, c = best
-            out["best_prefetch"] = {"us": t, "config": c._asdict(),
-                                    "same_without_prefetch_us": cost(lambda x, w: sg.skinny_gemm(x, w, config=c))}
+            out["best"] = {"us": t, "config": c._asdict()}
     return out
 
 
@@ -171,7 +167,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen", choices=sorted(MODEL_NAMES))
     ap.add_argument("--rows", default="32,64,128,256")
     ap.add_argument("--shapes", default="", help="qkv,o,gate_up,down (default: all)")
-    ap.add_argument("--sweep", action="store_true", help="also sweep tiles with the prefetch (candidates())")
+    ap.add_argument("--sweep", action="store_true", help="also sweep tiles (candidates())")
     ap.add_argument("--fp8", action="store_true", help="float8 weights in the default tile instead (time_fp8)")
     ap.add_argument("--deep", action="store_true", help="sweep deep pipelines instead (candidates(deep=True))")
     ap.add_argument("--workers", type=int, default=8, help="processes compiling the launches first (1: none)")
@@ -182,7 +178,7 @@ def main() -> None:
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
-    jobs = [(m, n, k, *lc) for m in rows for _, n, k in shapes for lc in launches(m, n, k, args.sweep, args.deep)]
+    jobs = [(m, n, k, c) for m in rows for _, n, k in shapes for c in launches(m, n, k, args.sweep, args.deep)]
     if args.shard >= 0:
         compile_shard(jobs, args.shard, args.workers)
         return
@@ -205,21 +201,19 @@ def main() -> None:
             r = time_shape(m, n, k, layers, args.sweep, args.deep)
             r.update(rows=m, shape=name, n=n, k=k)
             results["cases"].append(r)
-            best = r.get("best_prefetch", {})
-            print(f"{m:4d} {name:8s} cublas {r['cublas']:6.2f}  skinny {r.get('skinny', float('nan')):6.2f}  "
-                  f"+prefetch {r.get('skinny_prefetch', float('nan')):6.2f}  best+prefetch "
-                  f"{best.get('us', float('nan')):6.2f} (without {best.get('same_without_prefetch_us', float('nan')):6.2f}) "
-                  f"{tuple(best.get('config', {}).values())}  [{time.time() - t0:.0f}s]", flush=True)
+            best = r.get("best", {})
+            print(f"{m:4d} {name:8s} cublas {r['cublas']:6.2f}  skinny {r.get('skinny', float('nan')):6.2f}  best tile "
+                  f"{best.get('us', float('nan')):6.2f} {tuple(best.get('config', {}).values())}  [{time.time() - t0:.0f}s]",
+                  flush=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
     # Per layer: the four products, each variant's sum (the best tile chosen per shape).
-    print("rows  cuBLAS  skinny  skinny+pf  best+pf   µs a layer (4 products)")
+    print("rows  cuBLAS  skinny  best tile   µs a layer (4 products)")
     for m in sorted({c["rows"] for c in results["cases"]}):
         cs = [c for c in results["cases"] if c["rows"] == m]
         def total(key):
             return sum(c[key]["us"] if isinstance(c.get(key), dict) else c.get(key, float("nan")) for c in cs)
-        print(f"{m:4d} {total('cublas'):7.1f} {total('skinny'):7.1f} {total('skinny_prefetch'):9.1f} "
-              f"{total('best_prefetch'):8.1f}")
+        print(f"{m:4d} {total('cublas'):7.1f} {total('skinny'):7.1f} {total('best'):9.1f}")
 
 
 if __name__ == "__main__":

@@ -60,13 +60,3 @@ def wait_for_previous_kernel(USE_GDC: tl.constexpr, SMALL_GRID: tl.constexpr):
         tl.extra.cuda.gdc_wait()
         if SMALL_GRID:
             tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_to_l2(ptr, nbytes):
-    """Ask the copy engine of this SM to bring ``nbytes`` (a multiple of 16, from a 16-byte aligned ``ptr``)
-    into L2 without waiting for them (Hopper's bulk prefetch; one thread of the program issues it)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False, pack=1)

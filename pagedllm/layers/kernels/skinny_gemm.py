@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import pdl_launch_args, prefetch_to_l2, wait_for_previous_kernel
+from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Rows above this go to cuBLAS, whose large tiles are the right ones there.
@@ -96,7 +96,6 @@ def _skinny_gemm_kernel(
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
     EARLY_LAUNCH: tl.constexpr,  # (USE_GDC) let the next kernel launch as soon as this one has waited
     SWAP_AB: tl.constexpr,  # GemmConfig.swap_ab
-    PREFETCH: tl.constexpr,  # (USE_GDC) bring the program's whole weight slice into L2 before waiting
 ):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -117,15 +116,6 @@ def _skinny_gemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # No kernel writes the weights: under PDL the first weight tile loads while the previous kernel
     # (which writes x) finishes; with EARLY_LAUNCH the next product launches and does the same at once.
-    if USE_GDC and PREFETCH:
-        # The slice streams into L2 while the previous kernel ends; the loop below then reads it from there.
-        elt = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        first = w_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_wn + pid_k * k_len
-        if SPLIT_K == 1:
-            prefetch_to_l2(first, BLOCK_N * K * elt)  # contiguous rows (host checks stride_wn == K)
-        else:
-            for r in tl.static_range(BLOCK_N):
-                prefetch_to_l2(first + r * stride_wn, k_len * elt)
     w = tl.load(w_ptrs).to(dt)  # a float8 weight widens exactly
     wait_for_previous_kernel(USE_GDC, EARLY_LAUNCH)
     acc = _mma(w, tl.load(x_ptrs, mask=x_in, other=0.0), acc, SWAP_AB)
@@ -248,7 +238,6 @@ def skinny_gemm(
     config: GemmConfig | None = None,
     scale: torch.Tensor | None = None,  # [N] float32 row scales of a float8 weight
     early_launch: bool | None = None,  # None: the rule below
-    prefetch: bool = False,
 ) -> torch.Tensor:  # [M, N]
     m, k = x.shape
     n = weight.shape[0]
@@ -269,7 +258,6 @@ def skinny_gemm(
         BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k,
         SWAP_AB=cfg.swap_ab,
-        PREFETCH=prefetch and weight.stride(0) == k,
         # On an H200 an early launch paid at 16 rows (products 4-11% faster) and cost up to 55% at
         # 128-256, where the next product's loads compete with this one's several waves.
         EARLY_LAUNCH=m <= EARLY_LAUNCH_MAX_ROWS if early_launch is None else early_launch,
