@@ -17,7 +17,8 @@ pieces only from 792 such pairs (``TritonImpl.decode_pieces``, ``decode_piece_le
 instead (PAGEDLLM_FP8_SKINNY=0; ``fp8wskinny`` names the default). ``unfolded`` and ``fp8wunfolded`` give the
 one-token GEMV an element-wise accumulator and its earlier tiles (``_unfolded_gemv_config``). ``attnwrite``
 has the attention launch store Qwen3's new keys and values, not its q/k norm + rotary launch
-(``TritonImpl.kv_written_by_caller``). ``nogcfreeze`` leaves the engine's start-up objects in the garbage
+(``TritonImpl.kv_written_by_caller``). ``latewait`` has decode attention wait on its predecessor before
+reading its request's length and first tile (``TritonImpl.decode_early_loads``). ``nogcfreeze`` leaves the engine's start-up objects in the garbage
 collector's full collections (PAGEDLLM_GC_FREEZE=0, ``engine/heap.py``). Each variant runs
 (1) workload 3, Llama-3-8B batch 1, 1000-token prompt, time per output token, and (2) workload 1,
 Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s; with ``--workload2`` also (3) workload 2, with
@@ -70,6 +71,8 @@ VARIANTS = {
     "fp8wnoskinny": {"BENCH_QUANTIZATION": "fp8", "PAGEDLLM_FP8_SKINNY": "0"},
     # This script's child gives the one-token GEMV its tiles from before folded products (_unfolded_gemv_config).
     "attnwrite": {"BENCH_KV_WRITE_IN_ATTENTION": "1"},
+    # This script's child turns off TritonImpl.decode_early_loads (decode attention waits first).
+    "latewait": {"BENCH_DECODE_LATE_WAIT": "1"},
     "unfolded": {"BENCH_GEMV_UNFOLDED": "1"},
     "fp8wunfolded": {"BENCH_QUANTIZATION": "fp8", "BENCH_GEMV_UNFOLDED": "1"},
     # The engine leaves its start-up objects in the garbage collector's full collections (engine/heap.py).
@@ -78,7 +81,7 @@ VARIANTS = {
 _BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK_NORM", "BENCH_NO_DECODE_ORDER",
                    "BENCH_PAGED_CHUNK_KEYS", "BENCH_PROMPT_PER_HEAD", "BENCH_KV_CACHE_DTYPE",
                    "BENCH_FP8_FP16_DOTS", "BENCH_DECODE_PIECES", "BENCH_DECODE_PIECES_MIN", "BENCH_QUANTIZATION",
-                   "PAGEDLLM_FP8_SKINNY", "BENCH_GEMV_UNFOLDED", "BENCH_KV_WRITE_IN_ATTENTION",
+                   "PAGEDLLM_FP8_SKINNY", "BENCH_GEMV_UNFOLDED", "BENCH_KV_WRITE_IN_ATTENTION", "BENCH_DECODE_LATE_WAIT",
                    "PAGEDLLM_GC_FREEZE")
 
 
@@ -119,6 +122,8 @@ def run_variant(args) -> dict:
             TritonImpl.decode_pieces_min_programs = int(os.environ["BENCH_DECODE_PIECES_MIN"])
     if os.environ.get("BENCH_KV_WRITE_IN_ATTENTION") == "1":
         TritonImpl.kv_written_by_caller = False
+    if os.environ.get("BENCH_DECODE_LATE_WAIT") == "1":
+        TritonImpl.decode_early_loads = False
     if os.environ.get("BENCH_GEMV_UNFOLDED") == "1":
         from pagedllm.layers.kernels import gemv
 

@@ -8,7 +8,8 @@ of serialized launches; what overlaps is the launch itself, plus what a kernel d
 small-grid kernels (norms, activations, rotary, the split reduction) let their successor launch at
 once; the GEMV and the skinny GEMM read their first weight tile, the norms their weights, and the q/k
 norm + rotary launch its positions and cache slots (written by the host before the step's first
-launch, which runs fully serialized) before waiting. On by default on CUDA devices of compute
+launch, which runs fully serialized) before waiting, and decode attention its request's length and
+the first tile's L2 lines (``prefetch_to_l2``). On by default on CUDA devices of compute
 capability >= 9.0, where it took 4% off a batch-1 8B decode step; ``PAGEDLLM_PDL=0`` turns it off.
 
 Only launches over at most ``PDL_MAX_TOKENS`` tokens use it: decode steps and short chunks, which are
@@ -60,3 +61,12 @@ def wait_for_previous_kernel(USE_GDC: tl.constexpr, SMALL_GRID: tl.constexpr):
         tl.extra.cuda.gdc_wait()
         if SMALL_GRID:
             tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_to_l2(ptrs, mask):
+    """Ask L2 for the 128-byte lines holding ``ptrs`` where ``mask``, without waiting for them: a hint,
+    issued before a PDL wait, for data read right after it. Compiled code only (inline PTX)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

@@ -248,3 +248,57 @@ def test_decode_pieces_on_a_ragged_batch(cache_dtype):
         assert torch.equal(replayed, out)
     ws = decode_pieces._workspaces[query.device]
     assert not ws.grab.any() and not ws.done.any() and not ws.arrive.any()
+
+
+def test_decode_loads_before_its_wait_only_what_the_qk_norm_launch_leaves_alone():
+    # Qwen3's decode layer: the q/k norm + rotary launch rewrites q and stores the new K/V, then decode
+    # attention reads the cache. Under PDL, attention reads lengths and asks L2 for its first tile before
+    # waiting (TritonImpl.decode_early_loads): replays of one graph of both launches, with new queries and
+    # keys each time, give the bits of the launch that waits first, and torch_ref's values.
+    from pagedllm.attention.backends.torch_ref import TorchRefImpl
+    from pagedllm.attention.backends.triton import TritonImpl
+    from pagedllm.layers.kernels import qk_norm_rotary
+    from pagedllm.layers.norm import RMSNorm
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(5)
+    reqs = [(int(c), 1) for c in torch.randint(1, 3000, (200,), generator=gen)] + [(70, 1)]
+    query, key, value, kv_cache, md = _build(reqs, 16, 8, 128, 16, torch.bfloat16, seed=31)
+    md.decode_order = torch.argsort(-md.seq_lens.long(), stable=True).to(torch.int32)
+    positions = (md.seq_lens - 1).long()
+    norm_q, norm_k = RMSNorm(128, params_dtype=torch.bfloat16).cuda(), RMSNorm(128, params_dtype=torch.bfloat16).cuda()
+    norm_q.weight.normal_(1.0, 0.1, generator=torch.Generator(device=DEVICE).manual_seed(1))
+    rope = RotaryEmbedding(128, 1.0 / (1e6 ** (torch.arange(0, 128, 2, device=DEVICE, dtype=torch.float32) / 128)))
+    q_in, k_in = query.clone(), key.clone()
+
+    def layer(impl, cache):
+        q, k = query.copy_(q_in), key.copy_(k_in)
+        write = qk_norm_rotary.KVCacheWrite(value, cache[0], cache[1], md.slot_mapping)
+        qk_norm_rotary.apply_(positions, q, k, norm_q, norm_k, rope, write)
+        return impl.forward(q, k, value, cache, md, kv_written=True)
+
+    outs = {}
+    for early in (True, False):
+        impl = TritonImpl(16, 128, 128**-0.5, 8)
+        impl.decode_early_loads = early
+        cache = kv_cache.clone()
+        layer(impl, cache)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(impl, cache)
+        outs[early] = []
+        for i in range(3):
+            q_in.copy_(torch.randn(q_in.shape, generator=torch.Generator(device=DEVICE).manual_seed(i), device=DEVICE))
+            k_in.copy_(torch.randn(k_in.shape, generator=torch.Generator(device=DEVICE).manual_seed(9 + i), device=DEVICE))
+            graph.replay()
+            torch.cuda.synchronize()
+            outs[early].append((out.clone(), cache.clone()))
+    for (a, ca), (b, cb) in zip(outs[True], outs[False]):
+        assert torch.equal(a, b) and torch.equal(ca, cb)
+    q, k = q_in.clone(), k_in.clone()
+    qk_norm_rotary.apply_(positions, q, k, norm_q, norm_k, rope)
+    ref_cache = kv_cache.clone()
+    expected = TorchRefImpl(16, 128, 128**-0.5, 8).forward(q, k, value, ref_cache, md)
+    torch.testing.assert_close(outs[True][-1][0].float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(outs[True][-1][1], ref_cache)

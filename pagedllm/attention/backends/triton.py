@@ -26,6 +26,8 @@ class TritonImpl(AttentionImpl):
     kv_written_by_caller: bool = True
     # Pure-decode launches take requests longest context first when the metadata gives that order.
     use_decode_order: bool = True
+    # ... and under PDL read each request's length and ask L2 for its first tile before the wait.
+    decode_early_loads: bool = True
     # Other launches read the step's own keys from its key/value rows instead of through the block
     # table: the same values, and prompt attention 10-15% faster on an H200 (with TMA, below).
     chunk_kv_from_step: bool = True
@@ -113,6 +115,7 @@ class TritonImpl(AttentionImpl):
             chunk_tma=self.chunk_kv_tma,
             prompt_per_head=self.prompt_per_head,
             float8_fp16_dots=self.float8_fp16_dots,
+            early_loads=self.decode_early_loads,
         )
         return out
 

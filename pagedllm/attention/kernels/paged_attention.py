@@ -11,7 +11,7 @@ from pagedllm.attention.kernels.launch_config import (
 )
 from pagedllm.attention.kernels.decode_qk import store_new_token, transform_heads, transform_launch_args
 from pagedllm.attention.kernels.split_reduce import _reduce_splits_kernel
-from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.kernel_launch import pdl_launch_args, prefetch_to_l2, wait_for_previous_kernel
 
 # Requests scanned per step when a program looks up which request it serves.
 _SEARCH_BLOCK = 128
@@ -41,6 +41,22 @@ def _find_request(
 # Triton specialises integer arguments on == 1 and on divisibility by 16, compiling a variant for each
 # kind it meets. Batch counts and the block table's row stride change with every step, so without
 # this a long-running engine would keep compiling prefill variants in the middle of serving.
+@triton.jit
+def _prefetch_tile(bt_row, k_head_ptr, v_head_ptr, tile_lo, kv_hi, stride_kb, stride_kp, stride_vb, stride_vp,
+                   HEAD_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, LINES: tl.constexpr,
+                   LINE_ELEMS: tl.constexpr):
+    """Ask L2 for the 128-byte lines (LINES a head, LINE_ELEMS elements each) of one tile's keys and values
+    (positions tile_lo.. below kv_hi)."""
+    pos = tile_lo + tl.arange(0, TILE_N)  # [TILE_N]
+    valid = pos < kv_hi
+    block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # [TILE_N]
+    cols = tl.arange(0, LINES) * LINE_ELEMS  # [LINES]
+    mask = valid[:, None] & (cols < HEAD_SIZE)[None, :]
+    in_block = (pos % BLOCK_SIZE)[:, None]
+    prefetch_to_l2(k_head_ptr + block[:, None] * stride_kb + in_block * stride_kp + cols[None, :], mask)
+    prefetch_to_l2(v_head_ptr + block[:, None] * stride_vb + in_block * stride_vp + cols[None, :], mask)
+
+
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D] final output (unused when IS_SPLIT)
@@ -102,8 +118,12 @@ def _paged_attention_kernel(
     PER_HEAD: tl.constexpr = False,  # (not DECODE_ONLY) rows are BLOCK_M tokens of one query head
     FP16_DOTS: tl.constexpr = False,  # (float8 cache, bf16 query) both products in float16, not bfloat16
     ROWS: tl.constexpr = 0,  # (not DECODE_ONLY) serve all requests (0), only prompt chunks (1), only single tokens (2)
+    EARLY_LOADS: tl.constexpr = False,  # (DECODE_ONLY, USE_GDC) read the step's inputs before the PDL wait
+    LINES: tl.constexpr = 1,  # (EARLY_LOADS) 128-byte lines of one cached head ...
+    LINE_ELEMS: tl.constexpr = 64,  # ... of this many elements each
 ):
-    wait_for_previous_kernel(USE_GDC, False)
+    if not EARLY_LOADS:
+        wait_for_previous_kernel(USE_GDC, False)
     if PER_HEAD:
         BLOCK_Q: tl.constexpr = BLOCK_M
     else:
@@ -158,19 +178,6 @@ def _paged_attention_kernel(
     dim_valid = dims < HEAD_SIZE
     tok = (q_start + row_tok).to(tl.int64)  # [BLOCK_M] flat token index
 
-    q_rows = q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh  # [BLOCK_M, 1]
-    q_mask = row_valid[:, None] & dim_valid[None, :]
-    q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_SIZE_P2]
-    if ROPE or QK_NORM:
-        # Decode: the token sits at seq_len - 1. Every program of the request transforms its own copy of q.
-        q = transform_heads(q, q_rows, q_mask, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, qw_ptr, q_eps,
-                            HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
-
-    if FP16_DOTS:
-        # Float8 widens to float16 in one instruction per pair, to bfloat16 only through float32: with
-        # q in float16, the tiles convert cheaply (and p keeps more mantissa). Saturate, not overflow.
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-
     # Keys this program needs: up to its last token's position (causal), from its first token's
     # window start. Padded rows clamp to the request so no key beyond seq_len is touched.
     kv_hi = tl.minimum(seq_len, ctx_len + q_tok0 + BLOCK_Q)
@@ -185,6 +192,30 @@ def _paged_attention_kernel(
         kv_hi = tl.minimum(kv_hi, range_lo + (split + 1) * split_len)
     # Tiles start on TILE_N multiples, and split_len is one, so partitions never share a tile.
     tile_lo = (kv_lo // TILE_N) * TILE_N
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
+    if EARLY_LOADS:
+        # The order, lengths and block table are written before the step's first launch and the cached
+        # keys by earlier steps, never by the kernel waited on (the q/k norm launch writes q and only the
+        # new token's slot): everything up to here ran while that kernel finished. L2 is also asked for
+        # the first tile's lines; a hint only, so the new token's slot may be among them.
+        _prefetch_tile(bt_row, k_head_ptr, v_head_ptr, tile_lo, kv_hi, stride_kb, stride_kp, stride_vb, stride_vp,
+                       HEAD_SIZE, TILE_N, BLOCK_SIZE, LINES, LINE_ELEMS)
+        wait_for_previous_kernel(USE_GDC, False)
+    q_rows = q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh  # [BLOCK_M, 1]
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_SIZE_P2]
+    if ROPE or QK_NORM:
+        # Decode: the token sits at seq_len - 1. Every program of the request transforms its own copy of q.
+        q = transform_heads(q, q_rows, q_mask, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, qw_ptr, q_eps,
+                            HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
+
+    if FP16_DOTS:
+        # Float8 widens to float16 in one instruction per pair, to bfloat16 only through float32: with
+        # q in float16, the tiles convert cheaply (and p keeps more mantissa). Saturate, not overflow.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
 
     if WRITE_KV:
         # The new token's slot is read only by the program whose range holds the last position, so
@@ -201,9 +232,6 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running denominator
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_P2], dtype=tl.float32)
-    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    k_head_ptr = k_cache_ptr + kv_head * stride_kh
-    v_head_ptr = v_cache_ptr + kv_head * stride_vh
 
     # Tiles wholly at or before the first row's position, and wholly inside the range, are visible to
     # every row: they skip all masking. Only the causal diagonal (and a window's edge) pays for it.
@@ -294,6 +322,7 @@ def paged_attention(
     prompt_per_head: bool = False,
     config_per_head: KernelConfig | None = None,
     float8_fp16_dots: bool = False,
+    early_loads: bool = True,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of every query token over its request's paged context (cached prefix + causal self).
 
@@ -316,6 +345,8 @@ def paged_attention(
     each take BLOCK_M tokens of one query head (``config_per_head``, else ``per_head_config``); single
     tokens keep the grouped launch.
     ``float8_fp16_dots``: over a float8 cache with a bfloat16 query, take both products in float16.
+    ``early_loads``: a pure-decode launch under PDL reads its request, length and first tile's lines
+    before waiting on the previous kernel (the q/k norm launch writes none of them).
     """
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -420,6 +451,9 @@ def paged_attention(
             PER_HEAD=per_head,
             ROWS=rows,
             FP16_DOTS=fp16_dots,
+            EARLY_LOADS=early_loads and decode_only and bool(pdl.get("launch_pdl")),
+            LINES=max(1, head_size_p2 * k_cache.element_size() // 128),
+            LINE_ELEMS=128 // k_cache.element_size(),
             **pdl,
         )
 
