@@ -1,0 +1,213 @@
+"""How fast one persistent CUDA kernel can stream a decode step's weights, product after product, across grid barriers.
+
+``persistent_chain.py`` found that Triton programs pay a product's first-load latency at every item and
+drain their pipelines at its end, so a layer's four products take 3-4× their bytes' time even with no
+barrier between them. This asks what the other design would reach: each block keeps one ring of
+shared-memory stages filled by ``cp.async`` without pause, the next product's weights already in flight
+while the block waits at the grid barrier, reads that product's activations from L2 and goes on.
+
+Per layer, Qwen3-0.6B's four products (qkv, o, gate_up, down: 31.5 MiB of bf16 weights), 28 layers; each
+product's weights split into 4 KiB chunks taken round robin by the blocks, and before each product every
+block reads its activations (16 rows by the product's input width) written before the barrier. The
+weights are only summed, not multiplied: at 16 rows the products' arithmetic is ~1% of the tensor cores'
+rate, so this is the floor of a fused kernel's product time. CUDA C compiled at run time by NVRTC
+(``torch.cuda._compile_kernel``).
+
+    python3 benchmarks/weight_stream.py [--stages 4,8,16] [--blocks-per-sm 1,2] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+THREADS = 256
+CHUNK = THREADS * 16  # bytes a block moves per stage: 16 per thread
+# (weight rows, input width) of Qwen3-0.6B's products, in layer order.
+QWEN_PRODUCTS = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))
+ROWS = 16
+
+SOURCE = r"""
+#define STAGES %(stages)d
+#define THREADS %(threads)d
+
+struct u4 { unsigned x, y, z, w; };
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned r;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %%1; cvt.u32.u64 %%0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void copy16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%%0], [%%1], 16;" :: "r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ u4 load_l2(const u4* p) {
+    u4 v;
+    asm volatile("ld.global.cg.v4.u32 {%%0, %%1, %%2, %%3}, [%%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+
+// Every block arrives once per barrier; the count only grows, so barrier k waits for k * gridDim.x.
+// A barrier that waits too long (blocks not all resident) sets *err and lets the launch run out.
+__device__ __forceinline__ void grid_sync(unsigned* count, unsigned target, unsigned* err) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(count, 1u);
+        int spins = 0;
+        while (atomicAdd(count, 0u) < target && *((volatile unsigned*)err) == 0u) {
+            if (++spins == (1 << 22)) atomicExch(err, 1u);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) stream_chain(
+    const u4* __restrict__ w,              // every product's weights, one after another
+    const long long* __restrict__ starts,  // [P] first chunk of each product
+    const int* __restrict__ per_block,     // [P] chunks each block takes of each product
+    const u4* __restrict__ x,              // activations, product after product
+    const long long* __restrict__ x_start, // [P] first chunk of each product's activations
+    const int* __restrict__ x_chunks,      // [P] chunks of each product's activations
+    u4* __restrict__ out,                  // [gridDim.x * THREADS]
+    unsigned* count,                       // zero on entry
+    unsigned* err,                         // zero on entry; 1 if a barrier gave up
+    int products, int barrier)
+{
+    extern __shared__ u4 ring[];           // [STAGES][THREADS]
+    const int t = threadIdx.x;
+    const long long G = gridDim.x;
+    // The load cursor runs STAGES - 1 chunks ahead of use, across product boundaries: the next
+    // product's weights are in flight while the block waits at the barrier.
+    int lp = 0, li = 0;
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (lp < products) {
+            copy16(smem_addr(&ring[s * THREADS + t]), w + (starts[lp] + blockIdx.x + li * G) * THREADS + t);
+            if (++li == per_block[lp]) { li = 0; ++lp; }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    u4 acc = {0u, 0u, 0u, 0u};
+    int stage = 0;
+    for (int p = 0; p < products; ++p) {
+        if (barrier && p > 0) grid_sync(count, (unsigned)(p * G), err);
+        for (int i = t; i < x_chunks[p] * THREADS; i += THREADS) {
+            u4 v = load_l2(x + x_start[p] * THREADS + i);
+            acc.x ^= v.x; acc.y ^= v.y; acc.z ^= v.z; acc.w ^= v.w;
+        }
+        for (int i = 0; i < per_block[p]; ++i) {
+            asm volatile("cp.async.wait_group %%0;" :: "n"(STAGES - 2) : "memory");
+            __syncthreads();
+            u4 v = ring[stage * THREADS + t];
+            acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+            __syncthreads();
+            if (lp < products) {
+                int slot = (stage + STAGES - 1) %% STAGES;
+                copy16(smem_addr(&ring[slot * THREADS + t]), w + (starts[lp] + blockIdx.x + li * G) * THREADS + t);
+                if (++li == per_block[lp]) { li = 0; ++lp; }
+            }
+            asm volatile("cp.async.commit_group;" ::: "memory");
+            stage = (stage + 1) %% STAGES;
+        }
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    out[blockIdx.x * THREADS + t] = acc;
+}
+"""
+
+
+def source(stages: int) -> str:
+    return SOURCE % {"stages": stages, "threads": THREADS}
+
+
+class Layout:
+    """The products' chunk ranges (each rounded up to a multiple of the grid) and activation ranges."""
+
+    def __init__(self, blocks: int, layers: int = 28, products=QWEN_PRODUCTS, rows: int = ROWS):
+        self.blocks = blocks
+        starts, per_block, x_start, x_chunks = [], [], [], []
+        w_next = x_next = 0
+        for _ in range(layers):
+            for n, k in products:
+                chunks = -(-(n * k * 2) // CHUNK)
+                per = -(-chunks // blocks)
+                starts.append(w_next)
+                per_block.append(per)
+                w_next += per * blocks
+                xc = -(-(rows * k * 2) // CHUNK)
+                x_start.append(x_next)
+                x_chunks.append(xc)
+                x_next += xc
+        self.products = len(starts)
+        self.weight_chunks, self.x_chunks_total = w_next, x_next
+        self.weight_bytes = sum(n * k * 2 for n, k in products) * layers
+        self.tensors = [torch.tensor(starts, dtype=torch.int64), torch.tensor(per_block, dtype=torch.int32),
+                        torch.tensor(x_start, dtype=torch.int64), torch.tensor(x_chunks, dtype=torch.int32)]
+
+
+def allow_shared_memory(kernel, nbytes: int) -> None:
+    """Let the compiled kernel take ``nbytes`` of dynamic shared memory (the driver's opt-in above 48 KiB)."""
+    if nbytes < 48 * 1024:
+        return
+    libcuda = torch.cuda._utils._get_gpu_runtime_library()
+    max_dynamic_shared_size_bytes = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    assert libcuda.cuFuncSetAttribute(kernel.func, max_dynamic_shared_size_bytes, nbytes) == 0
+    kernel._max_shared_mem_bytes = nbytes  # what newer torch's launch check reads
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stages", default="4,8,16")
+    ap.add_argument("--blocks-per-sm", default="1,2,4")
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "weight_stream.json"))
+    args = ap.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from linear_shapes import graph_time_us
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    results = {"device": torch.cuda.get_device_name(), "cases": []}
+    print("stages  blocks  barrier  µs a layer  weight TB/s")
+    for stages in [int(s) for s in args.stages.split(",")]:
+        kernel = torch.cuda._compile_kernel(source(stages), "stream_chain")
+        smem = stages * CHUNK
+        allow_shared_memory(kernel, smem)
+        for per_sm in [int(b) for b in args.blocks_per_sm.split(",")]:
+            if per_sm * smem > 220 * 1024:
+                continue
+            lay = Layout(per_sm * sms)
+            w = torch.randint(-2**31, 2**31 - 1, (lay.weight_chunks * CHUNK // 4,), dtype=torch.int32, device="cuda")
+            x = torch.randint(-2**31, 2**31 - 1, (lay.x_chunks_total * CHUNK // 4,), dtype=torch.int32, device="cuda")
+            out = torch.zeros(lay.blocks * THREADS * 4, dtype=torch.int32, device="cuda")
+            count = torch.zeros(1, dtype=torch.int32, device="cuda")
+            err = torch.zeros(1, dtype=torch.int32, device="cuda")
+            meta = [t.cuda() for t in lay.tensors]
+            for barrier in (1, 0):
+                def run():
+                    count.zero_()
+                    kernel(grid=(lay.blocks, 1, 1), block=(THREADS, 1, 1), shared_mem=smem,
+                           args=[w, meta[0], meta[1], x, meta[2], meta[3], out, count, err, lay.products, barrier])
+                run()
+                torch.cuda.synchronize()
+                if err.item():
+                    print(f"{stages:6d}  {lay.blocks:6d}: a barrier gave up waiting", flush=True)
+                    break
+                if barrier:
+                    assert count.item() == (lay.products - 1) * lay.blocks
+                us = graph_time_us(run) / (lay.products / 4)
+                tbps = lay.weight_bytes / (lay.products / 4) / (us * 1e-6) / 1e12
+                results["cases"].append({"stages": stages, "blocks": lay.blocks, "barrier": barrier,
+                                         "us_per_layer": us, "weight_tbps": tbps})
+                print(f"{stages:6d}  {lay.blocks:6d}  {barrier:7d}  {us:10.2f}  {tbps:11.2f}", flush=True)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
