@@ -10,7 +10,8 @@ Per layer, Qwen3-0.6B's four products (qkv, o, gate_up, down: 31.5 MiB of bf16 w
 product's weights split into 4 KiB chunks taken round robin by the blocks, and before each product every
 block reads its activations (16 rows by the product's input width) written before the barrier. The
 weights are only summed, not multiplied: at 16 rows the products' arithmetic is ~1% of the tensor cores'
-rate, so this is the floor of a fused kernel's product time. CUDA C compiled at run time by NVRTC
+rate, so this is the floor of a fused kernel's product time. Each layout is timed with and without the
+barriers and with and without the activation reads. CUDA C compiled at run time by NVRTC
 (``torch.cuda._compile_kernel``).
 
     python3 benchmarks/weight_stream.py [--stages 4,8,16] [--blocks-per-sm 1,2] [--json PATH]
@@ -98,9 +99,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) stream_chain(
     int stage = 0;
     for (int p = 0; p < products; ++p) {
         if (barrier && p > 0) grid_sync(count, (unsigned)(p * G), err);
-        for (int i = t; i < x_chunks[p] * THREADS; i += THREADS) {
-            u4 v = load_l2(x + x_start[p] * THREADS + i);
-            acc.x ^= v.x; acc.y ^= v.y; acc.z ^= v.z; acc.w ^= v.w;
+        // Eight loads in flight before their first use: one at a time, each would cost an L2 round trip.
+        const u4* xp = x + x_start[p] * THREADS + t;
+        for (int c = 0; c < x_chunks[p]; c += 8) {
+            u4 v[8];
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) if (c + j < x_chunks[p]) v[j] = load_l2(xp + (c + j) * THREADS);
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) if (c + j < x_chunks[p]) { acc.x ^= v[j].x; acc.y ^= v[j].y; acc.z ^= v[j].z; acc.w ^= v[j].w; }
         }
         for (int i = 0; i < per_block[p]; ++i) {
             asm volatile("cp.async.wait_group %%0;" :: "n"(STAGES - 2) : "memory");
@@ -173,7 +179,7 @@ def main() -> None:
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = {"device": torch.cuda.get_device_name(), "cases": []}
-    print("stages  blocks  barrier  µs a layer  weight TB/s")
+    print("stages  blocks  barrier  read_x  µs a layer  weight TB/s")
     for stages in [int(s) for s in args.stages.split(",")]:
         kernel = torch.cuda._compile_kernel(source(stages), "stream_chain")
         smem = stages * CHUNK
@@ -188,11 +194,13 @@ def main() -> None:
             count = torch.zeros(1, dtype=torch.int32, device="cuda")
             err = torch.zeros(1, dtype=torch.int32, device="cuda")
             meta = [t.cuda() for t in lay.tensors]
-            for barrier in (1, 0):
+            no_x = torch.zeros_like(meta[3])
+            for barrier, read_x in ((1, 1), (0, 1), (1, 0), (0, 0)):
                 def run():
                     count.zero_()
                     kernel(grid=(lay.blocks, 1, 1), block=(THREADS, 1, 1), shared_mem=smem,
-                           args=[w, meta[0], meta[1], x, meta[2], meta[3], out, count, err, lay.products, barrier])
+                           args=[w, meta[0], meta[1], x, meta[2], meta[3] if read_x else no_x, out, count, err,
+                                 lay.products, barrier])
                 run()
                 torch.cuda.synchronize()
                 if err.item():
@@ -203,8 +211,8 @@ def main() -> None:
                 us = graph_time_us(run) / (lay.products / 4)
                 tbps = lay.weight_bytes / (lay.products / 4) / (us * 1e-6) / 1e12
                 results["cases"].append({"stages": stages, "blocks": lay.blocks, "barrier": barrier,
-                                         "us_per_layer": us, "weight_tbps": tbps})
-                print(f"{stages:6d}  {lay.blocks:6d}  {barrier:7d}  {us:10.2f}  {tbps:11.2f}", flush=True)
+                                         "read_x": read_x, "us_per_layer": us, "weight_tbps": tbps})
+                print(f"{stages:6d}  {lay.blocks:6d}  {barrier:7d}  {read_x:6d}  {us:10.2f}  {tbps:11.2f}", flush=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
 
