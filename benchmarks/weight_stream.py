@@ -54,6 +54,13 @@ __device__ __forceinline__ u4 load_l2(const u4* p) {
     return v;
 }
 
+// Polls with plain acquire loads: an atomic per poll from every block would queue the arrivals behind them.
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %%0, [%%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // Every block arrives once per barrier; the count only grows, so barrier k waits for k * gridDim.x.
 // A barrier that waits too long (blocks not all resident) sets *err and lets the launch run out.
 __device__ __forceinline__ void grid_sync(unsigned* count, unsigned target, unsigned* err) {
@@ -62,7 +69,7 @@ __device__ __forceinline__ void grid_sync(unsigned* count, unsigned target, unsi
         __threadfence();
         atomicAdd(count, 1u);
         int spins = 0;
-        while (atomicAdd(count, 0u) < target && *((volatile unsigned*)err) == 0u) {
+        while (load_acquire(count) < target && *((volatile unsigned*)err) == 0u) {
             if (++spins == (1 << 22)) atomicExch(err, 1u);
         }
         __threadfence();
@@ -70,7 +77,7 @@ __device__ __forceinline__ void grid_sync(unsigned* count, unsigned target, unsi
     __syncthreads();
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) stream_chain(
+extern "C" __global__ void __launch_bounds__(THREADS) stream_chain_ring(
     const u4* __restrict__ w,              // every product's weights, one after another
     const long long* __restrict__ starts,  // [P] first chunk of each product
     const int* __restrict__ per_block,     // [P] chunks each block takes of each product
@@ -129,8 +136,125 @@ extern "C" __global__ void __launch_bounds__(THREADS) stream_chain(
 """
 
 
-def source(stages: int) -> str:
-    return SOURCE % {"stages": stages, "threads": THREADS}
+# The other design: a producer warp copies chunks into the ring with Hopper's bulk copies, each completing
+# on the slot's "full" mbarrier, and refills a slot as soon as the consumer warps have all arrived on its
+# "empty" one. The consumers alone take the grid barrier (a named barrier among them), so the producer
+# goes on filling free slots while they wait.
+SOURCE_PRODUCER = r"""
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%%0], %%1;" :: "r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%%0]; }" :: "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
+    asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%%0], %%1; }"
+                 :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// Wait for the phase of the given parity to complete; false (and *err set) after too long.
+__device__ __forceinline__ bool mbar_wait(unsigned bar, unsigned parity, unsigned* err) {
+    for (int n = 0; ; ++n) {
+        unsigned ok;
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%%1], %%2; selp.u32 %%0, 1, 0, p; }"
+                     : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+        if (ok) return true;
+        if (n == (1 << 24)) { atomicExch(err, 2u); return false; }
+    }
+}
+
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%%0], [%%1], %%2, [%%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// Among the consumer warps only (named barrier 1), so that the producer warp keeps copying meanwhile.
+__device__ __forceinline__ void consumer_grid_sync(unsigned* count, unsigned target, unsigned* err) {
+    asm volatile("bar.sync 1, %%0;" :: "n"(THREADS) : "memory");
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(count, 1u);
+        int spins = 0;
+        while (load_acquire(count) < target && *((volatile unsigned*)err) == 0u) {
+            if (++spins == (1 << 22)) atomicExch(err, 1u);
+        }
+        __threadfence();
+    }
+    asm volatile("bar.sync 1, %%0;" :: "n"(THREADS) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS + 32) stream_chain_producer(
+    const u4* __restrict__ w, const long long* __restrict__ starts, const int* __restrict__ per_block,
+    const u4* __restrict__ x, const long long* __restrict__ x_start, const int* __restrict__ x_chunks,
+    u4* __restrict__ out, unsigned* count, unsigned* err, int products, int barrier)
+{
+    extern __shared__ __align__(128) unsigned char smem[];
+    u4* ring = (u4*)smem;                                                // [STAGES][THREADS]
+    unsigned long long* full = (unsigned long long*)(smem + STAGES * THREADS * 16);
+    unsigned long long* empty = full + STAGES;
+    const long long G = gridDim.x;
+    const int t = threadIdx.x;
+    if (t == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(smem_addr(&full[s]), 1u);
+            mbar_init(smem_addr(&empty[s]), THREADS / 32);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (t >= THREADS) {  // the producer warp: one lane issues every copy
+        if (t == THREADS) {
+            long long j = 0;
+            for (int p = 0; p < products; ++p) {
+                for (int i = 0; i < per_block[p]; ++i, ++j) {
+                    int s = (int)(j %% STAGES);
+                    unsigned round = (unsigned)(j / STAGES);
+                    if (round > 0 && !mbar_wait(smem_addr(&empty[s]), (round - 1u) & 1u, err)) return;
+                    mbar_expect(smem_addr(&full[s]), THREADS * 16);
+                    bulk_copy(smem_addr(&ring[s * THREADS]), w + (starts[p] + blockIdx.x + i * G) * THREADS,
+                              THREADS * 16, smem_addr(&full[s]));
+                }
+            }
+        }
+        return;
+    }
+    u4 acc = {0u, 0u, 0u, 0u};
+    long long j = 0;
+    for (int p = 0; p < products; ++p) {
+        if (barrier && p > 0) consumer_grid_sync(count, (unsigned)(p * G), err);
+        const u4* xp = x + x_start[p] * THREADS + t;
+        for (int c = 0; c < x_chunks[p]; c += 8) {
+            u4 v[8];
+            #pragma unroll
+            for (int k = 0; k < 8; ++k) if (c + k < x_chunks[p]) v[k] = load_l2(xp + (c + k) * THREADS);
+            #pragma unroll
+            for (int k = 0; k < 8; ++k) if (c + k < x_chunks[p]) { acc.x ^= v[k].x; acc.y ^= v[k].y; acc.z ^= v[k].z; acc.w ^= v[k].w; }
+        }
+        for (int i = 0; i < per_block[p]; ++i, ++j) {
+            int s = (int)(j %% STAGES);
+            if (!mbar_wait(smem_addr(&full[s]), (unsigned)(j / STAGES) & 1u, err)) { p = products; break; }
+            u4 v = ring[s * THREADS + t];
+            acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+            __syncwarp();
+            if ((t & 31) == 0) mbar_arrive(smem_addr(&empty[s]));
+        }
+    }
+    out[blockIdx.x * THREADS + t] = acc;
+}
+"""
+
+KERNELS = {"ring": "stream_chain_ring", "producer": "stream_chain_producer"}
+
+
+def source(stages: int, kernel: str = "ring") -> str:
+    text = SOURCE + (SOURCE_PRODUCER if kernel == "producer" else "")
+    return text % {"stages": stages, "threads": THREADS}
+
+
+def shared_bytes(stages: int, kernel: str) -> int:
+    return stages * CHUNK + (2 * stages * 8 if kernel == "producer" else 0)
 
 
 class Layout:
@@ -170,7 +294,8 @@ def allow_shared_memory(kernel, nbytes: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--stages", default="4,8,16")
+    ap.add_argument("--stages", default="8,16", help="ring stages of the one-loop kernel")
+    ap.add_argument("--producer-stages", default="16,48", help="ring stages of the producer-warp kernel")
     ap.add_argument("--blocks-per-sm", default="1,2,4")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "weight_stream.json"))
     args = ap.parse_args()
@@ -179,11 +304,14 @@ def main() -> None:
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = {"device": torch.cuda.get_device_name(), "cases": []}
-    print("stages  blocks  barrier  read_x  µs a layer  weight TB/s")
-    for stages in [int(s) for s in args.stages.split(",")]:
-        kernel = torch.cuda._compile_kernel(source(stages), "stream_chain")
-        smem = stages * CHUNK
+    print("kernel    stages  blocks  barrier  read_x  µs a layer  weight TB/s")
+    plan = [("ring", int(st)) for st in args.stages.split(",") if st] + \
+        [("producer", int(st)) for st in args.producer_stages.split(",") if st]
+    for name, stages in plan:
+        kernel = torch.cuda._compile_kernel(source(stages, name), KERNELS[name])
+        smem = shared_bytes(stages, name)
         allow_shared_memory(kernel, smem)
+        threads = THREADS + (32 if name == "producer" else 0)
         for per_sm in [int(b) for b in args.blocks_per_sm.split(",")]:
             if per_sm * smem > 220 * 1024:
                 continue
@@ -198,21 +326,22 @@ def main() -> None:
             for barrier, read_x in ((1, 1), (0, 1), (1, 0), (0, 0)):
                 def run():
                     count.zero_()
-                    kernel(grid=(lay.blocks, 1, 1), block=(THREADS, 1, 1), shared_mem=smem,
+                    kernel(grid=(lay.blocks, 1, 1), block=(threads, 1, 1), shared_mem=smem,
                            args=[w, meta[0], meta[1], x, meta[2], meta[3] if read_x else no_x, out, count, err,
                                  lay.products, barrier])
                 run()
                 torch.cuda.synchronize()
                 if err.item():
-                    print(f"{stages:6d}  {lay.blocks:6d}: a barrier gave up waiting", flush=True)
+                    print(f"{name:8s}  {stages:6d}  {lay.blocks:6d}: a wait gave up (err {err.item()})", flush=True)
                     break
                 if barrier:
                     assert count.item() == (lay.products - 1) * lay.blocks
                 us = graph_time_us(run) / (lay.products / 4)
                 tbps = lay.weight_bytes / (lay.products / 4) / (us * 1e-6) / 1e12
-                results["cases"].append({"stages": stages, "blocks": lay.blocks, "barrier": barrier,
+                results["cases"].append({"kernel": name, "stages": stages, "blocks": lay.blocks, "barrier": barrier,
                                          "read_x": read_x, "us_per_layer": us, "weight_tbps": tbps})
-                print(f"{stages:6d}  {lay.blocks:6d}  {barrier:7d}  {read_x:6d}  {us:10.2f}  {tbps:11.2f}", flush=True)
+                print(f"{name:8s}  {stages:6d}  {lay.blocks:6d}  {barrier:7d}  {read_x:6d}  {us:10.2f}  {tbps:11.2f}",
+                      flush=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
 
