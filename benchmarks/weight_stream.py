@@ -11,10 +11,12 @@ product's weights split into 4 KiB chunks taken round robin by the blocks, and b
 block reads its activations (16 rows by the product's input width) written before the barrier. The
 weights are only summed, not multiplied: at 16 rows the products' arithmetic is ~1% of the tensor cores'
 rate, so this is the floor of a fused kernel's product time. Each layout is timed with and without the
-barriers and with and without the activation reads. CUDA C compiled at run time by NVRTC
-(``torch.cuda._compile_kernel``).
+barriers and with and without the activation reads. Two kernels: ``ring``, whose threads copy and use
+the chunks in one loop, and ``producer``, where one lane of an extra warp issues bulk copies completing
+on per-slot mbarriers while the other warps use the chunks and alone take the grid barrier. CUDA C
+compiled at run time by NVRTC (``torch.cuda._compile_kernel``).
 
-    python3 benchmarks/weight_stream.py [--stages 4,8,16] [--blocks-per-sm 1,2] [--json PATH]
+    python3 benchmarks/weight_stream.py [--stages 8,16] [--producer-stages 16,48] [--blocks-per-sm 1,2,4] [--json PATH]
 """
 from __future__ import annotations
 
