@@ -63,11 +63,20 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
     return v;
 }
 
+__device__ __forceinline__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %%0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 // Every block arrives once per barrier; the count only grows, so barrier k waits for k * gridDim.x.
 // A barrier that waits too long (blocks not all resident) sets *err and lets the launch run out.
-__device__ __forceinline__ void grid_sync(unsigned* count, unsigned target, unsigned* err) {
+// ``stamp`` (or null): where to record the block's arrival and release times (ns).
+__device__ __forceinline__ void grid_sync(unsigned* count, unsigned target, unsigned* err,
+                                          unsigned long long* stamp) {
     __syncthreads();
     if (threadIdx.x == 0) {
+        if (stamp) stamp[0] = now_ns();
         __threadfence();
         atomicAdd(count, 1u);
         int spins = 0;
@@ -75,6 +84,7 @@ __device__ __forceinline__ void grid_sync(unsigned* count, unsigned target, unsi
             if (++spins == (1 << 22)) atomicExch(err, 1u);
         }
         __threadfence();
+        if (stamp) stamp[1] = now_ns();
     }
     __syncthreads();
 }
@@ -89,7 +99,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) stream_chain_ring(
     u4* __restrict__ out,                  // [gridDim.x * THREADS]
     unsigned* count,                       // zero on entry
     unsigned* err,                         // zero on entry; 1 if a barrier gave up
-    int products, int barrier)
+    int products, int barrier,             // barrier 2: also record each block's times at each barrier
+    unsigned long long* stamps)            // (barrier 2) [P][gridDim.x][2] arrival and release, ns
 {
     extern __shared__ u4 ring[];           // [STAGES][THREADS]
     const int t = threadIdx.x;
@@ -107,7 +118,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) stream_chain_ring(
     u4 acc = {0u, 0u, 0u, 0u};
     int stage = 0;
     for (int p = 0; p < products; ++p) {
-        if (barrier && p > 0) grid_sync(count, (unsigned)(p * G), err);
+        if (barrier && p > 0)
+            grid_sync(count, (unsigned)(p * G), err, barrier == 2 ? stamps + (p * G + blockIdx.x) * 2 : nullptr);
         // Eight loads in flight before their first use: one at a time, each would cost an L2 round trip.
         const u4* xp = x + x_start[p] * THREADS + t;
         for (int c = 0; c < x_chunks[p]; c += 8) {
@@ -190,7 +202,7 @@ __device__ __forceinline__ void consumer_grid_sync(unsigned* count, unsigned tar
 extern "C" __global__ void __launch_bounds__(THREADS + 32) stream_chain_producer(
     const u4* __restrict__ w, const long long* __restrict__ starts, const int* __restrict__ per_block,
     const u4* __restrict__ x, const long long* __restrict__ x_start, const int* __restrict__ x_chunks,
-    u4* __restrict__ out, unsigned* count, unsigned* err, int products, int barrier)
+    u4* __restrict__ out, unsigned* count, unsigned* err, int products, int barrier, unsigned long long* stamps)
 {
     extern __shared__ __align__(128) unsigned char smem[];
     u4* ring = (u4*)smem;                                                // [STAGES][THREADS]
@@ -294,6 +306,23 @@ def allow_shared_memory(kernel, nbytes: int) -> None:
     kernel._max_shared_mem_bytes = nbytes  # what newer torch's launch check reads
 
 
+def barrier_times(kernel, lay: Layout, smem: int, threads: int, args: list, stamps: torch.Tensor, case: dict) -> None:
+    """One more launch recording when each block reached each barrier and when it left: how far apart the
+    blocks arrive (the slowest block's lateness) against how long the release takes after the last."""
+    stamps.zero_()
+    args[7].zero_()  # the barrier count
+    kernel(grid=(lay.blocks, 1, 1), block=(threads, 1, 1), shared_mem=smem, args=args + [lay.products, 2, stamps])
+    torch.cuda.synchronize()
+    t = stamps.view(lay.products, lay.blocks, 2)[1:].double()  # barriers 1..P-1
+    arrive, leave = t[..., 0], t[..., 1]
+    spread = (arrive.max(1).values - arrive.min(1).values).mean().item() / 1e3
+    mean_wait = (arrive.max(1).values - arrive.mean(1)).mean().item() / 1e3
+    release = (leave.min(1).values - arrive.max(1).values).mean().item() / 1e3
+    case.update(arrival_spread_us=spread, mean_block_wait_us=mean_wait, release_after_last_us=release)
+    print(f"          barrier: arrivals spread {spread:5.2f} µs (a block waits {mean_wait:5.2f} µs on average for the "
+          f"last), release {release:5.2f} µs after the last", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stages", default="8,16", help="ring stages of the one-loop kernel")
@@ -325,12 +354,13 @@ def main() -> None:
             err = torch.zeros(1, dtype=torch.int32, device="cuda")
             meta = [t.cuda() for t in lay.tensors]
             no_x = torch.zeros_like(meta[3])
+            stamps = torch.zeros(lay.products * lay.blocks * 2, dtype=torch.int64, device="cuda")
             for barrier, read_x in ((1, 1), (0, 1), (1, 0), (0, 0)):
                 def run():
                     count.zero_()
                     kernel(grid=(lay.blocks, 1, 1), block=(threads, 1, 1), shared_mem=smem,
                            args=[w, meta[0], meta[1], x, meta[2], meta[3] if read_x else no_x, out, count, err,
-                                 lay.products, barrier])
+                                 lay.products, barrier, stamps])
                 run()
                 torch.cuda.synchronize()
                 if err.item():
@@ -344,6 +374,9 @@ def main() -> None:
                                          "read_x": read_x, "us_per_layer": us, "weight_tbps": tbps})
                 print(f"{name:8s}  {stages:6d}  {lay.blocks:6d}  {barrier:7d}  {read_x:6d}  {us:10.2f}  {tbps:11.2f}",
                       flush=True)
+                if barrier and name == "ring":
+                    barrier_times(kernel, lay, smem, threads, [w, meta[0], meta[1], x, meta[2],
+                                  meta[3] if read_x else no_x, out, count, err], stamps, results["cases"][-1])
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
 
