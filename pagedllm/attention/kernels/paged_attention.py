@@ -38,9 +38,6 @@ def _find_request(
     return tl.sum(hits, axis=0)
 
 
-# Triton specialises integer arguments on == 1 and on divisibility by 16, compiling a variant for each
-# kind it meets. Batch counts and the block table's row stride change with every step, so without
-# this a long-running engine would keep compiling prefill variants in the middle of serving.
 @triton.jit
 def _prefetch_tile(bt_row, k_head_ptr, v_head_ptr, tile_lo, kv_hi, stride_kb, stride_kp, stride_vb, stride_vp,
                    HEAD_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, LINES: tl.constexpr,
@@ -57,6 +54,9 @@ def _prefetch_tile(bt_row, k_head_ptr, v_head_ptr, tile_lo, kv_hi, stride_kb, st
     prefetch_to_l2(v_head_ptr + block[:, None] * stride_vb + in_block * stride_vp + cols[None, :], mask)
 
 
+# Triton specialises integer arguments on == 1 and on divisibility by 16, compiling a variant for each
+# kind it meets. Batch counts and the block table's row stride change with every step, so without
+# this a long-running engine would keep compiling prefill variants in the middle of serving.
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D] final output (unused when IS_SPLIT)
@@ -215,7 +215,6 @@ def _paged_attention_kernel(
         # Float8 widens to float16 in one instruction per pair, to bfloat16 only through float32: with
         # q in float16, the tiles convert cheaply (and p keeps more mantissa). Saturate, not overflow.
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-
 
     if WRITE_KV:
         # The new token's slot is read only by the program whose range holds the last position, so
