@@ -73,6 +73,15 @@ def _grid_sync(sync_ptr, err_ptr, target):
 
 
 @triton.jit
+def _after_product(SYNC: tl.constexpr, sync_ptr, err_ptr, arrivals, G):
+    """With SYNC, the grid barrier that ends a product: returns the arrivals counted so far."""
+    if SYNC:
+        arrivals += G
+        _grid_sync(sync_ptr, err_ptr, arrivals)
+    return arrivals
+
+
+@triton.jit
 def _prefetch_items(w_ptr, stride_w, pid, G, K, N: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                     PAIRS: tl.constexpr):
     """Ask L2 for this program's weight rows of a coming product (whole rows: a split item's pieces
@@ -188,31 +197,23 @@ def _chain_kernel(
             _prefetch_items(wo, NQ, pid, G, NQ, H, BN2, S2, False)
         if WORK:
             _product(x_ptr, H, wqkv, H, qkv_ptr, NQKV, part_ptr, count_ptr, M, H, pid, G, NQKV, BN1, S1, BM, BK, 0, True)
-        if SYNC:
-            arrivals += G
-            _grid_sync(sync_ptr, err_ptr, arrivals)
+        arrivals = _after_product(SYNC, sync_ptr, err_ptr, arrivals, G)
         if PREFETCH:
             _prefetch_items(wgu, H, pid, G, H, NI, BN3, S3, True)
         if WORK:
             _product(qkv_ptr, NQKV, wo, NQ, x_ptr, H, part_ptr, count_ptr, M, NQ, pid, G, H, BN2, S2, BM, BK, 1)
-        if SYNC:
-            arrivals += G
-            _grid_sync(sync_ptr, err_ptr, arrivals)
+        arrivals = _after_product(SYNC, sync_ptr, err_ptr, arrivals, G)
         if PREFETCH:
             _prefetch_items(wd, NI, pid, G, NI, H, BN4, S4, False)
         if WORK:
             _product(x_ptr, H, wgu, H, h_ptr, NI, part_ptr, count_ptr, M, H, pid, G, NI, BN3, S3, BM, BK, 2, True)
-        if SYNC:
-            arrivals += G
-            _grid_sync(sync_ptr, err_ptr, arrivals)
+        arrivals = _after_product(SYNC, sync_ptr, err_ptr, arrivals, G)
         if PREFETCH:
             if layer + 1 < layers:
                 _prefetch_items(wqkv + NQKV * H, H, pid, G, H, NQKV, BN1, S1, False)
         if WORK:
             _product(h_ptr, NI, wd, NI, x_ptr, H, part_ptr, count_ptr, M, NI, pid, G, H, BN4, S4, BM, BK, 1)
-        if SYNC:
-            arrivals += G
-            _grid_sync(sync_ptr, err_ptr, arrivals)
+        arrivals = _after_product(SYNC, sync_ptr, err_ptr, arrivals, G)
 
 
 class Chain:

@@ -69,21 +69,26 @@ __device__ __forceinline__ unsigned long long now_ns() {
     return t;
 }
 
-// Every block arrives once per barrier; the count only grows, so barrier k waits for k * gridDim.x.
-// A barrier that waits too long (blocks not all resident) sets *err and lets the launch run out.
+// One thread of a block: arrive, then wait for all. Every block arrives once per barrier; the count only
+// grows, so barrier k waits for k * gridDim.x. A barrier that waits too long (blocks not all resident)
+// sets *err and lets the launch run out.
+__device__ __forceinline__ void arrive_and_wait(unsigned* count, unsigned target, unsigned* err) {
+    __threadfence();
+    atomicAdd(count, 1u);
+    int spins = 0;
+    while (load_acquire(count) < target && *((volatile unsigned*)err) == 0u) {
+        if (++spins == (1 << 22)) atomicExch(err, 1u);
+    }
+    __threadfence();
+}
+
 // ``stamp`` (or null): where to record the block's arrival and release times (ns).
 __device__ __forceinline__ void grid_sync(unsigned* count, unsigned target, unsigned* err,
                                           unsigned long long* stamp) {
     __syncthreads();
     if (threadIdx.x == 0) {
         if (stamp) stamp[0] = now_ns();
-        __threadfence();
-        atomicAdd(count, 1u);
-        int spins = 0;
-        while (load_acquire(count) < target && *((volatile unsigned*)err) == 0u) {
-            if (++spins == (1 << 22)) atomicExch(err, 1u);
-        }
-        __threadfence();
+        arrive_and_wait(count, target, err);
         if (stamp) stamp[1] = now_ns();
     }
     __syncthreads();
@@ -187,15 +192,7 @@ __device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigne
 // Among the consumer warps only (named barrier 1), so that the producer warp keeps copying meanwhile.
 __device__ __forceinline__ void consumer_grid_sync(unsigned* count, unsigned target, unsigned* err) {
     asm volatile("bar.sync 1, %%0;" :: "n"(THREADS) : "memory");
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(count, 1u);
-        int spins = 0;
-        while (load_acquire(count) < target && *((volatile unsigned*)err) == 0u) {
-            if (++spins == (1 << 22)) atomicExch(err, 1u);
-        }
-        __threadfence();
-    }
+    if (threadIdx.x == 0) arrive_and_wait(count, target, err);
     asm volatile("bar.sync 1, %%0;" :: "n"(THREADS) : "memory");
 }
 
