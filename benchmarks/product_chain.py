@@ -10,7 +10,7 @@ then the product with the layer's own weight (so L2 holds none of them), all rep
 graph. The chain of norms alone is timed too and subtracted: a variant's figure is what its products
 add to the chain, µs a product. Every variant is checked against cuBLAS first.
 
-    python3 benchmarks/product_chain.py [--model qwen|llama] [--rows 32,64,128,256] [--sweep] [--json PATH]
+    python3 benchmarks/product_chain.py [--model qwen|llama] [--rows 32,64,128,256] [--sweep | --deep | --whole-k] [--json PATH]
 
 ``--workers N`` first compiles every launch in N processes sharing Triton's cache (a sweep is ~270 tiles).
 ``--fp8`` times float8 weights in the skinny GEMM's default tile instead (``time_fp8``).
@@ -32,6 +32,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from linear_shapes import MODELS, graph_time_us  # noqa: E402 - a sibling script: shapes and graph timing
 
 MODEL_NAMES = {"qwen": "qwen3-0.6b", "llama": "llama-3-8b"}
+
+
+def whole_k_candidates(m: int, n: int, k: int) -> list:
+    """Swapped tiles whose one step spans the program's whole input slice (512 or 1024 columns, split as
+    needed), 16 or 32 weight rows, 4 or 8 warps: every weight byte of a program is requested before its
+    PDL wait, so that the slice streams in while the previous kernel runs. Up to 32 token rows a tile
+    (a 64-row tile spills), so up to 64 rows."""
+    from pagedllm.layers.kernels import skinny_gemm as sg
+
+    if m > 64:
+        return []
+    rows = min(32, max(16, 1 << (m - 1).bit_length()))
+    out = []
+    for bk, bn, warps in itertools.product((1024, 512), (16, 32), (4, 8)):
+        if k % bk or n % bn:
+            continue
+        cfg = sg.GemmConfig(rows, bn, bk, warps, 1, k // bk, swap_ab=True)
+        if cfg.split_k <= 8 and sg.workspace_fits(cfg, m, n):
+            out.append(cfg)
+    return out
 
 
 def candidates(m: int, n: int, k: int, deep: bool = False) -> list:
@@ -66,12 +86,18 @@ def candidates(m: int, n: int, k: int, deep: bool = False) -> list:
     return keep
 
 
-def launches(m: int, n: int, k: int, sweep: bool, deep: bool = False) -> list:
+def launches(m: int, n: int, k: int, sweep: bool, deep: bool = False, whole_k: bool = False) -> list:
     """The config of every skinny-GEMM launch ``time_shape`` makes."""
     from pagedllm.layers.kernels import skinny_gemm as sg
 
     cfg = sg.default_config(m, n, k)
-    return ([] if cfg is None else [cfg]) + (candidates(m, n, k, deep) if sweep else [])
+    return ([] if cfg is None else [cfg]) + sweep_configs(m, n, k, sweep, deep, whole_k)
+
+
+def sweep_configs(m: int, n: int, k: int, sweep: bool, deep: bool, whole_k: bool) -> list:
+    if whole_k:
+        return whole_k_candidates(m, n, k)
+    return candidates(m, n, k, deep) if sweep else []
 
 
 def compile_shard(jobs: list, shard: int, shards: int) -> None:
@@ -114,7 +140,7 @@ def time_fp8(m: int, n: int, k: int, layers: int) -> dict:
     return out
 
 
-def time_shape(m: int, n: int, k: int, layers: int, sweep: bool, deep: bool = False) -> dict:
+def time_shape(m: int, n: int, k: int, layers: int, sweep: bool, deep: bool = False, whole_k: bool = False) -> dict:
     from pagedllm.layers.kernels import skinny_gemm as sg
     from pagedllm.layers.kernels.rmsnorm import rms_norm
 
@@ -146,9 +172,9 @@ def time_shape(m: int, n: int, k: int, layers: int, sweep: bool, deep: bool = Fa
     cfg = sg.default_config(m, n, k)
     if cfg is not None:
         out["skinny"] = cost(lambda x, w: sg.skinny_gemm(x, w, config=cfg))
-    if sweep:
+    if sweep or whole_k:
         best = None
-        for c in candidates(m, n, k, deep):
+        for c in sweep_configs(m, n, k, sweep, deep, whole_k):
             try:
                 t = cost(lambda x, w, c=c: sg.skinny_gemm(x, w, config=c))
             except Exception as e:  # a tile the compiler rejects (shared memory) is skipped, named
@@ -170,6 +196,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also sweep tiles (candidates())")
     ap.add_argument("--fp8", action="store_true", help="float8 weights in the default tile instead (time_fp8)")
     ap.add_argument("--deep", action="store_true", help="sweep deep pipelines instead (candidates(deep=True))")
+    ap.add_argument("--whole-k", action="store_true", help="sweep one-step tiles over the whole input slice "
+                    "instead (whole_k_candidates)")
     ap.add_argument("--workers", type=int, default=8, help="processes compiling the launches first (1: none)")
     ap.add_argument("--shard", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "product_chain.json"))
@@ -178,7 +206,7 @@ def main() -> None:
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
-    jobs = [(m, n, k, c) for m in rows for _, n, k in shapes for c in launches(m, n, k, args.sweep, args.deep)]
+    jobs = [(m, n, k, c) for m in rows for _, n, k in shapes for c in launches(m, n, k, args.sweep, args.deep, args.whole_k)]
     if args.shard >= 0:
         compile_shard(jobs, args.shard, args.workers)
         return
@@ -198,7 +226,7 @@ def main() -> None:
     t0 = time.time()
     for m in rows:
         for name, n, k in shapes:
-            r = time_shape(m, n, k, layers, args.sweep, args.deep)
+            r = time_shape(m, n, k, layers, args.sweep, args.deep, args.whole_k)
             r.update(rows=m, shape=name, n=n, k=k)
             results["cases"].append(r)
             best = r.get("best", {})
