@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.graph_config import GraphConfig
+
 if TYPE_CHECKING:  # the core imports this module and stays free of torch
     import torch
 
@@ -165,6 +167,7 @@ class EngineConfig:
     load_config: LoadConfig
     attention_backend: str | None = None
     enforce_eager: bool = False
+    graph_config: GraphConfig = GraphConfig()  # which CUDA graphs, from vLLM's compilation_config
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:

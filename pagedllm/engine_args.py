@@ -19,6 +19,7 @@ from pagedllm.config import (
     SchedulerConfig,
     resolve_dtype,
 )
+from pagedllm.graph_config import parse_compilation_config
 
 logger = logging.getLogger("pagedllm")
 
@@ -53,6 +54,8 @@ class EngineArgs:
     # None: on for CUDA (it hides the engine's CPU work behind the device's), off on CPU (nothing to hide).
     async_scheduling: bool | None = None
     submit_just_in_time: bool = False
+    # vLLM's: a dict (or its JSON text, or an int level); only its CUDA-graph keys apply (graph_config.py).
+    compilation_config: Any = None
 
     # ---- CLI -----------------------------------------------------------------------------------
     @staticmethod
@@ -101,6 +104,11 @@ class EngineArgs:
             "the previous one, so that new requests join it sooner (lower time to first token under light load; "
             "default: on for `pagedllm serve`, off otherwise)",
         )
+        parser.add_argument(
+            "--compilation-config", "-O", type=str, default=None,
+            help="vLLM's compilation config as JSON (or an integer level, which has no effect): "
+            "cudagraph_capture_sizes, max_cudagraph_capture_size and cudagraph_mode choose the CUDA graphs",
+        )
         return parser
 
     @classmethod
@@ -126,6 +134,7 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet (only 1)")
+        parse_compilation_config(self.compilation_config)  # its errors before any loading
 
     def create_engine_config(self) -> EngineConfig:
         from pagedllm.model_loader.model_source import load_model_source
@@ -196,6 +205,7 @@ class EngineArgs:
             load_config=LoadConfig(load_format=src.load_format, download_dir=self.download_dir),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            graph_config=parse_compilation_config(self.compilation_config),
         )
 
     def _resolve_device(self) -> str:

@@ -77,6 +77,12 @@ def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> list[i
     return sizes
 
 
+def graph_sizes(graph_config, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[list[int], list[int]]:
+    """(mixed-batch token counts, decode batch sizes) to capture, from a GraphConfig (graph_config.py)."""
+    mixed = token_capture_sizes(max_num_batched_tokens) if graph_config.mixed_graphs else []
+    return mixed, graph_config.decode_buckets(capture_sizes(max_num_seqs), max_num_seqs)
+
+
 class CudaGraphRunner:
     """Graphs of ``forward(size) -> hidden [tokens, H]``, one per bucket (a padded batch or token count).
 

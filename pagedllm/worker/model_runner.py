@@ -21,7 +21,7 @@ from pagedllm.attention import AttentionMetadata, get_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.argmax import argmax_rows
-from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes, token_capture_sizes
+from pagedllm.worker.cuda_graphs import CudaGraphRunner, graph_sizes
 from pagedllm.worker.gpu_buffers import DeviceInputs, StepBuffers
 from pagedllm.worker.input_batch import BatchInputs, InputBatch
 from pagedllm.worker.step_records import (
@@ -52,7 +52,9 @@ class ModelRunner:
         self.attn_backend = get_attn_backend(config.attention_backend, device.type)
         self.input_batch = InputBatch(self.block_size, self.max_num_seqs, self.max_blocks_per_req)
         graph_safe = getattr(self.attn_backend, "name", "") in _GRAPH_SAFE_BACKENDS
-        self.use_cuda_graphs = device.type == "cuda" and graph_safe and not config.enforce_eager
+        gc = config.graph_config
+        self.use_cuda_graphs = (device.type == "cuda" and graph_safe and not config.enforce_eager
+                                and (gc.decode_graphs or gc.mixed_graphs))
         # Decode steps launch attention as for a max_model_len context whenever graphs are possible,
         # eager or not: graphs must (a graph keeps the launch it was captured with), and eager decode
         # doing the same makes graph and eager runs compute bit-identical results.
@@ -165,11 +167,13 @@ class ModelRunner:
         if capture is None:
             capture = self.device.type == "cuda"
         # The mixed graphs first: the largest of them sets the shared pool's size for all the others.
-        mixed = CudaGraphRunner(token_capture_sizes(self.config.scheduler_config.max_num_batched_tokens), capture)
+        mixed_sizes, decode_sizes = graph_sizes(self.config.graph_config, self.max_num_seqs,
+                                                self.config.scheduler_config.max_num_batched_tokens)
+        mixed = CudaGraphRunner(mixed_sizes, capture)
         seconds = mixed.capture(
             self._static_mixed_forward, lambda n: self.buffers.upload_dummy(n, self.mixed_graph_reqs)
         )
-        decode = CudaGraphRunner(capture_sizes(self.max_num_seqs), capture=capture)
+        decode = CudaGraphRunner(decode_sizes, capture=capture)
         seconds += decode.capture(
             self._static_decode_forward, lambda n: self.buffers.upload_dummy(n, n), pool=mixed.pool
         )

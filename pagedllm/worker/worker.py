@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.worker.cuda_graphs import capture_sizes, token_capture_sizes
+from pagedllm.worker.cuda_graphs import graph_sizes
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -124,7 +124,8 @@ class Worker:
         if not self.model_runner.use_cuda_graphs:
             return 0
         sc = self.config.scheduler_config
-        largest = max(token_capture_sizes(sc.max_num_batched_tokens)[-1], capture_sizes(sc.max_num_seqs)[-1])
+        mixed, decode = graph_sizes(self.config.graph_config, sc.max_num_seqs, sc.max_num_batched_tokens)
+        largest = max(mixed + decode, default=0)
         share = min(1.0, largest / max(profile_tokens, 1))
         return int(activations * share) + _GRAPH_POOL_BASE_BYTES
 

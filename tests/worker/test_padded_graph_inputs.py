@@ -121,3 +121,41 @@ def test_eager_steps_prune_like_a_mixed_graph(tmp_path):
     mixed = [s for s in seen if not s[0]]
     assert mixed and all(per_request == (tokens > 5) for _, tokens, per_request, _ in mixed), seen
     assert all(rows == 5 for _, _, per_request, rows in mixed if per_request), seen
+
+
+@pytest.mark.parametrize("compilation_config", [
+    {"cudagraph_capture_sizes": [1, 3, 8]},
+    {"cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 2},
+])
+def test_compilation_config_chooses_the_graphs(compilation_config, tmp_path):
+    # vLLM's compilation_config picks the decode buckets (sizes above max_num_seqs dropped) and may turn
+    # the mixed graphs off; batches without a bucket run eagerly, and every token is torch_ref's.
+    path = make_tiny_model("llama", tmp_path / "llama")
+    gen = torch.Generator().manual_seed(7)
+    prompts = [{"prompt_token_ids": torch.randint(3, 380, (n,), generator=gen).tolist()} for n in (9, 3, 21, 14)]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m, detokenize=False) for m in (6, 9, 4, 11)]
+    common = dict(model=path, skip_tokenizer_init=True, device="cpu", dtype="float32", max_num_seqs=4,
+                  max_model_len=64, max_num_batched_tokens=40, seed=0)
+    expected = [o.outputs[0].token_ids for o in LLM(attention_backend="torch_ref", **common).generate(prompts, params)]
+    llm = LLM(attention_backend="triton", compilation_config=compilation_config, **common)
+    runner = _runner(llm)
+    runner.use_cuda_graphs = True
+    runner.capture_cuda_graphs(capture=False)
+    decode_only = compilation_config.get("cudagraph_mode") == "FULL_DECODE_ONLY"
+    assert runner.graph_runner.sizes == ([1, 2] if decode_only else [1, 3])
+    assert runner.mixed_graph_runner.sizes == ([] if decode_only else [16, 32, 40])
+    steps = []
+    original = runner._forward
+
+    def spy(b, prev):
+        out = original(b, prev)
+        steps.append((b.is_pure_decode, b.num_reqs, out.graph_size, out.graph_tokens))
+        return out
+
+    runner._forward = spy
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    decodes = {(n, size) for pure, n, size, _ in steps if pure}
+    largest = 2 if decode_only else 3
+    assert all(size == (runner.graph_runner.bucket_for(n) or 0) for n, size in decodes), decodes
+    assert any(n > largest and size == 0 for n, size in decodes) and any(size for _, size in decodes), decodes
+    assert any(tokens for _, _, _, tokens in steps) != decode_only
