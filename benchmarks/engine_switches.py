@@ -18,7 +18,8 @@ instead (PAGEDLLM_FP8_SKINNY=0; ``fp8wskinny`` names the default). ``unfolded`` 
 one-token GEMV an element-wise accumulator and its earlier tiles (``_unfolded_gemv_config``). ``attnwrite``
 has the attention launch store Qwen3's new keys and values, not its q/k norm + rotary launch
 (``TritonImpl.kv_written_by_caller``). ``latewait`` has decode attention wait on its predecessor before
-reading its request's length and first tile (``TritonImpl.decode_early_loads``). ``nogcfreeze`` leaves the engine's start-up objects in the garbage
+reading its request's length and first tile (``TritonImpl.decode_early_loads``). ``buckets8`` captures decode
+graphs every 8 requests, as vLLM does, through ``compilation_config``. ``nogcfreeze`` leaves the engine's start-up objects in the garbage
 collector's full collections (PAGEDLLM_GC_FREEZE=0, ``engine/heap.py``). Each variant runs
 (1) workload 3, Llama-3-8B batch 1, 1000-token prompt, time per output token, and (2) workload 1,
 Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s; with ``--workload2`` also (3) workload 2, with
@@ -73,6 +74,9 @@ VARIANTS = {
     "attnwrite": {"BENCH_KV_WRITE_IN_ATTENTION": "1"},
     # This script's child turns off TritonImpl.decode_early_loads (decode attention waits first).
     "latewait": {"BENCH_DECODE_LATE_WAIT": "1"},
+    # Decode graphs every 8 requests (vLLM's default buckets) instead of at powers of two.
+    "buckets8": {"BENCH_COMPILATION_CONFIG": json.dumps(
+        {"cudagraph_capture_sizes": [1, 2, 4] + list(range(8, 257, 8))})},
     "unfolded": {"BENCH_GEMV_UNFOLDED": "1"},
     "fp8wunfolded": {"BENCH_QUANTIZATION": "fp8", "BENCH_GEMV_UNFOLDED": "1"},
     # The engine leaves its start-up objects in the garbage collector's full collections (engine/heap.py).
@@ -82,6 +86,7 @@ _BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK
                    "BENCH_PAGED_CHUNK_KEYS", "BENCH_PROMPT_PER_HEAD", "BENCH_KV_CACHE_DTYPE",
                    "BENCH_FP8_FP16_DOTS", "BENCH_DECODE_PIECES", "BENCH_DECODE_PIECES_MIN", "BENCH_QUANTIZATION",
                    "PAGEDLLM_FP8_SKINNY", "BENCH_GEMV_UNFOLDED", "BENCH_KV_WRITE_IN_ATTENTION", "BENCH_DECODE_LATE_WAIT",
+                   "BENCH_COMPILATION_CONFIG",
                    "PAGEDLLM_GC_FREEZE")
 
 
@@ -130,7 +135,8 @@ def run_variant(args) -> dict:
         gemv.default_config = _unfolded_gemv_config
     out: dict = {}
     engine_kw = {"kv_cache_dtype": os.environ.get("BENCH_KV_CACHE_DTYPE", "auto"),
-                 "quantization": os.environ.get("BENCH_QUANTIZATION") or None}
+                 "quantization": os.environ.get("BENCH_QUANTIZATION") or None,
+                 "compilation_config": os.environ.get("BENCH_COMPILATION_CONFIG") or None}
     if args.only_workload1:
         return {"workload1": _workload1(args, engine_kw)}
     llama = make_llm(args.smoke_model or LLAMA, args.smoke, **engine_kw)
