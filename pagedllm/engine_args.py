@@ -19,6 +19,7 @@ from pagedllm.config import (
     SchedulerConfig,
     resolve_dtype,
 )
+from pagedllm import vllm_only_args
 from pagedllm.graph_config import parse_compilation_config
 
 logger = logging.getLogger("pagedllm")
@@ -109,10 +110,12 @@ class EngineArgs:
             help="vLLM's compilation config as JSON (or an integer level, which has no effect): "
             "cudagraph_capture_sizes, max_cudagraph_capture_size and cudagraph_mode choose the CUDA graphs",
         )
+        vllm_only_args.add_cli_args(parser)
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        vllm_only_args.check_cli_args(args)
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 

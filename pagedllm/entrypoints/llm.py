@@ -11,6 +11,7 @@ from pagedllm.engine.tokenizer import chat_prompt_ids
 from pagedllm.engine_args import EngineArgs
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.vllm_only_args import pop_vllm_only_args
 
 logger = logging.getLogger("pagedllm")
 
@@ -37,6 +38,7 @@ class LLM:
         trust_remote_code: bool = False,
         **kwargs: Any,
     ) -> None:
+        pop_vllm_only_args(kwargs)  # vLLM options with nothing to change here (or an error naming them)
         args = EngineArgs(
             model=model,
             tokenizer=tokenizer,
