@@ -137,12 +137,12 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet (only 1)")
-        parse_compilation_config(self.compilation_config)  # its errors before any loading
 
     def create_engine_config(self) -> EngineConfig:
         from pagedllm.model_loader.model_source import load_model_source
 
         self._check()
+        graph_config = parse_compilation_config(self.compilation_config)  # its errors before any loading
         device = self._resolve_device()
         src = load_model_source(self.model, self.tokenizer, self.load_format, self.download_dir, self.trust_remote_code)
         hf_config = src.hf_config
@@ -208,7 +208,7 @@ class EngineArgs:
             load_config=LoadConfig(load_format=src.load_format, download_dir=self.download_dir),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
-            graph_config=parse_compilation_config(self.compilation_config),
+            graph_config=graph_config,
         )
 
     def _resolve_device(self) -> str:
