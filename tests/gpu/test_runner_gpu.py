@@ -219,6 +219,15 @@ def test_start_up_reports_memory_and_phases(tiny_path):
     _free(llm)
 
 
+def test_too_little_memory_for_one_sequence_names_the_longest_length_that_fits(tiny_path):
+    # A thousandth of the GPU cannot hold even the CUDA context: the profile's error says what took the
+    # memory, the longest max_model_len that fits and which settings to change.
+    with pytest.raises(ValueError, match=r"not even one sequence of max_model_len 256 fits in GPU memory: .*"
+                                         r"The largest max_model_len that fits is \d+; or raise "
+                                         r"gpu_memory_utilization \(now 0.001\)"):
+        _llm(tiny_path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.001)
+
+
 def test_sampled_logits_are_written_into_one_kept_buffer(tiny_path):
     # The rows sampled change every step: their logits go into a buffer of max_num_seqs rows that the
     # runner keeps, by the same product as F.linear, and generation is unchanged by it.
