@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body, from_validation_error
 from pagedllm.entrypoints.openai.http_utils import GuardMiddleware, SSEResponse, run_until_disconnect
+from pagedllm.entrypoints.openai.openapi_bodies import request_body
 from pagedllm.entrypoints.openai.serving_engine import ServerSettings, StreamingResult
 
 logger = logging.getLogger("pagedllm")
@@ -100,14 +101,14 @@ def build_app(
             return Response(status_code=499)  # nobody is listening; the requests were aborted
         return await respond(request, result)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(p.CompletionRequest))
     async def create_completion(request: Request):
         req = await _parse(request, p.CompletionRequest)
         if req.stream:
             return await respond(request, await completion.create_completion(req))
         return await serve(request, completion.create_completion(req))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(p.ChatCompletionRequest))
     async def create_chat_completion(request: Request):
         req = await _parse(request, p.ChatCompletionRequest)
         if req.stream:
@@ -137,7 +138,7 @@ def build_app(
     async def version():
         return JSONResponse(p.VersionResponse(version=__version__).model_dump())
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=request_body(p.TokenizeRequest))
     async def tokenize(request: Request):
         req = await _parse(request, p.TokenizeRequest)
         completion.check_model(req.model)
@@ -152,7 +153,7 @@ def build_app(
         out = p.TokenizeResponse(count=len(ids), max_model_len=completion.max_model_len, tokens=list(ids))
         return JSONResponse(out.model_dump())
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body(p.DetokenizeRequest))
     async def detokenize(request: Request):
         req = await _parse(request, p.DetokenizeRequest)
         completion.check_model(req.model)
