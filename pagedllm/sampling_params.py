@@ -8,6 +8,9 @@ from typing import Any
 # vLLM's limit on returned logprobs per token; larger values cost a vocabulary-wide sort per step.
 MAX_LOGPROBS = 20
 _SAMPLING_EPS = 1e-5
+# The sampler divides float32 logits by the temperature: a larger value becomes infinity there, and
+# logits / infinity is NaN for masked (-inf) tokens.
+MAX_TEMPERATURE = 3.4028234663852886e38
 
 
 def _fail(name: str, value: Any, rule: str) -> None:
@@ -73,8 +76,8 @@ class SamplingParams:
             _fail("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
         if not 0.0 < self.repetition_penalty <= 2.0:
             _fail("repetition_penalty", self.repetition_penalty, "in (0, 2]")
-        if not self.temperature >= 0.0:
-            _fail("temperature", self.temperature, ">= 0")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            _fail("temperature", self.temperature, f"a finite number in [0, {MAX_TEMPERATURE:.4g}] (float32's largest)")
         if not 0.0 < self.top_p <= 1.0:
             _fail("top_p", self.top_p, "in (0, 1]")
         if not isinstance(self.top_k, int) or not (self.top_k == -1 or self.top_k >= 1):

@@ -7,7 +7,15 @@ from pagedllm import SamplingParams
 
 INVALID = [
     ("n", 0, ">= 1"),
-    ("temperature", -0.1, ">= 0"),
+    ("temperature", -0.1, "[0, 3.403e+38]"),
+    # Beyond float32 the sampler's division overflows to infinity and masked logits become NaN.
+    ("temperature", 1e39, "float32's largest"),
+    ("temperature", float("inf"), "finite"),
+    ("temperature", float("nan"), "finite"),
+    ("top_p", float("nan"), "(0, 1]"),
+    ("min_p", float("inf"), "[0, 1]"),
+    ("presence_penalty", float("nan"), "[-2, 2]"),
+    ("repetition_penalty", float("inf"), "(0, 2]"),
     ("top_p", 0.0, "(0, 1]"),
     ("top_p", 1.5, "(0, 1]"),
     ("top_k", -2, "-1"),

@@ -69,6 +69,31 @@ class Scheduler:
             req.stop_reason = stop_reason
             self._free(req)
 
+    def fail_requests(self, request_ids: list[str], reasons: str | dict[str, str]) -> list[EngineCoreOutput]:
+        """Ends live requests with an error (one reason for all, or one per id); returns their final outputs."""
+        outputs = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            reason = reasons if isinstance(reasons, str) else reasons[rid]
+            self.finish_requests(rid, RequestStatus.FINISHED_ERROR, reason)
+            outputs.append(EngineCoreOutput(rid, [], finish_reason=req.finish_reason, stop_reason=reason))
+        return outputs
+
+    def recover_from_failed_step(self, failed_ids: set[str], reason: str) -> list[EngineCoreOutput]:
+        """After a step that raised: ends the requests it computed with an error, sends every other running
+        request back to the queue to be recomputed (the runner has dropped all its state), and forgets the
+        prefix cache, whose blocks may hold what the failed step half wrote. Returns the final outputs."""
+        outputs = self.fail_requests([rid for rid in self.requests if rid in failed_ids], reason)
+        for req in reversed(self.running):
+            self._preempt(req)
+        self.running.clear()
+        for req in self.waiting:
+            req.num_pending_tokens = 0  # no step in flight will deliver them now
+        self.kv_cache_manager.reset_prefix_cache()
+        return outputs
+
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
@@ -191,10 +216,10 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Appends sampled tokens, applies stop conditions, frees finished requests."""
-        outputs: list[EngineCoreOutput] = []
+        outputs = self.fail_requests(list(runner_output.errors), runner_output.errors) if runner_output.errors else []
         for rid, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             req = self.requests.get(rid)
-            if req is None:  # aborted, or finished by an earlier step, while this one ran
+            if req is None:  # aborted, failed, or finished by an earlier step, while this one ran
                 continue
             if token_ids:
                 req.num_pending_tokens -= 1

@@ -60,6 +60,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # The step's time on the device, when the runner measured it (CUDA with submit_just_in_time).
     device_time_s: float | None = None
+    # Requests whose part of the step failed (their sampling raised, or their logits held no valid
+    # token), with the reason: the scheduler ends each one alone.
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,8 +71,8 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     new_logprobs: LogprobsLists | None = None
     new_prompt_logprobs: LogprobsLists | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token or string; the message, for "error"
     num_cached_tokens: int = 0
 
     @property

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.core_client import CoreClient, EngineDeadError
@@ -29,11 +29,16 @@ logger = logging.getLogger("pagedllm")
 # Core outputs handled between two yields to the event loop, so a big batch doesn't starve HTTP.
 _OUTPUT_SLICE = 64
 
-__all__ = ["AsyncLLM", "EngineDeadError", "RequestAbortedError", "RequestStream"]
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestAbortedError", "RequestFailedError", "RequestStream"]
 
 
 class RequestAbortedError(RuntimeError):
     """The request was aborted through AsyncLLM.abort while someone was reading it."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine ended this request alone with an error (its step or its sampling failed); the engine
+    and every other request go on."""
 
 
 @dataclass
@@ -70,6 +75,7 @@ class AsyncLLM:
         # Accepted requests that have produced no output yet (queued or prefilling): admission control.
         self._unstarted: set[str] = set()
         self._output_task: asyncio.Task | None = None
+        self._dead_callbacks: list[Callable[[str], None]] = []
         self.latest_stats = SchedulerStats()
         self.core.wait_ready(startup_timeout_s)
         self.core.on_dead = self._on_dead
@@ -101,6 +107,11 @@ class AsyncLLM:
 
     def add_stat_logger(self, stat_logger: Any) -> None:
         self.stat_loggers.append(stat_logger)
+
+    def add_dead_callback(self, callback: Callable[[str], None]) -> None:
+        """`callback(message)` runs once, from the event loop, when the engine core dies (after every
+        request in flight has been handed its EngineDeadError)."""
+        self._dead_callbacks.append(callback)
 
     def start(self) -> None:
         """Starts the output task and the core-process watch; needs a running loop. Idempotent."""
@@ -254,6 +265,11 @@ class AsyncLLM:
         task = self._output_task
         if task is not None and task is not asyncio.current_task() and not task.done():
             task.cancel()
+        for callback in self._dead_callbacks:
+            try:
+                callback(message)
+            except Exception:  # noqa: BLE001 - every callback must run; the engine is gone anyway
+                logger.exception("engine-death callback %r failed", callback)
 
     # ---- shutdown ----------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -284,6 +300,10 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.close()
             raise item
+        failed = next((c for c in item.outputs if c.finish_reason == "error"), None)
+        if failed is not None:
+            self.close()  # aborts its siblings, if any are still running
+            raise RequestFailedError(str(failed.stop_reason))
         if item.finished:
             self.finished = True
             self.engine._queues.pop(self.request_id, None)

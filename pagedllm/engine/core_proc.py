@@ -140,7 +140,12 @@ class _BusyLoop:
                 raw = self.inp.recv(self.zmq.NOBLOCK, copy=False)
             except self.zmq.Again:
                 return handled
-            self._handle(self.decoder.decode(raw.buffer))
+            msg = self.decoder.decode(raw.buffer)
+            try:
+                self._handle(msg)
+            except Exception as e:  # noqa: BLE001 - one bad message must not end the loop for everyone
+                logger.exception("engine core could not handle %s", type(msg).__name__)
+                self._reject(msg, e)
             handled = True
 
     def _handle(self, msg) -> None:
@@ -163,6 +168,15 @@ class _BusyLoop:
             self.out.send(self.encoder.encode(self._utility(msg)))
         elif isinstance(msg, m.Shutdown):
             self.running = False
+
+    def _reject(self, msg, error: Exception) -> None:
+        """Ends a request the core could not take in with an error output; a live id is left alone."""
+        m = self.m
+        if isinstance(msg, m.AddRequest) and msg.request_id not in self.core.scheduler.requests:
+            from pagedllm.core.scheduler_output import EngineCoreOutput
+
+            reason = f"the engine could not accept the request ({type(error).__name__})"
+            self._send_outputs([EngineCoreOutput(msg.request_id, [], finish_reason="error", stop_reason=reason)])
 
     def _utility(self, msg):
         m = self.m

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 from dataclasses import dataclass
 from typing import Any, Union
@@ -38,6 +39,8 @@ class Processor:
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         self._rng = random.Random(model_config.seed)
+        # Numbers each processed request, so that engine-core ids are unique by construction (below).
+        self._serial = itertools.count()
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -91,12 +94,16 @@ class Processor:
         if params.max_tokens is None:
             params.max_tokens = self.model_config.max_model_len - len(ids)
         children = []
+        # The core's ids end in "#<serial>" (n == 1) or "#<serial>.<index>": the text after the last "#"
+        # holds no "#" and its serial is this request's alone, so no two live ids can be equal, whatever
+        # ids clients choose (a parent "0_x" and the first child of "x" once collided).
+        serial = next(self._serial)
         for i in range(params.n):
             if params.seed is not None:
                 seed = params.seed % _SEED_MOD if params.n == 1 else derive_seed(params.seed, i)
             else:
                 seed = self._rng.randrange(_SEED_MOD)
-            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            child_id = f"{request_id}#{serial}" if params.n == 1 else f"{request_id}#{serial}.{i}"
             children.append(Request(child_id, ids, params, seed, eos_token_ids=self.eos_token_ids))
         return ProcessedRequest(request_id, text, ids, params, children)
 

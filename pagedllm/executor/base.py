@@ -46,6 +46,11 @@ class Executor(ABC):
         """The output of the oldest submitted non-empty step not yet taken (waits for it)."""
         return self._outputs.popleft()
 
+    def reset(self) -> None:
+        """After a failed step: drops every step in flight and every request's state, so that requests
+        come back as new ones. Raises when the device cannot go on (a CUDA error poisons its context)."""
+        self._outputs.clear()
+
     def shutdown(self) -> None:
         pass
 
@@ -77,3 +82,7 @@ class UniProcExecutor(Executor):
 
     def take_output(self) -> ModelRunnerOutput:
         return self.worker.take_output()
+
+    def reset(self) -> None:
+        super().reset()
+        self.worker.reset()

@@ -16,12 +16,15 @@ from pagedllm.sample.truncation import (
     apply_top_k_top_p,
     truncate_candidates_,
 )
+from pagedllm.sample.validity import check_sampled
 
 
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # [B] int64
+    sampled_token_ids: torch.Tensor  # [B] int64, always inside the vocabulary
     logprobs: LogprobsTensors | None  # present when any request asked for logprobs (K = max asked)
+    # [B] int64: sampled_token_ids, with INVALID_TOKEN_ID for rows that held no valid token (validity.py)
+    checked_token_ids: torch.Tensor | None = None
 
 
 class Sampler(torch.nn.Module):
@@ -49,10 +52,10 @@ class Sampler(torch.nn.Module):
             if not owned:
                 raw, owned = raw.clone(), True
             process_logits_(raw, md)
-        sampled = self._sample(raw, md, owned)
+        sampled, checked = check_sampled(raw, self._sample(raw, md, owned))
         if md.max_num_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, checked_token_ids=checked)
 
     @staticmethod
     def _sample(logits: torch.Tensor, md: SamplingMetadata, owned: bool) -> torch.Tensor:

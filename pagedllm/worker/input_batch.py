@@ -164,17 +164,17 @@ class InputBatch:
         self.requests: dict[str, CachedRequestState] = {}
         self.block_table = BlockTableRows(max_num_reqs, max_blocks_per_req)
 
-    def _remove(self, req_id: str) -> None:
+    def remove(self, req_id: str) -> None:
         st = self.requests.pop(req_id, None)
         if st is not None:
             self.block_table.free(st.row)
 
     def update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids | so.preempted_req_ids:
-            self._remove(rid)
+            self.remove(rid)
         for nr in so.scheduled_new_reqs:
             # A resumed request starts over with a full block list; drop any stale row first.
-            self._remove(nr.req_id)
+            self.remove(nr.req_id)
             self.requests[nr.req_id] = CachedRequestState(
                 req_id=nr.req_id,
                 prompt_token_ids=nr.prompt_token_ids,

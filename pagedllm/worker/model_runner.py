@@ -21,6 +21,7 @@ from pagedllm.attention import AttentionMetadata, get_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.argmax import argmax_rows
+from pagedllm.sample.validity import INVALID_TOKEN_ID, check_sampled
 from pagedllm.worker.cuda_graphs import CudaGraphRunner, graph_sizes
 from pagedllm.worker.gpu_buffers import DeviceInputs, StepBuffers
 from pagedllm.worker.input_batch import BatchInputs, InputBatch
@@ -37,6 +38,8 @@ _GRAPH_SAFE_BACKENDS = frozenset({"triton"})
 # fixes its tile at the 64-row maximum: a mixed graph (captured for its padded token count) and an
 # eager step of the same batch then launch the same kernel and compute bit-identical results.
 MIXED_QUERY_LEN_BOUND = 64
+_NO_VALID_TOKEN = ("the model's logits for this request hold no valid token (NaN or infinite values, "
+                   "or every token masked)")
 
 
 class ModelRunner:
@@ -248,6 +251,7 @@ class ModelRunner:
         states = (self.input_batch.requests.get(rid) for rid in b.req_ids)
         return any(st is not None and st.sampling_params.prompt_logprobs is not None for st in states)
 
+    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step to completion."""
         self.submit(so)
@@ -297,6 +301,7 @@ class ModelRunner:
             self.launch_sampling()
         return launch_s
 
+    @torch.inference_mode()
     def launch_sampling(self) -> None:
         """Launches the sampling of the step whose forward pass ``submit`` left it behind, if any."""
         if self._deferred is None:
@@ -316,16 +321,18 @@ class ModelRunner:
                 last_hidden = hidden.index_select(0, dev.logits_reqs)
             else:
                 last_hidden = hidden.index_select(0, dev.logits_indices)
+            logits = self._logits(last_hidden)
             if all(st.plain_greedy for st in states):
                 # What the sampler does for an all-greedy batch, minus building its metadata and the
                 # float32 copy of the logits ([S, vocab] in the model dtype; the argmax is the same).
-                token_ids, lp = argmax_rows(self._logits(last_hidden)), None
+                token_ids, checked = check_sampled(logits, argmax_rows(logits))
+                lp = None
             else:
-                token_ids, lp = self._sample(self._logits(last_hidden), states)
+                token_ids, checked, lp, step.errors = self._sample_isolating(logits, states)
             step.rows, step.states, step.token_ids = rows, states, token_ids
             step.sampled_row = {st.req_id: j for j, st in enumerate(states)}
             # Sent to pinned host memory behind this step's kernels; _resolve waits for the event.
-            step.host_token_ids = token_ids.to("cpu", non_blocking=True)
+            step.host_token_ids = checked.to("cpu", non_blocking=True)
             if lp is not None:
                 step.host_logprobs = (
                     lp.token_ids.to("cpu", non_blocking=True),
@@ -338,6 +345,7 @@ class ModelRunner:
                 step.event.record()
         self._in_flight = step
 
+    @torch.inference_mode()
     def take_output(self) -> ModelRunnerOutput:
         """The output of the oldest submitted step not yet taken; waits for it if it is still running."""
         if self._done:
@@ -347,6 +355,16 @@ class ModelRunner:
             raise RuntimeError("take_output() without a submitted step")
         step, self._in_flight = self._in_flight, None
         return self._resolve(step)
+
+    def reset(self) -> None:
+        """Forgets every step in flight and every request (see Executor.reset). A device whose context an
+        error has poisoned fails the synchronisation here, which ends the engine."""
+        self._in_flight, self._deferred = None, None
+        self._done.clear()
+        for rid in list(self.input_batch.requests):
+            self.input_batch.remove(rid)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def _resolve(self, step: StepInFlight) -> ModelRunnerOutput:
         """Waits for a step's sampled ids on the host and turns them into the step's output."""
@@ -363,13 +381,17 @@ class ModelRunner:
             if step.host_logprobs is not None:
                 lp_lists = logprobs_to_lists(LogprobsTensorsOnHost(*step.host_logprobs), [k or 0 for k in step.want])
             for j, (i, st) in enumerate(zip(step.rows, step.states)):
+                if token_ids[j] == INVALID_TOKEN_ID:
+                    # Nothing was drawn: the request ends here, and its state must not grow a token.
+                    step.errors.setdefault(st.req_id, _NO_VALID_TOKEN)
+                    continue
                 st.output_token_ids.append(token_ids[j])
                 sampled[i] = [token_ids[j]]
                 if lp_lists is not None and step.want[j] is not None:
                     logprobs[st.req_id] = lp_lists[j]
         return ModelRunnerOutput(
             req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs,
-            device_time_s=device_time_s,
+            device_time_s=device_time_s, errors=step.errors,
         )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, vocab]
@@ -386,7 +408,42 @@ class ModelRunner:
                                            device=self.device)
         return self.model.compute_logits(hidden, float32=False, out=self._logits_out)
 
-    def _sample(self, logits: torch.Tensor, states: list) -> tuple[torch.Tensor, object]:  # ids [S]
+    def _sample_isolating(self, logits: torch.Tensor, states: list) -> tuple:
+        """Samples logits [S, vocab] for states; if that raises, ends only the requests whose own sampling
+        raises. Returns device ids [S] (inside the vocabulary), host-bound ids [S] (INVALID_TOKEN_ID where
+        nothing was drawn), logprobs tensors or None, and {req_id: reason} of the failed requests."""
+        try:
+            out = self._sample(logits, states)
+            return out.sampled_token_ids, out.checked_token_ids, out.logprobs, {}
+        except Exception:  # noqa: BLE001 - find the culprit rows below; the rest of the batch goes on
+            logger.exception("sampling a batch of %d requests failed; sampling each alone", len(states))
+        errors: dict[str, str] = {}
+        good: list[int] = []
+        for j, st in enumerate(states):
+            try:
+                self._sample(logits[j : j + 1], [st])
+                good.append(j)
+            except Exception as e:  # noqa: BLE001 - this request alone is ended, with the reason
+                logger.exception("sampling request %s failed", st.req_id)
+                errors[st.req_id] = f"sampling failed ({type(e).__name__})"
+        num = len(states)
+        token_ids = torch.zeros(num, dtype=torch.int64, device=self.device)
+        checked = torch.full((num,), INVALID_TOKEN_ID, dtype=torch.int64, device=self.device)
+        lp = None
+        if good:
+            idx = torch.tensor(good, dtype=torch.int64, device=self.device)
+            out = self._sample(logits.index_select(0, idx), [states[j] for j in good])
+            token_ids.index_copy_(0, idx, out.sampled_token_ids)
+            checked.index_copy_(0, idx, out.checked_token_ids)
+            if out.logprobs is not None:
+                # Full-height tensors so that rows keep their places; failed rows' entries are never read.
+                lp = type(out.logprobs)(*(
+                    t.new_zeros((num, *t.shape[1:])).index_copy_(0, idx, t)
+                    for t in (out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks)
+                ))
+        return token_ids, checked, lp, errors
+
+    def _sample(self, logits: torch.Tensor, states: list):  # -> SamplerOutput
         from pagedllm.sample.metadata import build_sampling_metadata
 
         # Penalties read every token id of the batch each step: hand them over as cached int64 arrays
@@ -403,8 +460,7 @@ class ModelRunner:
             vocab_size=logits.shape[-1],
             device=self.device,
         )
-        out = self.sampler(logits, md)
-        return out.sampled_token_ids, out.logprobs
+        return self.sampler(logits, md)
 
     def _prompt_logprobs(self, b: BatchInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
         """Logprobs of each prompt token given its prefix, for the prompt positions in this step."""

@@ -65,3 +65,4 @@ class StepInFlight:
     want: list[int | None] = field(default_factory=list)  # logprobs asked for, per sampled request
     event: torch.cuda.Event | None = None
     start_event: torch.cuda.Event | None = None  # recorded before the step's first kernel (timed steps)
+    errors: dict[str, str] = field(default_factory=dict)  # req_id -> why its sampling failed

@@ -212,3 +212,6 @@ class Worker:
 
     def take_output(self) -> ModelRunnerOutput:
         return self.model_runner.take_output()
+
+    def reset(self) -> None:
+        self.model_runner.reset()

@@ -69,7 +69,7 @@ def test_n_seeds_and_shared_prompt_blocks(mistral_llm):
     engine.add_request("share", prompt, SamplingParams(n=3, max_tokens=4, ignore_eos=True))
     engine.step()
     kv = engine.engine_core.scheduler.kv_cache_manager
-    tables = [kv.get_block_ids(f"{i}_share") for i in range(3)]
+    tables = [kv.get_block_ids(cid) for cid in engine.output_processor.states["share"].children]
     num_full = len(engine.processor.tokenize_prompt(prompt)[1]) // kv.block_size
     assert num_full >= 2
     assert tables[0][:num_full] == tables[1][:num_full] == tables[2][:num_full]
