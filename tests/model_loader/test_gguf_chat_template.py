@@ -143,3 +143,11 @@ def test_default_model_chats(default_llm) -> None:
         tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False), add_special_tokens=False
     )
     assert out.outputs[0].token_ids and out.outputs[0].text.strip()
+
+
+def test_a_given_template_wins_over_the_shipped_one(default_llm) -> None:
+    llm, _ = default_llm
+    tok = llm.get_tokenizer()
+    out = llm.chat(MESSAGES, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=OWN_TEMPLATE)[0]
+    assert out.prompt_token_ids == tok.encode("[system] Answer in one word.\n[user] Name a color.\n",
+                                              add_special_tokens=False)
