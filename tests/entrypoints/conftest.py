@@ -23,6 +23,10 @@ def servers(tmp_path_factory):
         # (and it is restarted if a later test needs it).
         "chat": Server("chat", qwen, ["--served-model-name", "tiny-qwen", "--max-num-seqs", "2",
                                       "--max-waiting-requests", "2"], root),
+        # Short read timeouts and a small connection limit, for test_server_lifecycle's slow clients.
+        "limits": Server("limits", qwen, ["--served-model-name", "tiny-qwen", "--header-read-timeout", "1",
+                                          "--body-read-timeout", "1", "--timeout-keep-alive", "1",
+                                          "--limit-concurrency", "4", "--max-header-bytes", "8192"], root),
     }
     yield launched
     for s in launched.values():
@@ -32,6 +36,11 @@ def servers(tmp_path_factory):
 @pytest.fixture(scope="session")
 def completions_server(servers) -> Server:
     return servers["completions"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def limits_server(servers) -> Server:
+    return servers["limits"].wait_ready()
 
 
 @pytest.fixture

@@ -6,7 +6,9 @@ conftest.py launches three servers together the first time any is needed, so sta
   --max-n 8 and small body/header limits;
 - "chat": a tiny (tied) Llama with the Qwen3 tokenizer and its chat template, at most 2 running
   and 2 waiting requests (for the 429 test); the engine-failure test kills its engine core, and
-  the server is started again if a later test asks for it (Server.wait_ready).
+  the server is started again if a later test asks for it (Server.wait_ready);
+- "limits": the same model with 1-second header, body and keep-alive timeouts and at most 4
+  connections (--limit-concurrency 4).
 """
 from __future__ import annotations
 
@@ -54,8 +56,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, name: str, model: str, extra_args: list[str], log_dir: Path, api_key: str | None = None) -> None:
+    def __init__(
+        self, name: str, model: str, extra_args: list[str], log_dir: Path, api_key: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
+        self.extra_env = dict(env or {})
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -73,7 +79,7 @@ class Server:
         self._start()
 
     def _start(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.extra_env)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         if self._log is not None:
             self._log.close()
@@ -126,6 +132,19 @@ class Server:
             if ppid == self.proc.pid and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
                 return int(entry.name)
         raise AssertionError(f"no live engine-core child of {self.proc.pid}:\n{self.log_tail()}")
+
+    def children(self) -> list[int]:
+        """Pids of the live child processes of the server (the engine core among them)."""
+        out = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+                    out.append(int(entry.name))
+        return out
 
     def stop(self) -> None:
         if self.proc.poll() is None:

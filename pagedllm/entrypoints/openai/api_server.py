@@ -195,11 +195,19 @@ def _http_stack() -> str:
 
 
 def run_server(args: argparse.Namespace) -> None:
-    """`pagedllm serve`: start the engine core, then serve HTTP until SIGINT/SIGTERM."""
+    """`pagedllm serve`: start the engine core, then serve HTTP until SIGINT/SIGTERM (drained, exit 0)
+    or the engine core's death (exit status 1)."""
     import prometheus_client
     import uvicorn
 
     from pagedllm.engine_args import EngineArgs
+    from pagedllm.entrypoints.openai.http_limits import ConnectionLimits, protocol_class
+    from pagedllm.entrypoints.openai.lifecycle import (
+        LifecycleMiddleware,
+        LifecycleServer,
+        ServerLifecycle,
+        uvicorn_graceful_timeout,
+    )
 
     # The *_created series only add noise to a dashboard; this is process-wide, so it is set here,
     # by the process that owns the server, not by build_app.
@@ -219,10 +227,11 @@ def run_server(args: argparse.Namespace) -> None:
     api_keys = list(args.api_key or [])
     if os.environ.get("PAGEDLLM_API_KEY"):
         api_keys.append(os.environ["PAGEDLLM_API_KEY"])
-    if args.max_n < 1:
-        raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
+    _check_server_args(args)
     engine = AsyncLLM.from_engine_args(engine_args)
+    lifecycle = ServerLifecycle(args.shutdown_timeout)
     try:
+        engine.add_dead_callback(lifecycle.engine_died)
         settings = ServerSettings(
             served_model_names=names, max_n=args.max_n, max_waiting_requests=args.max_waiting_requests
         )
@@ -234,20 +243,45 @@ def run_server(args: argparse.Namespace) -> None:
             max_header_bytes=args.max_header_bytes,
             chat_template=_read_chat_template(args.chat_template),
         )
+        limits = ConnectionLimits(
+            header_timeout_s=args.header_read_timeout,
+            body_timeout_s=args.body_read_timeout,
+            # Room for the request line and the separators, which GuardMiddleware's count leaves out.
+            max_head_bytes=args.max_header_bytes + (8 << 10),
+            limit_concurrency=args.limit_concurrency,
+        )
         config = uvicorn.Config(
-            app,
+            LifecycleMiddleware(app, lifecycle),
             host=args.host,
             port=args.port,
+            http=protocol_class(limits),
+            ws="none",
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_access_log,
             # Let headers up to 4x our own limit through h11, so oversized ones get a proper 431 from the app
-            # (httptools, when installed, sets no limit of its own).
+            # or the protocol's cap.
             h11_max_incomplete_event_size=max(4 * args.max_header_bytes, 64 << 10),
-            timeout_graceful_shutdown=5,
+            timeout_keep_alive=args.timeout_keep_alive,
+            timeout_graceful_shutdown=uvicorn_graceful_timeout(args.shutdown_timeout),
         )
-        server = uvicorn.Server(config)
+        server = LifecycleServer(config, lifecycle)
         logger.info("serving %s on http://%s:%d (%s)", ", ".join(names), args.host, args.port, _http_stack())
         # Server.run builds the loop uvicorn's "auto" picks: uvloop when installed, else asyncio's.
         server.run()
     finally:
         engine.shutdown()
+    if lifecycle.exit_status:
+        logger.error("exiting with status %d: the engine core died (%s)", lifecycle.exit_status, lifecycle.dead_error)
+        raise SystemExit(lifecycle.exit_status)
+    logger.info("engine core stopped; server exits")
+
+
+def _check_server_args(args: argparse.Namespace) -> None:
+    if args.max_n < 1:
+        raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
+    for flag, least in (("shutdown_timeout", 0), ("timeout_keep_alive", 0), ("header_read_timeout", 1e-3), ("body_read_timeout", 1e-3)):
+        value = getattr(args, flag)
+        if not least <= value < float("inf"):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number of seconds >= {least:g}, got {value}")
+    if args.limit_concurrency is not None and args.limit_concurrency < 1:
+        raise ValueError(f"--limit-concurrency must be >= 1, got {args.limit_concurrency}")

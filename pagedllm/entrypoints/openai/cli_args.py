@@ -26,6 +26,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--uvicorn-log-level", type=str, default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-access-log", action="store_true")
+    parser.add_argument(
+        "--shutdown-timeout", type=float, default=0.0,
+        help="on SIGTERM or SIGINT, seconds that in-flight requests may take to finish before they end with a "
+        "503 error (streams: an error event, then [DONE]); new requests get 503 meanwhile. Default 0, as in vLLM: "
+        "end them at once",
+    )
+    parser.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                        help="seconds an idle keep-alive connection stays open (uvicorn's and vLLM's default, 5)")
+    parser.add_argument("--header-read-timeout", type=float, default=10.0,
+                        help="seconds a client has, from opening a connection (or starting its next request), "
+                        "to send the request line and headers; the connection is then closed with a 408")
+    parser.add_argument("--body-read-timeout", type=float, default=30.0,
+                        help="seconds a client may leave between two pieces of a request body; the connection "
+                        "is then closed with a 408")
+    parser.add_argument("--limit-concurrency", type=int, default=None,
+                        help="most connections (and requests in progress) served at once; past it requests get "
+                        "503, /health excepted (uvicorn's and vLLM's option; default: no limit)")
     EngineArgs.add_cli_args(parser)
     # A server takes requests while steps run, so it schedules small decode steps just in time by
     # default (the offline LLM, whose requests are all there at the start, keeps it off).

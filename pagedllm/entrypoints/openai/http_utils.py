@@ -1,14 +1,17 @@
 """ASGI plumbing of the server: the guard middleware (size limits, API keys), an SSE response that
-notices disconnects at once, and a runner that cancels a non-streaming handler when its client leaves."""
+notices disconnects at once, and a runner that cancels a non-streaming handler when its client leaves;
+both also end their request with an error once a shutdown's drain time is over."""
 from __future__ import annotations
 
 import asyncio
 import hmac
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from starlette.responses import Response
 
-from pagedllm.entrypoints.openai.errors import error_json_bytes
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_json_bytes
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -100,6 +103,21 @@ class GuardMiddleware:
         return ok
 
 
+@dataclass
+class ShutdownDeadline:
+    """Set once a shutdown's drain time is over: requests still running then end with `message`."""
+
+    message: str = "The server is shutting down."
+    expired: asyncio.Event = field(default_factory=asyncio.Event)
+
+    status = 503
+    code = "server_shutting_down"
+
+
+# Set for each request by the server's lifecycle middleware; None when the app runs without one.
+SHUTDOWN_DEADLINE: ContextVar[ShutdownDeadline | None] = ContextVar("pagedllm_shutdown_deadline", default=None)
+
+
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
     for k, v in headers:
         if k.lower() == name:
@@ -130,20 +148,32 @@ class SSEResponse(Response):
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
         async def stream() -> None:
+            nonlocal started
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            started = True
             async for line in self.content:
                 await send({"type": "http.response.body", "body": line.encode(), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         stream_task = asyncio.ensure_future(stream())
         listen_task = asyncio.ensure_future(_wait_for_disconnect(receive))
+        deadline = SHUTDOWN_DEADLINE.get()
+        tasks = [stream_task, listen_task]
+        if deadline is not None:
+            tasks.append(asyncio.ensure_future(deadline.expired.wait()))
         try:
-            await asyncio.wait({stream_task, listen_task}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if deadline is not None and tasks[2] in done and not stream_task.done() and not listen_task.done():
+                stream_task.cancel()
+                await asyncio.gather(stream_task, return_exceptions=True)
+                await _end_for_shutdown(send, deadline, started)
         finally:
-            for task in (stream_task, listen_task):
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(stream_task, listen_task, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             aclose = getattr(self.content, "aclose", None)
             if aclose is not None:
                 await aclose()
@@ -151,21 +181,38 @@ class SSEResponse(Response):
                 self.on_close()
 
 
+async def _end_for_shutdown(send: Send, deadline: ShutdownDeadline, started: bool) -> None:
+    """Ends a stream cut by the shutdown: an error event and [DONE] (or a JSON error if nothing was sent)."""
+    body = error_json_bytes(deadline.status, deadline.message, code=deadline.code)
+    if not started:
+        await send_error(send, deadline.status, deadline.message, code=deadline.code)
+        return
+    await send({"type": "http.response.body", "body": b"data: " + body + b"\n\ndata: [DONE]\n\n", "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 async def run_until_disconnect(receive: Receive, work: Awaitable[Any]) -> tuple[bool, Any]:
     """Runs `work` (a non-streaming handler's body) unless the client disconnects first, in which
-    case `work` is cancelled (its engine requests are aborted). Returns (completed, result)."""
+    case `work` is cancelled (its engine requests are aborted). Returns (completed, result). Raises
+    a 503 OpenAIError, `work` cancelled, if a shutdown's drain time ends first."""
     task = asyncio.ensure_future(work)
-    listener = asyncio.ensure_future(_wait_for_disconnect(receive))
+    waiters = [task, asyncio.ensure_future(_wait_for_disconnect(receive))]
+    deadline = SHUTDOWN_DEADLINE.get()
+    if deadline is not None:
+        waiters.append(asyncio.ensure_future(deadline.expired.wait()))
     try:
-        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
-        task.cancel()
-        listener.cancel()
+        for w in waiters:
+            w.cancel()
         raise
-    listener.cancel()
-    await asyncio.gather(listener, return_exceptions=True)
+    for w in waiters[1:]:
+        w.cancel()
+    await asyncio.gather(*waiters[1:], return_exceptions=True)
     if not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        if deadline is not None and deadline.expired.is_set():
+            raise OpenAIError(deadline.status, deadline.message, code=deadline.code)
         return False, None
     return True, task.result()
