@@ -16,7 +16,8 @@ def servers(tmp_path_factory):
         "completions": Server(
             "completions", mistral,
             ["--served-model-name", "tiny-mistral", "alias", "--max-n", "8",
-             "--max-request-body-bytes", "65536", "--max-header-bytes", "8192", "--async-scheduling"],
+             "--max-request-body-bytes", "65536", "--max-header-bytes", "8192", "--async-scheduling",
+             "--trust-request-chat-template"],
             root, api_key=API_KEY,
         ),
         # Small limits so overload is easy to reach; test_openai_engine_failure kills its engine

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -16,10 +15,19 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body, from_validation_error
+from pagedllm.entrypoints.openai.errors import (
+    OpenAIError,
+    bad_request,
+    error_body,
+    from_validation_error,
+    internal_error_body,
+)
 from pagedllm.entrypoints.openai.http_utils import GuardMiddleware, SSEResponse, run_until_disconnect
 from pagedllm.entrypoints.openai.openapi_bodies import request_body
+from pagedllm.entrypoints.openai.blocking_pool import run_blocking
+from pagedllm.entrypoints.openai.request_body import parse_json_object
 from pagedllm.entrypoints.openai.serving_engine import ServerSettings, StreamingResult
+from pagedllm.entrypoints.openai.unsupported_fields import refuse_unsupported_fields
 
 logger = logging.getLogger("pagedllm")
 
@@ -28,17 +36,13 @@ async def _parse(request: Any, model_cls: Any) -> Any:
     """The JSON body as `model_cls`; every failure is a 400 in OpenAI's error shape."""
     from pydantic import ValidationError
 
-    raw = await request.body()
+    data = parse_json_object(await request.body())
     try:
-        data = json.loads(raw)
-    except ValueError as e:
-        raise bad_request(f"The request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise bad_request(f"The request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model_cls.model_validate(data)
+        req = model_cls.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from None
+    refuse_unsupported_fields(req)
+    return req
 
 
 def build_app(
@@ -48,6 +52,7 @@ def build_app(
     max_body_bytes: int = 16 << 20,
     max_header_bytes: int = 16 << 10,
     chat_template: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> Any:
     from pagedllm import __version__
     from pagedllm.entrypoints.openai import protocol as p
@@ -58,7 +63,7 @@ def build_app(
     metrics = PrometheusStatLogger(settings.served_model_names[0])
     engine.add_stat_logger(metrics)
     completion = OpenAIServingCompletion(engine, settings)
-    chat = OpenAIServingChat(engine, settings, chat_template)
+    chat = OpenAIServingChat(engine, settings, chat_template, trust_request_chat_template)
 
     @asynccontextmanager
     async def lifespan(app: Any):
@@ -87,8 +92,7 @@ def build_app(
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(500, f"Internal server error: {type(exc).__name__}: {exc}"), status_code=500)
+        return JSONResponse(internal_error_body(exc, request.url.path), status_code=500)
 
     async def respond(request: Request, result: Any) -> Any:
         if isinstance(result, StreamingResult):
@@ -145,9 +149,9 @@ def build_app(
         if completion.tokenizer is None:
             raise bad_request("this server runs without a tokenizer (--skip-tokenizer-init)")
         if req.messages is not None:
-            ids = chat.render(req.messages, req.chat_template, req.add_generation_prompt).token_ids
+            ids = (await chat.render(req.messages, req.chat_template, req.add_generation_prompt)).token_ids
         elif req.prompt is not None:
-            ids = completion.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await run_blocking(completion.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise bad_request("send either prompt or messages", param="prompt")
         out = p.TokenizeResponse(count=len(ids), max_model_len=completion.max_model_len, tokens=list(ids))
@@ -159,10 +163,7 @@ def build_app(
         completion.check_model(req.model)
         if completion.tokenizer is None:
             raise bad_request("this server runs without a tokenizer (--skip-tokenizer-init)")
-        bad = [t for t in req.tokens if not 0 <= t < completion.vocab_size]
-        if bad:
-            raise bad_request(f"tokens holds token id {bad[0]}, outside the vocabulary [0, {completion.vocab_size})", param="tokens")
-        return JSONResponse(p.DetokenizeResponse(prompt=completion.tokenizer.decode(req.tokens)).model_dump())
+        return JSONResponse(p.DetokenizeResponse(prompt=await run_blocking(_decode, completion, req.tokens)).model_dump())
 
     app.add_middleware(
         GuardMiddleware,
@@ -171,6 +172,13 @@ def build_app(
         max_header_bytes=max_header_bytes,
     )
     return app
+
+
+def _decode(serving: Any, tokens: list[int]) -> str:
+    bad = next((t for t in tokens if not 0 <= t < serving.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"tokens holds token id {bad}, outside the vocabulary [0, {serving.vocab_size})", param="tokens")
+    return serving.tokenizer.decode(tokens)
 
 
 def _read_chat_template(value: str | None) -> str | None:
@@ -242,6 +250,7 @@ def run_server(args: argparse.Namespace) -> None:
             max_body_bytes=args.max_request_body_bytes,
             max_header_bytes=args.max_header_bytes,
             chat_template=_read_chat_template(args.chat_template),
+            trust_request_chat_template=args.trust_request_chat_template,
         )
         limits = ConnectionLimits(
             header_timeout_s=args.header_read_timeout,

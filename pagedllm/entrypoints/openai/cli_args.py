@@ -21,6 +21,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="answer 429 while more accepted requests than this have not started")
     parser.add_argument("--max-n", type=int, default=128, help="largest n a request may ask for")
     parser.add_argument("--chat-template", type=str, default=None, help="Jinja chat template, or a file holding one")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept a chat_template in requests (a template is code the server runs, in a bounded "
+                        "sandbox); refused with a 400 otherwise")
     parser.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
     parser.add_argument("--max-header-bytes", type=int, default=16 << 10)
     parser.add_argument("--uvicorn-log-level", type=str, default="info",

@@ -3,9 +3,13 @@ pydantic and SamplingParams errors into 400s that name the offending request fie
 from __future__ import annotations
 
 import json
+import logging
 import re
+import uuid
 from http import HTTPStatus
 from typing import Any, Iterable, Mapping
+
+_logger = logging.getLogger("pagedllm")
 
 # OpenAI's error "type" per status; the official client maps the status to its exception class.
 _TYPES = {
@@ -50,8 +54,20 @@ def error_json_bytes(status: int, message: str, param: str | None = None, code: 
     return json.dumps(error_body(status, message, param, code)).encode()
 
 
+def internal_error_body(exc: BaseException, where: str) -> dict[str, Any]:
+    """The body of a 500 for an error the server did not expect: a generic message and an id. The
+    exception's text may quote the request or the server's internals, so it goes to the log only,
+    with its traceback, under that id."""
+    error_id = f"error-{uuid.uuid4().hex}"
+    _logger.error("unhandled error %s on %s", error_id, where, exc_info=exc)
+    return error_body(500, f"Internal server error (id {error_id}); the server's log has the details", code="internal_error")
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param, code)
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list"})
 
 
 def from_validation_error(exc: Any) -> OpenAIError:
@@ -60,9 +76,13 @@ def from_validation_error(exc: Any) -> OpenAIError:
     if not errors:
         return bad_request(str(exc))
     first = errors[0]
+    # A value that fails every member of a union gets one error per member; a type mismatch is the
+    # least telling of them (a list of 100 stop strings is "not a string" as well as "too long").
+    same_field = [e for e in errors if e.get("loc", ())[:1] == first.get("loc", ())[:1]]
+    first = next((e for e in same_field if not str(e.get("type", "")).endswith("_type")), first)
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
     # Union members show up as extra location parts (e.g. "str", "list[int]"): keep real field names.
-    loc = [p for p in loc if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*|\d+", p)]
+    loc = [p for p in loc if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*|\d+", p) and p not in _TYPE_NAMES]
     param = ".".join(loc) or None
     where = f" (field {param})" if param else ""
     return bad_request(f"{first.get('msg', 'invalid value')}{where}", param=param.split(".")[0] if param else None)

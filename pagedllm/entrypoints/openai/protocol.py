@@ -1,19 +1,30 @@
 """The OpenAI-compatible wire format: every pydantic model of the server (requests, responses, chunks, errors).
 
-Request models only check types and shapes; value ranges are checked once, by SamplingParams, so
-the messages are the engine's own and name the field. Unknown request fields are ignored, as the
-official client may send fields this server does not know.
+Request models check types strictly (no `true` for an integer, no "0.5" for a number) and shapes;
+value ranges are checked once, by SamplingParams, so the messages are the engine's own and name the
+field. Unknown request fields are kept in `model_extra`, and unsupported_fields refuses each one that
+would change the answer, by name, rather than ignore it.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+# Every stop string is searched for in the new text of every step, so their number and length are
+# what one request may add to the work of each step.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096
+_StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
+# Real chat templates are a few KiB; a request's template is compiled before it runs, so its size is bounded too.
+MAX_TEMPLATE_CHARS = 256 << 10
+_Template = Annotated[str, StringConstraints(max_length=MAX_TEMPLATE_CHARS)]
 
 
 class _Response(BaseModel):
@@ -59,7 +70,7 @@ class _SamplingFields(_Request):
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[str, float]] = None
     seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
+    stop: Optional[Union[_StopString, Annotated[list[_StopString], Field(max_length=MAX_STOP_STRINGS)]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
@@ -130,7 +141,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     # vLLM extras for the chat template
-    chat_template: Optional[str] = None
+    chat_template: Optional[_Template] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -215,7 +226,7 @@ class TokenizeRequest(_Request):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
-    chat_template: Optional[str] = None
+    chat_template: Optional[_Template] = None
 
 
 class TokenizeResponse(_Response):

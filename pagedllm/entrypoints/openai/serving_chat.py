@@ -1,10 +1,13 @@
-"""/v1/chat/completions: messages rendered by the tokenizer's chat template, answered whole or streamed."""
+"""/v1/chat/completions: messages rendered by the chat template (in a bounded sandbox, off the event loop),
+answered whole or streamed."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from pagedllm.engine.async_llm import EngineDeadError
+from pagedllm.entrypoints.openai.blocking_pool import run_blocking
+from pagedllm.entrypoints.openai.chat_render import TemplateLimitError, render_chat
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
@@ -52,19 +55,37 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
         for part in m.content:
             if part.get("type", "text") != "text":
                 raise bad_request(f"content part type {part.get('type')!r} is not supported", param="messages")
-            parts.append(str(part.get("text", "")))
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise bad_request(f"the text of a content part must be a string, got {type(text).__name__}", param="messages")
+            parts.append(text)
         d["content"] = "".join(parts)
     elif m.content is None:
         d["content"] = ""
     return d
 
 
+# Variables the server itself hands the template; chat_template_kwargs may not replace them.
+_RESERVED_TEMPLATE_VARS = ("messages", "add_generation_prompt", "tools", "documents")
+
+
+def _template_param(request_template: str | None) -> str:
+    return "chat_template" if request_template is not None else "messages"
+
+
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine: Any, settings: ServerSettings, chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        settings: ServerSettings,
+        chat_template: str | None = None,
+        trust_request_chat_template: bool = False,
+    ) -> None:
         super().__init__(engine, settings)
         self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
 
-    def render(
+    async def render(
         self,
         messages: list[ChatMessage],
         chat_template: str | None = None,
@@ -77,18 +98,41 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("chat needs a tokenizer; this server runs with --skip-tokenizer-init", param="messages")
         if not messages:
             raise bad_request("messages must not be empty", param="messages")
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise bad_request(
+                "chat_template in a request is refused: a template is code the server would run; start the "
+                "server with --trust-request-chat-template to accept templates from clients",
+                param="chat_template",
+            )
+        for name in _RESERVED_TEMPLATE_VARS:
+            if name in (template_kwargs or {}):
+                raise bad_request(f"chat_template_kwargs may not set {name!r}: the server sets it", param="chat_template_kwargs")
         conversation = [_message_dict(m) for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation,
-                chat_template=chat_template or self.chat_template,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message,
-                tokenize=False,
-                **(template_kwargs or {}),
+            return await run_blocking(
+                self._render_and_encode, conversation, chat_template, add_generation_prompt, continue_final_message,
+                template_kwargs or {},
             )
+        except TemplateLimitError as e:
+            raise bad_request(f"the chat template was stopped: {e}", param=_template_param(chat_template)) from None
+        except OpenAIError:
+            raise
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault (or a missing template)
-            raise bad_request(f"the chat template could not be applied: {e}", param="messages") from None
+            raise bad_request(f"the chat template could not be applied: {type(e).__name__}: {e}",
+                              param=_template_param(chat_template)) from None
+
+    def _render_and_encode(
+        self, conversation: list[dict[str, Any]], chat_template: str | None, add_generation_prompt: bool,
+        continue_final_message: bool, template_kwargs: dict[str, Any],
+    ) -> Prompt:
+        source = self.tokenizer.get_chat_template(chat_template or self.chat_template, None)
+        # Like transformers: the special tokens (bos_token, ...) first, the request's variables over them.
+        variables = {**self.tokenizer.special_tokens_map, **template_kwargs}
+        text = render_chat(
+            source, conversation, variables,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+        )
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return Prompt(text, list(ids))
 
@@ -100,7 +144,7 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, k, rename={"logprobs": "top_logprobs", "max_tokens": max_param})
-        prompt = self.render(
+        prompt = await self.render(
             req.messages, req.chat_template, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
         )
         self.check_context(len(prompt.token_ids), max_tokens, "messages", max_param)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from pagedllm.engine.async_llm import EngineDeadError
+from pagedllm.entrypoints.openai.blocking_pool import run_blocking
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -48,8 +49,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request(f"best_of must equal n ({req.n}) or be omitted, got {req.best_of}", param="best_of")
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", param="echo")
-        prompts = self._prompts(req.prompt)
         params = self.sampling_params(req, req.max_tokens, req.logprobs, rename={})
+        prompts = await self._prompts(req.prompt, req.n)
         for p in prompts:
             self.check_context(len(p.token_ids), req.max_tokens, "prompt", "max_tokens")
         request_id = req.request_id or random_id("cmpl")
@@ -58,7 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return StreamingResult(self._stream(req, request_id, prompts, streams), streams)
         return await self._full(req, request_id, prompts, streams)
 
-    def _prompts(self, prompt: Any) -> list[Prompt]:
+    async def _prompts(self, prompt: Any, n: int) -> list[Prompt]:
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):
@@ -67,15 +68,16 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(prompt)
         if not items:
             raise bad_request("prompt must not be empty", param="prompt")
-        out = []
-        for item in items:
-            if isinstance(item, str):
-                if self.tokenizer is None:
-                    raise bad_request("text prompts need a tokenizer; send token ids", param="prompt")
-                out.append(Prompt(item, self.engine.processor.tokenize_prompt(item)[1]))
-            else:
-                out.append(Prompt(None, list(item)))
-        return out
+        self.check_num_sequences(len(items), n)
+        texts = [item for item in items if isinstance(item, str)]
+        if texts and self.tokenizer is None:
+            raise bad_request("text prompts need a tokenizer; send token ids", param="prompt")
+        # Tokenizing is the one step whose time grows with the body (seconds for 15 MB): off the loop.
+        ids = iter(await run_blocking(self._tokenize_all, texts) if texts else [])
+        return [Prompt(item, next(ids)) if isinstance(item, str) else Prompt(None, list(item)) for item in items]
+
+    def _tokenize_all(self, texts: list[str]) -> list[list[int]]:
+        return [self.engine.processor.tokenize_prompt(text)[1] for text in texts]
 
     def _prompt_text(self, p: Prompt) -> str:
         if p.text is not None:

@@ -30,6 +30,8 @@ class ServerSettings:
     max_n: int = 128
     max_waiting_requests: int | None = None
     retry_after_s: int = 1
+    # Prompts times n: each is a sequence the engine schedules, and they are all added at once.
+    max_sequences_per_request: int = 1024
 
 
 @dataclass
@@ -76,6 +78,15 @@ class OpenAIServing:
     def check_engine(self) -> None:
         if self.engine.is_dead:
             raise OpenAIError(500, f"The engine is dead: {self.engine.dead_error}", code="engine_dead")
+
+    def check_num_sequences(self, num_prompts: int, n: int) -> None:
+        limit = self.settings.max_sequences_per_request
+        if num_prompts > limit or (isinstance(n, int) and num_prompts * n > limit):
+            raise bad_request(
+                f"prompt holds {num_prompts} prompts and n is {n}: {num_prompts * n} sequences, more than the "
+                f"{limit} one request may ask for",
+                param="prompt",
+            )
 
     def check_admission(self, num_new: int) -> None:
         """429 when the queue of accepted-but-not-started requests would exceed the limit."""

@@ -1,0 +1,73 @@
+"""Request fields the server does not implement: each is refused with a 400 that names it, unless its value
+is one that changes nothing (e.g. `response_format: {"type": "text"}`), so that no field is silently ignored."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pydantic import BaseModel
+
+from pagedllm.entrypoints.openai.errors import bad_request
+
+_STRUCTURED = "structured outputs (JSON schema, regex, choice and grammar constraints) are not implemented yet"
+_TOOLS = "tool calling is not implemented yet"
+
+# name -> (accepted when, why it is refused otherwise).
+_KNOWN: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "response_format": (lambda v: v is None or v == {"type": "text"}, _STRUCTURED + '; only {"type": "text"} is accepted'),
+    "guided_json": (lambda v: v is None, _STRUCTURED),
+    "guided_regex": (lambda v: v is None, _STRUCTURED),
+    "guided_choice": (lambda v: v is None, _STRUCTURED),
+    "guided_grammar": (lambda v: v is None, _STRUCTURED),
+    "guided_decoding_backend": (lambda v: v is None, _STRUCTURED),
+    "guided_whitespace_pattern": (lambda v: v is None, _STRUCTURED),
+    "structured_outputs": (lambda v: v is None, _STRUCTURED),
+    "tools": (lambda v: v is None or v == [], _TOOLS),
+    "functions": (lambda v: v is None or v == [], _TOOLS),
+    # Without tools, "none" and "auto" both mean plain text, which is what the server produces.
+    "tool_choice": (lambda v: v in (None, "none", "auto"), _TOOLS + '; only "none" and "auto" are accepted'),
+    "function_call": (lambda v: v in (None, "none", "auto"), _TOOLS + '; only "none" and "auto" are accepted'),
+    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), _TOOLS),
+    "prompt_logprobs": (lambda v: v is None, "logprobs of the prompt tokens are not implemented"),
+    "modalities": (lambda v: v is None or v == ["text"], 'only text is generated; only ["text"] is accepted'),
+    "audio": (lambda v: v is None, "audio output is not implemented"),
+    "store": (lambda v: v in (None, False), "the server does not store completions"),
+    "metadata": (lambda v: v is None, "the server does not store completions, so it keeps no metadata"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), 'the server has one tier; only "auto" and "default" are accepted'),
+    "prediction": (lambda v: v is None, "predicted outputs are not implemented"),
+    "reasoning_effort": (lambda v: v is None, "reasoning effort is not implemented"),
+    "web_search_options": (lambda v: v is None, "web search is not implemented"),
+    "use_beam_search": (lambda v: v in (None, False), "beam search is not implemented"),
+    "priority": (lambda v: v in (None, 0), "request priorities are not implemented"),
+}
+
+
+def _message(where: str, name: str, value: Any) -> str:
+    known = _KNOWN.get(name)
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    if known is not None:
+        return f"{where} is not supported ({known[1]}), got {shown}"
+    return f"{where} is not a field this endpoint knows; unknown fields are refused, not ignored"
+
+
+def _refuse_extras(model: BaseModel, prefix: str) -> None:
+    for name, value in (model.model_extra or {}).items():
+        known = _KNOWN.get(name)
+        if known is not None and known[0](value):
+            continue
+        where = f"{prefix}{name}"
+        raise bad_request(_message(where, name, value), param=(prefix.split(".")[0] or name))
+
+
+def refuse_unsupported_fields(req: BaseModel) -> None:
+    """400 for the first field of `req` (or of a nested request object) that would otherwise be ignored."""
+    _refuse_extras(req, "")
+    for name in type(req).model_fields:
+        value = getattr(req, name)
+        # Nested request objects (stream_options) only; chat messages, in lists, keep their extra keys
+        # (name, tool_calls, ...) for the chat template.
+        if isinstance(value, BaseModel) and value.model_config.get("extra") == "allow":
+            _refuse_extras(value, f"{name}.")
+    if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):
+        raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
+
