@@ -169,13 +169,36 @@ SHUTDOWN_TIMEOUT_S = 4
 
 
 @pytest.fixture(scope="module")
-def draining_server(tmp_path_factory):
+def own_model(tmp_path_factory) -> str:
+    return make_model("qwen3", tmp_path_factory.mktemp("model") / "qwen3", tie=True)
+
+
+def test_sigterm_during_start_up_stops_the_engine_core(tmp_path, own_model):
+    (tmp_path / "tmp").mkdir()
+    server = Server("starting", own_model, ["--served-model-name", MODEL], tmp_path, env={"TMPDIR": str(tmp_path / "tmp")})
+    try:
+        deadline = time.monotonic() + 60
+        while not list((tmp_path / "tmp").glob("pagedllm-core-*/input")) and time.monotonic() < deadline:
+            assert server.proc.poll() is None, server.log_tail()
+            time.sleep(0.05)
+        core = server.core_pid()
+        server.proc.send_signal(signal.SIGTERM)  # while the engine core is still being built
+        assert server.proc.wait(timeout=30) == 0, server.log_tail()
+    finally:
+        server.stop()
+    assert "Application startup complete" not in server.log_tail(), "the signal came too late to test start-up"
+    assert not list((tmp_path / "tmp").glob("pagedllm-core-*")), server.log_tail()
+    assert not Path(f"/proc/{core}").exists(), server.log_tail()
+
+
+@pytest.fixture(scope="module")
+def draining_server(tmp_path_factory, own_model):
     # Its own server (this test ends it), with a private temporary directory so that its engine
     # core's socket directory can be found.
     root = tmp_path_factory.mktemp("draining")
     (root / "tmp").mkdir()
     server = Server(
-        "draining", make_model("qwen3", root / "model", tie=True),
+        "draining", own_model,
         ["--served-model-name", MODEL, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--max-model-len", "2048"],
         root, env={"TMPDIR": str(root / "tmp")},
     )

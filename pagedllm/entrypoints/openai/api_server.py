@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -25,24 +26,15 @@ from pagedllm.entrypoints.openai.errors import (
 from pagedllm.entrypoints.openai.http_utils import GuardMiddleware, SSEResponse, run_until_disconnect
 from pagedllm.entrypoints.openai.openapi_bodies import request_body
 from pagedllm.entrypoints.openai.blocking_pool import run_blocking
-from pagedllm.entrypoints.openai.request_body import parse_json_object
+from pagedllm.entrypoints.openai.request_body import parse_request
 from pagedllm.entrypoints.openai.serving_engine import ServerSettings, StreamingResult
-from pagedllm.entrypoints.openai.unsupported_fields import refuse_unsupported_fields
 
 logger = logging.getLogger("pagedllm")
 
 
 async def _parse(request: Any, model_cls: Any) -> Any:
     """The JSON body as `model_cls`; every failure is a 400 in OpenAI's error shape."""
-    from pydantic import ValidationError
-
-    data = parse_json_object(await request.body())
-    try:
-        req = model_cls.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
-    refuse_unsupported_fields(req)
-    return req
+    return await run_blocking(parse_request, await request.body(), model_cls)
 
 
 def build_app(
@@ -236,8 +228,11 @@ def run_server(args: argparse.Namespace) -> None:
     if os.environ.get("PAGEDLLM_API_KEY"):
         api_keys.append(os.environ["PAGEDLLM_API_KEY"])
     _check_server_args(args)
-    engine = AsyncLLM.from_engine_args(engine_args)
+    # Until uvicorn takes the signals over, SIGTERM ends start-up through its cleanup (the engine core
+    # stopped, its sockets removed), as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _exit_during_start_up)
     lifecycle = ServerLifecycle(args.shutdown_timeout)
+    engine = AsyncLLM.from_engine_args(engine_args)
     try:
         engine.add_dead_callback(lifecycle.engine_died)
         settings = ServerSettings(
@@ -278,11 +273,19 @@ def run_server(args: argparse.Namespace) -> None:
         # Server.run builds the loop uvicorn's "auto" picks: uvloop when installed, else asyncio's.
         server.run()
     finally:
+        # A late signal must not cut the shutdown short; it is bounded by the core process's joins.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         engine.shutdown()
     if lifecycle.exit_status:
         logger.error("exiting with status %d: the engine core died (%s)", lifecycle.exit_status, lifecycle.dead_error)
         raise SystemExit(lifecycle.exit_status)
     logger.info("engine core stopped; server exits")
+
+
+def _exit_during_start_up(signum: int, frame: Any) -> None:
+    logger.info("%s during start-up: stopping", signal.Signals(signum).name)
+    raise SystemExit(0)
 
 
 def _check_server_args(args: argparse.Namespace) -> None:
