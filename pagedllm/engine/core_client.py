@@ -40,7 +40,27 @@ class CoreClient:
         from pagedllm.engine.core_proc import run_engine_core
 
         self._zmq = zmq
+        self._async_output = None
+        self._encoder = m.input_encoder()
+        self._decoder = m.output_decoder()
+        self._call_ids = itertools.count()
+        self._pending_calls: dict[int, asyncio.Future] = {}
+        self.dead_error: str | None = None
+        self.on_dead: Callable[[str], None] | None = None
+        self._watching = False
+        self._closed = False
+        self.num_blocks = 0
+        self._ctx = self._input = self._output = self.proc = None
         self._tmpdir = tempfile.mkdtemp(prefix="pagedllm-core-")
+        try:
+            self._start(engine_args, run_engine_core, multiprocessing.get_context("spawn"))
+        except BaseException:
+            # A failed spawn, or a signal during start-up (SIGTERM), leaves no process or socket behind.
+            self.shutdown()
+            raise
+
+    def _start(self, engine_args: EngineArgs, target: Callable[..., None], mp: Any) -> None:
+        zmq = self._zmq
         input_addr = f"ipc://{self._tmpdir}/input"
         output_addr = f"ipc://{self._tmpdir}/output"
         self._ctx = zmq.Context()
@@ -51,25 +71,13 @@ class CoreClient:
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_addr)
-        self._async_output = None
-        self._encoder = m.input_encoder()
-        self._decoder = m.output_decoder()
-        self._call_ids = itertools.count()
-        self._pending_calls: dict[int, asyncio.Future] = {}
-        self.dead_error: str | None = None
-        self.on_dead: Callable[[str], None] | None = None
-        self._watching = False
-        self._closed = False
-        args = dataclasses.asdict(engine_args)
-        mp = multiprocessing.get_context("spawn")
         self.proc = mp.Process(
-            target=run_engine_core,
-            args=(args, input_addr, output_addr, os.getpid()),
+            target=target,
+            args=(dataclasses.asdict(engine_args), input_addr, output_addr, os.getpid()),
             name="pagedllm-engine-core",
             daemon=True,
         )
         self.proc.start()
-        self.num_blocks = 0
 
     def wait_ready(self, timeout_s: float = 900.0) -> None:
         """Blocks until the core has built its engine; raises RuntimeError (and shuts the process
@@ -194,7 +202,7 @@ class CoreClient:
         if self._closed:
             return
         self._closed = True
-        if self.proc.is_alive():
+        if self.proc is not None and self.proc.is_alive():
             try:
                 self._input.send(self._encoder.encode(m.Shutdown()), self._zmq.NOBLOCK)
             except self._zmq.ZMQError:
@@ -206,9 +214,9 @@ class CoreClient:
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join()
-        self._input.close()
-        if self._async_output is not None:
-            self._async_output.close()
-        self._output.close()
-        self._ctx.term()
+        for sock in (self._input, self._async_output, self._output):
+            if sock is not None:
+                sock.close()
+        if self._ctx is not None:
+            self._ctx.term()
         shutil.rmtree(self._tmpdir, ignore_errors=True)

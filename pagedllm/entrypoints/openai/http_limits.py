@@ -19,6 +19,7 @@ logger = logging.getLogger("pagedllm")
 
 _IDLE, _HEAD, _BODY = "idle", "head", "body"
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_CODES = {408: "request_timeout", 431: "request_head_too_large"}
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class _ReadLimits:
             return
         logger.info("closing connection from %s: %s", _peer(self.transport), message)
         if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
-            body = error_json_bytes(status, message)
+            body = error_json_bytes(status, message, code=_CODES[status])
             head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status])]
             head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
             head.append(

@@ -21,7 +21,7 @@ logger = logging.getLogger("pagedllm")
 EXIT_ENGINE_DEAD = 1
 # How long a server whose engine died still answers (503) before it stops listening: in-flight
 # requests write their errors meanwhile, and a health check can read why.
-DEAD_LINGER_S = 2.0
+DEAD_LINGER_S = 3.0
 # uvicorn's own limit on the drain, past ours, only for requests that ignore our deadline (those
 # still reading their body, say): theirs are cancelled when it passes.
 _UVICORN_GRACE_S = 5.0
