@@ -3,9 +3,11 @@ schema violations), and hypothesis bodies that put hostile values into the field
 numbers, lone surrogates, deep nesting, huge lists, wrong types, unknown fields).
 
 Whatever a body holds, the server answers below 500, its engine-core process lives on, and /health
-is 200 afterwards. Runs are bounded (a fixed example count, no shrinking, which also keeps the
-reported body the first one that failed) and derandomized, so CI sees the same bodies every time.
-Generation lengths above a few tokens are cut down so the examples cost milliseconds each.
+is 200 afterwards. Each test lists every kind of 5xx it met, with the first body that got it (the
+server log has the traceback). Runs are bounded (a fixed example count, no shrinking) and
+derandomized, so CI sends the same bodies every time; the hostile runs start from the bodies that
+once ended in a 500 or a dead engine core. Generation lengths are cut to a few tokens, so each
+example costs milliseconds.
 """
 from __future__ import annotations
 
