@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from pagedllm.engine.async_llm import EngineDeadError
+from pagedllm.engine.async_llm import EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.blocking_pool import run_blocking
 from pagedllm.entrypoints.openai.chat_render import TemplateLimitError, render_chat
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
@@ -31,8 +31,9 @@ from pagedllm.entrypoints.openai.serving_engine import (
     StreamingResult,
     merge_streams,
     random_id,
+    request_failed,
     sse_chunk,
-    sse_error,
+    stream_failure,
     top_entries,
 )
 from pagedllm.outputs import Logprob
@@ -198,6 +199,8 @@ class OpenAIServingChat(OpenAIServing):
                         st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
         except EngineDeadError as e:
             raise OpenAIError(500, f"The engine died while serving the request: {e}", code="engine_dead") from None
+        except RequestFailedError as e:
+            raise request_failed(e) from None
         choices = [
             ChatCompletionChoice(
                 index=i,
@@ -246,6 +249,6 @@ class OpenAIServingChat(OpenAIServing):
                     )
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield chunk([], self._usage(prompt, sum(st.num_tokens for st in states), cached))
-        except EngineDeadError as e:
-            yield sse_error(500, f"The engine died while serving the request: {e}", code="engine_dead")
+        except Exception as e:  # noqa: BLE001 - the headers are sent: the error goes in the stream
+            yield stream_failure(e, "/v1/chat/completions (stream)")
         yield "data: [DONE]\n\n"

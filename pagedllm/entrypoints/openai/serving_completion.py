@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from pagedllm.engine.async_llm import EngineDeadError
+from pagedllm.engine.async_llm import EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.blocking_pool import run_blocking
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.entrypoints.openai.protocol import (
@@ -21,8 +21,9 @@ from pagedllm.entrypoints.openai.serving_engine import (
     StreamingResult,
     merge_streams,
     random_id,
+    request_failed,
     sse_chunk,
-    sse_error,
+    stream_failure,
     top_entries,
 )
 from pagedllm.outputs import Logprob
@@ -122,6 +123,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
         except EngineDeadError as e:
             raise OpenAIError(500, f"The engine died while serving the request: {e}", code="engine_dead") from None
+        except RequestFailedError as e:
+            raise request_failed(e) from None
         choices = []
         for idx, st in enumerate(states):
             text = "".join(st.text)
@@ -169,7 +172,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     id=request_id, model=self.model_name, choices=[], usage=self._usage(prompts, num_tokens, cached)
                 )
                 yield sse_chunk(chunk)
-        except EngineDeadError as e:
-            yield sse_error(500, f"The engine died while serving the request: {e}", code="engine_dead")
+        except Exception as e:  # noqa: BLE001 - the headers are sent: the error goes in the stream
+            yield stream_failure(e, "/v1/completions (stream)")
         yield "data: [DONE]\n\n"
 

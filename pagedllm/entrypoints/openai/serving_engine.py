@@ -8,8 +8,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body, from_value_error
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body, from_value_error, internal_error_body
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -263,3 +263,18 @@ def sse_chunk(chunk: Any) -> str:
 
 def sse_error(status: int, message: str, code: str | None = None) -> str:
     return f"data: {json.dumps(error_body(status, message, code=code))}\n\n"
+
+
+def request_failed(e: RequestFailedError) -> OpenAIError:
+    """The engine ended this request alone (its sampling or its step failed); the others go on."""
+    return OpenAIError(500, f"The engine could not complete this request: {e}", code="request_failed")
+
+
+def stream_failure(e: Exception, where: str) -> str:
+    """The error event that ends a stream which cannot go on, so that the client sees why before [DONE]."""
+    if isinstance(e, EngineDeadError):
+        return sse_error(500, f"The engine died while serving the request: {e}", code="engine_dead")
+    if isinstance(e, RequestFailedError):
+        err = request_failed(e)
+        return sse_error(err.status, err.message, code=err.code)
+    return f"data: {json.dumps(internal_error_body(e, where))}\n\n"
