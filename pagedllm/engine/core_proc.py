@@ -28,7 +28,8 @@ _MAX_JIT_WAIT_S = 0.05
 def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: str, parent_pid: int) -> None:
     """Process entry point (multiprocessing spawn target). Arguments are plain data only."""
     # Ctrl-C reaches the whole process group; the front-end owns shutdown and tells us (or we
-    # notice it has gone), so the core must not die half-way through a step on SIGINT.
+    # notice it has gone), so the core must not die half-way through a step on SIGINT. SIGTERM ends
+    # a start-up (the front-end's own fallback, too) but is ignored once serving (below).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s core: %(message)s", datefmt="%H:%M:%S")
@@ -51,6 +52,10 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
         logger.error("engine core failed to start:\n%s", traceback.format_exc())
         _close(ctx, inp, out)
         sys.exit(1)
+    # From here the front-end owns shutdown: a SIGTERM sent to the whole process group (systemd's way)
+    # must not end the core while the server drains its requests; the front-end's Shutdown message, or
+    # its absence noticed through the parent pid, ends the loop.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     out.send(encoder.encode(m.Ready(num_blocks=core.num_blocks, pid=os.getpid())))
     try:
         _BusyLoop(core, inp, out, parent_pid).run()

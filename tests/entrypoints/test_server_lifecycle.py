@@ -5,6 +5,7 @@ rest end with an OpenAI-shaped error, and the process exits 0 leaving no socket 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
@@ -246,7 +247,10 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(draining_server):
     for name, event in started.items():
         assert event.wait(60), f"{name} never started:\n{server.log_tail()}"
     signalled = time.monotonic()
-    server.proc.send_signal(signal.SIGTERM)
+    # To the server and every child, as a supervisor that signals the whole group does (systemd): the
+    # engine core must keep serving the drain.
+    for pid in [server.proc.pid, *children]:
+        os.kill(pid, signal.SIGTERM)
     time.sleep(0.5)
     # Not taken any more: refused at the socket, or a 503 while in-flight requests drain.
     try:
