@@ -11,6 +11,9 @@ _SAMPLING_EPS = 1e-5
 # The sampler divides float32 logits by the temperature: a larger value becomes infinity there, and
 # logits / infinity is NaN for masked (-inf) tokens.
 MAX_TEMPERATURE = 3.4028234663852886e38
+# Penalised positive logits are divided by the repetition penalty: a tiny one overflows float32 (1e-45
+# is 0 there, and 1 / 0 is infinite). At this bound a logit of 1e30 still stays finite.
+MIN_REPETITION_PENALTY = 0.01
 
 
 def _fail(name: str, value: Any, rule: str) -> None:
@@ -74,8 +77,8 @@ class SamplingParams:
             _fail("presence_penalty", self.presence_penalty, "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             _fail("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            _fail("repetition_penalty", self.repetition_penalty, "in (0, 2]")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0:
+            _fail("repetition_penalty", self.repetition_penalty, f"in [{MIN_REPETITION_PENALTY}, 2]")
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             _fail("temperature", self.temperature, f"a finite number in [0, {MAX_TEMPERATURE:.4g}] (float32's largest)")
         if not 0.0 < self.top_p <= 1.0:
