@@ -253,21 +253,9 @@ def test_tokenizing_a_15_mb_prompt_leaves_health_fast(chat_server):
     assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
 
 
-def test_a_request_the_engine_fails_alone_gets_a_clear_error(completions_server):
-    """A repetition penalty that underflows float32 makes the request's logits non-finite: the engine ends it
-    alone; the answer says so (or the value is refused up front), a stream ends with an error event and
-    [DONE], and the server goes on."""
-    from serve_helpers import sse_events
-
+def test_a_repetition_penalty_that_overflows_float32_is_refused(completions_server):
+    """Dividing a logit by 1e-45 (0 in float32) made the request's logits non-finite; now it never starts."""
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "repetition_penalty": 1e-45}
     r = _post(completions_server, "/v1/completions", body)
-    if r.status_code == 400:
-        assert r.json()["error"]["param"] == "repetition_penalty", r.text
-    else:
-        err = _error(r, 500)
-        assert err["code"] == "request_failed" and "no valid token" in err["message"]
-        with httpx.stream("POST", f"{completions_server.url}/v1/completions", json={**body, "stream": True},
-                          headers=completions_server.headers, timeout=60) as s:
-            events = sse_events(s.iter_lines())
-        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_failed", events
+    _error(r, 400, "repetition_penalty", contains=("[0.01, 2]",))
     _healthy(completions_server)
