@@ -22,6 +22,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.argmax import argmax_rows
 from pagedllm.sample.validity import INVALID_TOKEN_ID, check_sampled
+from pagedllm.worker.step_sampling import sample_isolating, sample_states
 from pagedllm.worker.cuda_graphs import CudaGraphRunner, graph_sizes
 from pagedllm.worker.gpu_buffers import DeviceInputs, StepBuffers
 from pagedllm.worker.input_batch import BatchInputs, InputBatch
@@ -328,7 +329,7 @@ class ModelRunner:
                 token_ids, checked = check_sampled(logits, argmax_rows(logits))
                 lp = None
             else:
-                token_ids, checked, lp, step.errors = self._sample_isolating(logits, states)
+                token_ids, checked, lp, step.errors = sample_isolating(self._sample, logits, states, self.device)
             step.rows, step.states, step.token_ids = rows, states, token_ids
             step.sampled_row = {st.req_id: j for j, st in enumerate(states)}
             # Sent to pinned host memory behind this step's kernels; _resolve waits for the event.
@@ -408,59 +409,8 @@ class ModelRunner:
                                            device=self.device)
         return self.model.compute_logits(hidden, float32=False, out=self._logits_out)
 
-    def _sample_isolating(self, logits: torch.Tensor, states: list) -> tuple:
-        """Samples logits [S, vocab] for states; if that raises, ends only the requests whose own sampling
-        raises. Returns device ids [S] (inside the vocabulary), host-bound ids [S] (INVALID_TOKEN_ID where
-        nothing was drawn), logprobs tensors or None, and {req_id: reason} of the failed requests."""
-        try:
-            out = self._sample(logits, states)
-            return out.sampled_token_ids, out.checked_token_ids, out.logprobs, {}
-        except Exception:  # noqa: BLE001 - find the culprit rows below; the rest of the batch goes on
-            logger.exception("sampling a batch of %d requests failed; sampling each alone", len(states))
-        errors: dict[str, str] = {}
-        good: list[int] = []
-        for j, st in enumerate(states):
-            try:
-                self._sample(logits[j : j + 1], [st])
-                good.append(j)
-            except Exception as e:  # noqa: BLE001 - this request alone is ended, with the reason
-                logger.exception("sampling request %s failed", st.req_id)
-                errors[st.req_id] = f"sampling failed ({type(e).__name__})"
-        num = len(states)
-        token_ids = torch.zeros(num, dtype=torch.int64, device=self.device)
-        checked = torch.full((num,), INVALID_TOKEN_ID, dtype=torch.int64, device=self.device)
-        lp = None
-        if good:
-            idx = torch.tensor(good, dtype=torch.int64, device=self.device)
-            out = self._sample(logits.index_select(0, idx), [states[j] for j in good])
-            token_ids.index_copy_(0, idx, out.sampled_token_ids)
-            checked.index_copy_(0, idx, out.checked_token_ids)
-            if out.logprobs is not None:
-                # Full-height tensors so that rows keep their places; failed rows' entries are never read.
-                lp = type(out.logprobs)(*(
-                    t.new_zeros((num, *t.shape[1:])).index_copy_(0, idx, t)
-                    for t in (out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks)
-                ))
-        return token_ids, checked, lp, errors
-
-    def _sample(self, logits: torch.Tensor, states: list):  # -> SamplerOutput
-        from pagedllm.sample.metadata import build_sampling_metadata
-
-        # Penalties read every token id of the batch each step: hand them over as cached int64 arrays
-        # (a copy each, not a conversion of every Python int).
-        if any(st.sampling_params.has_penalties for st in states):
-            ids = [st.token_arrays() for st in states]
-        else:
-            ids = [(st.prompt_token_ids, st.output_token_ids) for st in states]
-        md = build_sampling_metadata(
-            params=[st.sampling_params for st in states],
-            prompt_token_ids=[p for p, _ in ids],
-            output_token_ids=[o for _, o in ids],
-            seeds=[st.seed for st in states],
-            vocab_size=logits.shape[-1],
-            device=self.device,
-        )
-        return self.sampler(logits, md)
+    def _sample(self, logits: torch.Tensor, states: list):  # [S, vocab] -> SamplerOutput
+        return sample_states(self.sampler, logits, states, self.device)
 
     def _prompt_logprobs(self, b: BatchInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
         """Logprobs of each prompt token given its prefix, for the prompt positions in this step."""
