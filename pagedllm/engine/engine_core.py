@@ -44,10 +44,9 @@ class EngineCore:
         self._jit = self.async_scheduling and config.scheduler_config.submit_just_in_time
         self._decode_device_s: dict[int, float] = {}
         self._submit_host_s = 0.0
-        # Requests computed by the step being run (and, asynchronously, by the step still in flight):
-        # those a failed step ends.
-        self._step_reqs: set[str] = set()
-        self._in_flight_reqs: set[str] = set()
+        # The step being scheduled and run by the current call of ``step``: with the step in flight, what a
+        # failure ends.
+        self._submitting: SchedulerOutput | None = None
         # (Asynchronous mode) Called with each step's outputs as soon as they are known, instead of
         # ``step`` returning them: the serving loop sends them on from here (core_proc.py).
         self.emit_outputs: Callable[[list[EngineCoreOutput]], None] | None = None
@@ -87,27 +86,28 @@ class EngineCore:
         """One step. A step that raises ends the requests it computed with an error and nothing else: the
         other requests go on (recomputed), unless the executor cannot recover (a broken device), in which
         case the exception propagates and the engine is dead."""
-        self._step_reqs.clear()
+        self._submitting = None
         try:
             if self.async_scheduling:
                 return self._step_async()
             if not self.scheduler.has_unfinished_requests():
                 return []
-            scheduler_output = self.scheduler.schedule()
-            self._step_reqs.update(scheduler_output.num_scheduled_tokens)
+            scheduler_output = self._submitting = self.scheduler.schedule()
             runner_output = self.executor.execute_model(scheduler_output)
             return self.scheduler.update_from_output(scheduler_output, runner_output)
         except Exception as e:  # noqa: BLE001 - contained below, or re-raised by the executor's reset
             return self._recover(e)
 
     def _recover(self, error: Exception) -> list[EngineCoreOutput]:
-        logger.exception("a step of %d requests failed", len(self._step_reqs))
+        failed: set[str] = set()
+        for so in (self._submitting, self._in_flight):
+            if so is not None:
+                failed.update(so.num_scheduled_tokens)
+        if not failed:
+            raise error  # nothing ran that could be blamed (the scheduler itself failed): not recoverable
+        logger.exception("a step of %d requests failed", len(failed))
         self.executor.reset()  # raises when the device itself is broken: then the engine dies
-        self._in_flight = None
-        failed = set(self._step_reqs)
-        if self._in_flight_reqs:
-            failed |= self._in_flight_reqs
-        self._in_flight_reqs = set()
+        self._in_flight = self._submitting = None
         # Only the exception's type: its text may hold internals that are not the client's business.
         outputs = self.scheduler.recover_from_failed_step(failed, f"the model step failed ({type(error).__name__})")
         if self.emit_outputs is not None:
@@ -129,8 +129,7 @@ class EngineCore:
         emit = self.emit_outputs if self._in_flight is not None else None
         if self.scheduler.has_unfinished_requests():
             t0 = time.perf_counter()
-            submitted = self.scheduler.schedule()
-            self._step_reqs.update(submitted.num_scheduled_tokens)
+            submitted = self._submitting = self.scheduler.schedule()
             schedule_s = time.perf_counter() - t0
             # Submitted even when empty: the runner must still forget finished requests.
             launch_s = self.executor.submit(submitted, defer_sampling=emit is not None) or 0.0
@@ -152,7 +151,6 @@ class EngineCore:
                 outputs = []
         self.executor.launch_sampling()
         self._in_flight = submitted
-        self._in_flight_reqs = set(submitted.num_scheduled_tokens) if submitted is not None else set()
         return outputs
 
     @staticmethod
