@@ -21,6 +21,8 @@ logger = logging.getLogger("pagedllm")
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping")
 # Idle wake-up period (ms) to notice an orphaned core whose front-end was killed.
 _IDLE_POLL_MS = 500
+# oneDNN's and ideep's per-shape primitive caches in the engine-core process (see run_engine_core).
+_PRIMITIVE_CACHE_CAPACITY = 64
 # Never wait longer than this for the device, whatever a step's measured duration says.
 _MAX_JIT_WAIT_S = 0.05
 
@@ -33,6 +35,12 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s core: %(message)s", datefmt="%H:%M:%S")
+    # On the CPU, oneDNN and torch's ideep layer keep a primitive per product shape, 1,024 of each by
+    # default: a server meets a new shape with every new prompt-chunk length or batch size, and the cache
+    # took hundreds of MiB over thousands of requests. At 64 the core's RSS stays flat after warm-up, at
+    # the same request rate (docs/benchmarks.md, "Serving soak"). Read at their first use; users may set them.
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(_PRIMITIVE_CACHE_CAPACITY))
     import zmq
 
     from pagedllm.engine import core_messages as m
