@@ -32,7 +32,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--shutdown-timeout", type=float, default=0.0,
         help="on SIGTERM or SIGINT, seconds that in-flight requests may take to finish before they end with a "
-        "503 error (streams: an error event, then [DONE]); new requests get 503 meanwhile. Default 0, as in vLLM: "
+        "503 error (streams: an error event, then [DONE]); new requests get 503 meanwhile. Default 0: "
         "end them at once",
     )
     parser.add_argument("--timeout-keep-alive", type=float, default=5.0,
