@@ -22,13 +22,13 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.argmax import argmax_rows
 from pagedllm.sample.validity import INVALID_TOKEN_ID, check_sampled
-from pagedllm.worker.step_sampling import sample_isolating, sample_states
 from pagedllm.worker.cuda_graphs import CudaGraphRunner, graph_sizes
 from pagedllm.worker.gpu_buffers import DeviceInputs, StepBuffers
 from pagedllm.worker.input_batch import BatchInputs, InputBatch
 from pagedllm.worker.step_records import (
     ForwardPass, LogprobsTensorsOnHost, StepInFlight, StepInfo, last_token_rows, logprobs_to_lists,
 )
+from pagedllm.worker.step_sampling import sample_isolating, sample_states
 
 logger = logging.getLogger("pagedllm")
 
