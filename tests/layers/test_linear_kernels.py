@@ -51,7 +51,7 @@ def test_config_covers_model_shapes_and_refuses_odd_ones() -> None:
         for float8 in (False, True):
             cfg = gemv_k.default_config(n, k, float8)
             assert cfg is not None and n % cfg.block_n == 0 and k % cfg.block_k == 0 and cfg.block_k % cfg.fold == 0
-    # Float8 rows carry half the bytes a column: taller or wider tiles than 16-bit ones (gemv_variants.py).
+    # Float8 rows carry half the bytes a column: taller or wider tiles than 16-bit ones (the H200 tile sweep).
     assert gemv_k.default_config(4096, 4096) == gemv_k.GemvConfig(2, 2048, 4)
     assert gemv_k.default_config(28672, 4096, float8=True) == gemv_k.GemvConfig(16, 512, 4)
     assert gemv_k.default_config(6144, 4096, float8=True) == gemv_k.GemvConfig(8, 1024, 4)

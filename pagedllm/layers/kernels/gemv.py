@@ -86,7 +86,7 @@ def default_config(n: int, k: int, float8: bool = False) -> GemvConfig | None:
     """Tile shape for an [n, k] weight (``float8``: stored in float8), or None when no tile divides it (the
     caller falls back).
 
-    From H200 sweeps over the Llama-3-8B linears (``benchmarks/gemv_variants.py``), with the products of
+    From H200 sweeps over the Llama-3-8B linears (a tile-sweep script kept in git history), with the products of
     16 columns folded: 2 rows by 2,048 columns for 16-bit weights; for float8 ones, which carry half the
     bytes a column, 16 x 512 on the tall gate_up, 8 x 1,024 on outputs wider than the input, 4 x 2,048 else.
     Narrower K steps where 2,048 does not divide the input.
