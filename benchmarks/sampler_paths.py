@@ -6,7 +6,7 @@
 Logits are random normal (std 3) in float32, [B, V]; on CUDA V is Qwen3's (151,936) and Llama 3's
 (128,256) by default. Each case builds its SamplingMetadata once (host time reported apart) and times
 ``Sampler.forward``: on CUDA with events, median of 20 calls after 3 warm-up calls; on the CPU the mean
-wall time of 3 calls after one. Compare with a decode step of the same batch (docs/benchmarks.md).
+wall time of 3 calls after one. Compare with a decode step of the same batch (docs/performance.md).
 """
 from __future__ import annotations
 

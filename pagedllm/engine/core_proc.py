@@ -38,7 +38,7 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
     # On the CPU, oneDNN and torch's ideep layer keep a primitive per product shape, 1,024 of each by
     # default: a server meets a new shape with every new prompt-chunk length or batch size, and the cache
     # took hundreds of MiB over thousands of requests. At 64 the core's RSS stays flat after warm-up, at
-    # the same request rate (docs/benchmarks.md, "Serving soak"). Read at their first use; users may set them.
+    # the same request rate (docs/performance.md, "Serving soak"). Read at their first use; users may set them.
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(_PRIMITIVE_CACHE_CAPACITY))
     import zmq
