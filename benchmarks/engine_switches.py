@@ -105,7 +105,7 @@ def run_variant(args) -> dict:
     sys.path.insert(0, HERE)
     from gpu_measure import make_llm, run_generate, warm_up
 
-    from pagedllm.benchmarks.latency import measure_latency
+    from pagedllm.entrypoints.bench.latency import measure_latency
 
     from pagedllm.attention.backends.triton import TritonImpl
 

@@ -18,7 +18,7 @@ after the same warm-up bursts, as the server had (OUT/offline_warm.log): `bench 
 first generate call, first-call costs included. Prints a table last; writes OUT/h200_serve.json.
 
 Same prompts: `bench serve` builds text prompts and `bench throughput` random token ids, so (b) sends
-the token ids that `bench throughput` builds itself (pagedllm.benchmarks.datasets.random_requests with
+the token ids that `bench throughput` builds itself (pagedllm.entrypoints.bench.datasets.random_requests with
 the same count, lengths, range ratio, seed and the model's vocab_size) as token prompts; the offline
 run is checked to have read and produced exactly as many tokens, the warm one to hash to the same
 prompts. (a) uses other token prompts (seed + 1) and the warm-up others again, so no prefix-cache hit
@@ -55,8 +55,8 @@ REPO = os.path.dirname(HERE)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from pagedllm.benchmarks import serve as bench_serve  # noqa: E402 - stdlib only until the client runs (httpx)
-from pagedllm.benchmarks.datasets import random_requests  # noqa: E402
+from pagedllm.entrypoints.bench import serve as bench_serve  # noqa: E402 - stdlib only until the client runs (httpx)
+from pagedllm.entrypoints.bench.datasets import random_requests  # noqa: E402
 from serve_process import CLI, Server, child_env, tail  # noqa: E402 - a sibling module of this script
 
 LLAMA_8B = os.path.join(HERE, "shapes", "llama-3-8b")
@@ -202,7 +202,7 @@ def offline_warm_worker(args) -> None:
     """Fresh process: `bench throughput`'s own steps (same LLM flags, prompts, sampling params), after the
     server's warm-up bursts, so that first-call costs (Triton, cuBLAS, allocator) stay out of the timing."""
     from pagedllm import LLM, SamplingParams
-    from pagedllm.benchmarks import throughput as bench_thr
+    from pagedllm.entrypoints.bench import throughput as bench_thr
     from pagedllm.engine_args import EngineArgs
 
     p = argparse.ArgumentParser()

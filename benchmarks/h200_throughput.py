@@ -94,7 +94,7 @@ def section_llama(args) -> dict:
     out["process_to_ready_s"] = time.time() - args.process_t0
     out["startup"] = startup_report(llm)
     _save(args, "llama", out)
-    from pagedllm.benchmarks.latency import measure_latency
+    from pagedllm.entrypoints.bench.latency import measure_latency
 
     in_len, out_len = (1000, 256) if not args.smoke else (20, 8)
     out["batch1"] = measure_latency(llm, 1, in_len, out_len, num_iters=2, num_warmup=1)  # workload 3

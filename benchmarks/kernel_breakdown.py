@@ -47,7 +47,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     llm = make_llm(MODELS[args.model], smoke=False, quantization=args.quantization)
     results: dict = {}
-    from pagedllm.benchmarks.latency import measure_latency
+    from pagedllm.entrypoints.bench.latency import measure_latency
 
     for spec in filter(None, args.latency.split(",")):
         batch, in_len, out_len = (int(v) for v in spec.split(":"))

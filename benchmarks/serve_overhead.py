@@ -15,7 +15,7 @@ from serve_process import Server  # a sibling module of this script
 
 
 def serve_run(args, prompts) -> dict:
-    from pagedllm.benchmarks.serve import add_cli_args, benchmark
+    from pagedllm.entrypoints.bench.serve import add_cli_args, benchmark
 
     flags = ([args.model] if args.model else []) + ["--max-num-seqs", str(args.concurrency), "--dtype", "float32"]
     server = Server(flags)
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
-    from pagedllm.benchmarks.serve import make_prompts
+    from pagedllm.entrypoints.bench.serve import make_prompts
 
     prompts = make_prompts("random", args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed)
     served = serve_run(args, prompts)

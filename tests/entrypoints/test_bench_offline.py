@@ -55,7 +55,7 @@ def test_a_plot_without_matplotlib_fails_before_the_run(monkeypatch, tmp_path):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    from pagedllm.benchmarks.plots import require_matplotlib
+    from pagedllm.entrypoints.bench.plots import require_matplotlib
 
     require_matplotlib(None)  # no plot asked: nothing needed
     with pytest.raises(SystemExit, match=r"--plot .*x\.png needs matplotlib.*pagedllm\[bench\]"):

@@ -9,7 +9,7 @@ import statistics
 import httpx
 import pytest
 
-from pagedllm.benchmarks import serve as bench
+from pagedllm.entrypoints.bench import serve as bench
 
 
 def test_arrivals_poisson_gamma_and_burst():

@@ -12,9 +12,9 @@ _COMMANDS = (
     (("generate",), "pagedllm.entrypoints.cli.generate", "continue prompts, streaming the text (default model: Gemma 3 270M)"),
     (("chat",), "pagedllm.entrypoints.cli.chat", "interactive chat through the model's chat template"),
     (("serve",), "pagedllm.entrypoints.openai.cli_args", "OpenAI-compatible HTTP server"),
-    (("bench", "throughput"), "pagedllm.benchmarks.throughput", "offline throughput on random prompts"),
-    (("bench", "latency"), "pagedllm.benchmarks.latency", "time to first token and per output token, per batch size"),
-    (("bench", "serve"), "pagedllm.benchmarks.serve", "load-test a running server with streaming requests"),
+    (("bench", "throughput"), "pagedllm.entrypoints.bench.throughput", "offline throughput on random prompts"),
+    (("bench", "latency"), "pagedllm.entrypoints.bench.latency", "time to first token and per output token, per batch size"),
+    (("bench", "serve"), "pagedllm.entrypoints.bench.serve", "load-test a running server with streaming requests"),
 )
 
 

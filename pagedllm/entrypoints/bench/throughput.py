@@ -5,7 +5,7 @@ import argparse
 import json
 import time
 
-from pagedllm.benchmarks.datasets import random_requests
+from pagedllm.entrypoints.bench.datasets import random_requests
 from pagedllm.engine_args import EngineArgs
 
 
@@ -22,7 +22,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from pagedllm import LLM, SamplingParams
-    from pagedllm.benchmarks.plots import plot_throughput, require_matplotlib
+    from pagedllm.entrypoints.bench.plots import plot_throughput, require_matplotlib
 
     require_matplotlib(args.plot)
     engine_args = EngineArgs.from_cli_args(args)

@@ -12,7 +12,7 @@ import statistics
 import time
 from typing import Any
 
-from pagedllm.benchmarks.datasets import random_requests
+from pagedllm.entrypoints.bench.datasets import random_requests
 from pagedllm.engine_args import EngineArgs
 
 
@@ -97,7 +97,7 @@ def measure_latency(
 
 def run(args: argparse.Namespace) -> list[dict]:
     from pagedllm import LLM
-    from pagedllm.benchmarks.plots import plot_latency, require_matplotlib
+    from pagedllm.entrypoints.bench.plots import plot_latency, require_matplotlib
 
     require_matplotlib(args.plot)
     sizes = parse_batch_sizes(args.batch_size)

@@ -350,14 +350,14 @@ def _print(summary: dict) -> None:
 
 
 def _plot(path: str, results: list[RequestResult]) -> None:
-    from pagedllm.benchmarks.plots import plot_serve
+    from pagedllm.entrypoints.bench.plots import plot_serve
 
     ok = [r for r in results if r.ok]
     plot_serve(path, [r.start for r in ok], [r.ttft for r in ok], [g for r in ok for g in r.itl], [r.e2e for r in ok])
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pagedllm.benchmarks.plots import require_matplotlib
+    from pagedllm.entrypoints.bench.plots import require_matplotlib
 
     require_matplotlib(args.plot)
     summary, results = asyncio.run(benchmark(args))
