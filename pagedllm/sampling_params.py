@@ -5,6 +5,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.structured_output.params import StructuredOutputsParams
+
 # vLLM's limit on returned logprobs per token; larger values cost a vocabulary-wide sort per step.
 MAX_LOGPROBS = 20
 _SAMPLING_EPS = 1e-5
@@ -46,6 +48,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     detokenize: bool = True
+    # A constraint on the output (JSON schema, regex, choice, grammar); a dict is taken as its fields.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: the model's EOS ids, kept apart from the user's stop_token_ids.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -64,6 +68,9 @@ class SamplingParams:
                 _fail("logit_bias", self.logit_bias, "a mapping of integer token ids to float biases")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.structured_outputs is not None:
+            # The wire to the engine core carries it as a dict (core_messages.params_to_dict).
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self._verify()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other truncation knobs cannot change an argmax, so normalise them.
