@@ -65,6 +65,9 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.max_tokens = sampling_params.max_tokens
         self.block_hasher = BlockHasher(extra_keys=(cache_salt,) if cache_salt else None)
+        # Structured outputs: the grammar's state after this request's output tokens (an xgrammar
+        # GrammarMatcher, set by the engine core once the grammar is compiled; opaque here).
+        self.grammar_matcher: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -36,6 +37,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished since the last step: the runner drops their state
     preempted_req_ids: set[str]  # the runner drops these too; they come back as new requests
+    # Structured outputs (filled by the engine core after scheduling): request id -> its row of
+    # grammar_bitmask, an int32 tensor [rows, ceil(vocab / 32)] of allowed tokens (bit set: allowed).
+    grammar_rows: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

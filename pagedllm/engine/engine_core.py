@@ -10,6 +10,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from pagedllm.engine.heap import freeze_start_up_heap, unfreeze_heap
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.executor.base import Executor
 
 logger = logging.getLogger("pagedllm")
@@ -51,7 +52,17 @@ class EngineCore:
         # ``step`` returning them: the serving loop sends them on from here (core_proc.py).
         self.emit_outputs: Callable[[list[EngineCoreOutput]], None] | None = None
         self._output_at: float | None = None
+        # Constrained requests wait there for their grammars; built (xgrammar imported) on the first one.
+        self.structured = StructuredOutputManager(config.model_config)
         freeze_start_up_heap()
+
+    @property
+    def tokenizer(self):
+        return self.structured.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self.structured.tokenizer = tokenizer
 
     def _check_cache_fits(self, num_blocks: int) -> None:
         bs = self.config.cache_config.block_size
@@ -71,32 +82,49 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Queues a request. Ids are unique by construction (Processor), so a live id again is the
         caller's bug: ValueError, and the live request is left alone."""
+        if request.sampling_params.structured_outputs is not None:
+            if request.request_id in self.scheduler.requests:
+                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            self.structured.add_request(request)  # enters the scheduler once its grammar is compiled
+            return
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        self.structured.abort(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_by_stop_string(self, request_id: str, stop: str) -> None:
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_STOPPED, stop)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or self.structured.has_waiting()
 
     def step(self) -> list[EngineCoreOutput]:
         """One step. A step that raises ends the requests it computed with an error and nothing else: the
         other requests go on (recomputed), unless the executor cannot recover (a broken device), in which
         case the exception propagates and the engine is dead."""
         self._submitting = None
+        # Requests whose grammar compiled join the queue; those whose compile failed end here.
+        idle = not self.scheduler.has_unfinished_requests() and self._in_flight is None
+        failed = self.structured.admit(self.scheduler, idle)
+        if failed and self.emit_outputs is not None:
+            self.emit_outputs(failed)
+            failed = []
         try:
             if self.async_scheduling:
-                return self._step_async()
+                return failed + self._step_async()
             if not self.scheduler.has_unfinished_requests():
-                return []
+                return failed
             scheduler_output = self._submitting = self.scheduler.schedule()
+            self.structured.fill_bitmask(scheduler_output, self.scheduler)
             runner_output = self.executor.execute_model(scheduler_output)
-            return self.scheduler.update_from_output(scheduler_output, runner_output)
+            return failed + self._update(scheduler_output, runner_output)
         except Exception as e:  # noqa: BLE001 - contained below, or re-raised by the executor's reset
             return self._recover(e)
+
+    def _update(self, so: SchedulerOutput, runner_output) -> list[EngineCoreOutput]:
+        outputs = self.scheduler.update_from_output(so, runner_output)
+        return self.structured.accept_outputs(outputs, self.scheduler)
 
     def _recover(self, error: Exception) -> list[EngineCoreOutput]:
         failed: set[str] = set()
@@ -124,12 +152,26 @@ class EngineCore:
         is dropped, since the request is gone by then.
         """
         submitted: SchedulerOutput | None = None
+        drained: list[EngineCoreOutput] = []
+        if self._in_flight is not None and self.structured.must_wait_for_tokens(self.scheduler.running):
+            # A running constrained request's next bitmask needs the token the step in flight samples
+            # for it, so that step's output is applied before the next one is scheduled: while
+            # constrained requests run, scheduling and input preparation no longer overlap the device's
+            # work (the device idles for them each step, as in synchronous mode).
+            runner_output = self.executor.take_output()
+            self._output_at = time.perf_counter()
+            drained = self._update(self._in_flight, runner_output)
+            self._in_flight = None
+            if self.emit_outputs is not None:
+                self.emit_outputs(drained)
+                drained = []
         # With an emitter, step N's outputs leave before step N+1's sampling is launched: that launch
         # then runs while the forward pass does, instead of delaying every token's delivery.
         emit = self.emit_outputs if self._in_flight is not None else None
         if self.scheduler.has_unfinished_requests():
             t0 = time.perf_counter()
             submitted = self._submitting = self.scheduler.schedule()
+            self.structured.fill_bitmask(submitted, self.scheduler)
             schedule_s = time.perf_counter() - t0
             # Submitted even when empty: the runner must still forget finished requests.
             launch_s = self.executor.submit(submitted, defer_sampling=emit is not None) or 0.0
@@ -145,13 +187,13 @@ class EngineCore:
             self._output_at = time.perf_counter()
             if self._jit:
                 self._record_device_time(self._in_flight, runner_output.device_time_s)
-            outputs = self.scheduler.update_from_output(self._in_flight, runner_output)
+            outputs = self._update(self._in_flight, runner_output)
             if emit is not None:
                 emit(outputs)
                 outputs = []
         self.executor.launch_sampling()
         self._in_flight = submitted
-        return outputs
+        return drained + outputs
 
     @staticmethod
     def _decode_batch(so: SchedulerOutput) -> int | None:
@@ -187,11 +229,14 @@ class EngineCore:
         return max(0.0, self._output_at + expected - margin - time.perf_counter())
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        stats.num_waiting_reqs += self.structured.num_waiting()
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
         unfreeze_heap()

@@ -23,6 +23,8 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(config.model_config)
         self.processor = Processor(config.model_config, self.tokenizer)
         self.engine_core = EngineCore(config, executor or UniProcExecutor(config))
+        # Structured outputs compile against this tokenizer instead of loading it a second time.
+        self.engine_core.tokenizer = self.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod

@@ -120,3 +120,9 @@ class Processor:
         if bad:
             raise ValueError(f"prompt_token_ids holds token id {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})")
         params.verify_vocab(self.vocab_size)
+        if params.structured_outputs is not None:
+            # Converting the constraint is cheap and tokenizer-free: a bad schema, regex or grammar is
+            # refused here rather than failing later in the engine core.
+            from pagedllm.structured_output.grammar import validate
+
+            validate(params.structured_outputs)
