@@ -45,17 +45,25 @@ def build_app(
     max_header_bytes: int = 16 << 10,
     chat_template: str | None = None,
     trust_request_chat_template: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> Any:
     from pagedllm import __version__
     from pagedllm.entrypoints.openai import protocol as p
+    from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
     from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
     from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
     from pagedllm.metrics.prometheus import PrometheusStatLogger
 
     metrics = PrometheusStatLogger(settings.served_model_names[0])
     engine.add_stat_logger(metrics)
     completion = OpenAIServingCompletion(engine, settings)
-    chat = OpenAIServingChat(engine, settings, chat_template, trust_request_chat_template)
+    chat = OpenAIServingChat(
+        engine, settings, chat_template, trust_request_chat_template,
+        auto_tool_parser=get_tool_parser(tool_call_parser) if tool_call_parser else None,
+        reasoning_parser=get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
+    )
 
     @asynccontextmanager
     async def lifespan(app: Any):
@@ -246,6 +254,9 @@ def run_server(args: argparse.Namespace) -> None:
             max_header_bytes=args.max_header_bytes,
             chat_template=_read_chat_template(args.chat_template),
             trust_request_chat_template=args.trust_request_chat_template,
+            # A parser reads calls only where the server accepts "auto" (vLLM's pairing of the two flags).
+            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+            reasoning_parser=args.reasoning_parser,
         )
         limits = ConnectionLimits(
             header_timeout_s=args.header_read_timeout,
@@ -295,5 +306,7 @@ def _check_server_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if not least <= value < float("inf"):
             raise ValueError(f"--{flag.replace('_', '-')} must be a finite number of seconds >= {least:g}, got {value}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral or pythonic)")
     if args.limit_concurrency is not None and args.limit_concurrency < 1:
         raise ValueError(f"--limit-concurrency must be >= 1, got {args.limit_concurrency}")

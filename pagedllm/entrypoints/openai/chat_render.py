@@ -307,8 +307,10 @@ def render_chat(
     continue_final_message: bool = False,
     max_chars: int = MAX_CHARS,
     time_limit_s: float = TIME_LIMIT_S,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The conversation rendered by template `source`; blocking, so run it off the event loop."""
+    """The conversation rendered by template `source` (with the request's `tools`, for templates that
+    describe them to the model); blocking, so run it off the event loop."""
     chat = [_normalize(m) for m in messages]
     final = None
     if continue_final_message:
@@ -324,7 +326,7 @@ def render_chat(
         out: list[str] = []
         size = 0
         for piece in template.generate(
-            messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
+            messages=chat, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables
         ):
             size += len(piece)
             _check_chars(size, "an output")

@@ -31,6 +31,12 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Strict(BaseModel):
+    """A nested request object whose every key is known: an unknown one is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
 # ---- errors ---------------------------------------------------------------------------------------
 class ErrorInfo(_Response):
     message: str
@@ -57,6 +63,30 @@ class Usage(_Response):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+# ---- structured outputs ---------------------------------------------------------------------------
+class JsonSchemaFormat(_Strict):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[Union[dict[str, Any], bool]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs` extra field: exactly one constraint."""
+
+    json_: Optional[Union[str, dict[str, Any], bool]] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
 
 
 class _SamplingFields(_Request):
@@ -86,6 +116,13 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     allowed_token_ids: Optional[list[int]] = None
     request_id: Optional[str] = None
+    # structured outputs: OpenAI's, vLLM's, and vLLM's older guided_* names (one constraint per request)
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+    guided_json: Optional[Union[str, dict[str, Any], bool]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
 
 # ---- /v1/completions ------------------------------------------------------------------------------
@@ -134,6 +171,27 @@ class ChatMessage(BaseModel):
     content: Optional[Union[str, list[dict[str, Any]]]] = None
 
 
+class FunctionDefinition(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -145,6 +203,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 class ChatTopLogprob(_Response):
@@ -161,9 +222,22 @@ class ChatChoiceLogprobs(_Response):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallOut]] = None
 
 
 class ChatCompletionChoice(_Response):
@@ -183,9 +257,23 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
+class DeltaFunctionCall(_Response):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
 class DeltaMessage(_Response):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatStreamChoice(_Response):

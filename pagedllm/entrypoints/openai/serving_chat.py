@@ -1,12 +1,14 @@
-"""/v1/chat/completions: messages rendered by the chat template (in a bounded sandbox, off the event loop),
-answered whole or streamed."""
+"""/v1/chat/completions: messages (and tools) rendered by the chat template (in a bounded sandbox, off the
+event loop), answered whole or streamed, with tool calls and reasoning read out of the output."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from pagedllm.engine.async_llm import EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.blocking_pool import run_blocking
+from pagedllm.entrypoints.openai.chat_outputs import ChoiceReader
 from pagedllm.entrypoints.openai.chat_render import TemplateLimitError, render_chat
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.entrypoints.openai.protocol import (
@@ -16,7 +18,6 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
     ChatMessage,
-    ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
     ChatTopLogprob,
@@ -24,6 +25,10 @@ from pagedllm.entrypoints.openai.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningParser
+from pagedllm.entrypoints.openai.structured_request import name_engine_error, one_constraint, request_constraints
+from pagedllm.entrypoints.openai.tool_calling import ToolPlan, plan_tools
+from pagedllm.entrypoints.openai.tool_parsers import ToolParser
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     Prompt,
@@ -48,8 +53,29 @@ class _ChoiceState:
     stop_reason: int | str | None = None
 
 
-def _message_dict(m: ChatMessage) -> dict[str, Any]:
+def _tool_call_arguments(d: dict[str, Any], where: str) -> None:
+    """An assistant message's tool-call arguments as objects: OpenAI sends them as JSON text, and chat
+    templates (Llama 3's, Qwen3's) write them out with tojson."""
+    calls = d.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise bad_request(f"{where}.tool_calls must be a list of tool calls", param="messages")
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{where}.tool_calls[{i}] needs a function with a name", param="messages")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                fn["arguments"] = json.loads(args) if args.strip() else {}
+            except ValueError as e:
+                raise bad_request(f"{where}.tool_calls[{i}].function.arguments is not JSON: {e}", param="messages") from None
+
+
+def _message_dict(m: ChatMessage, where: str = "messages") -> dict[str, Any]:
     d = m.model_dump(exclude_none=True)
+    _tool_call_arguments(d, where)
     if isinstance(m.content, list):
         # OpenAI content parts: only text parts can reach a text-only model.
         parts = []
@@ -81,10 +107,14 @@ class OpenAIServingChat(OpenAIServing):
         settings: ServerSettings,
         chat_template: str | None = None,
         trust_request_chat_template: bool = False,
+        auto_tool_parser: ToolParser | None = None,
+        reasoning_parser: ReasoningParser | None = None,
     ) -> None:
         super().__init__(engine, settings)
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
+        self.auto_tool_parser = auto_tool_parser  # set only with --enable-auto-tool-choice
+        self.reasoning_parser = reasoning_parser
 
     async def render(
         self,
@@ -93,6 +123,7 @@ class OpenAIServingChat(OpenAIServing):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Prompt:
         """The conversation as prompt text and token ids (the template supplies special tokens)."""
         if self.tokenizer is None:
@@ -108,11 +139,11 @@ class OpenAIServingChat(OpenAIServing):
         for name in _RESERVED_TEMPLATE_VARS:
             if name in (template_kwargs or {}):
                 raise bad_request(f"chat_template_kwargs may not set {name!r}: the server sets it", param="chat_template_kwargs")
-        conversation = [_message_dict(m) for m in messages]
+        conversation = [_message_dict(m, f"messages[{i}]") for i, m in enumerate(messages)]
         try:
             return await run_blocking(
                 self._render_and_encode, conversation, chat_template, add_generation_prompt, continue_final_message,
-                template_kwargs or {},
+                template_kwargs or {}, tools,
             )
         except TemplateLimitError as e:
             raise bad_request(f"the chat template was stopped: {e}", param=_template_param(chat_template)) from None
@@ -124,7 +155,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def _render_and_encode(
         self, conversation: list[dict[str, Any]], chat_template: str | None, add_generation_prompt: bool,
-        continue_final_message: bool, template_kwargs: dict[str, Any],
+        continue_final_message: bool, template_kwargs: dict[str, Any], tools: list[dict[str, Any]] | None = None,
     ) -> Prompt:
         source = self.tokenizer.get_chat_template(chat_template or self.chat_template, None)
         # Like transformers: the special tokens (bos_token, ...) first, the request's variables over them.
@@ -133,6 +164,7 @@ class OpenAIServingChat(OpenAIServing):
             source, conversation, variables,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
+            tools=tools,
         )
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return Prompt(text, list(ids))
@@ -144,16 +176,32 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, k, rename={"logprobs": "top_logprobs", "max_tokens": max_param})
+        plan = plan_tools(req, self.auto_tool_parser)
+        constraint = one_constraint(req, request_constraints(req) + ([plan.constraint] if plan.constraint else []))
+        if constraint is not None and self.reasoning_parser is not None:
+            field = constraint.field.split(".")[0]
+            raise bad_request(
+                f"{field} cannot be combined with the server's --reasoning-parser yet: the constraint would apply "
+                "to the reasoning as well as to the answer",
+                param=field,
+            )
+        params = self.sampling_params(req, max_tokens, k, rename={"logprobs": "top_logprobs", "max_tokens": max_param},
+                                      structured_outputs=constraint.params if constraint else None)
+        if plan.parser is not None and plan.parser.needs_special_tokens:
+            params.skip_special_tokens = False  # the parser's markers are special tokens
         prompt = await self.render(
-            req.messages, req.chat_template, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+            req.messages, req.chat_template, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
+            plan.tools,
         )
         self.check_context(len(prompt.token_ids), max_tokens, "messages", max_param)
         request_id = req.request_id or random_id("chatcmpl")
-        streams = self.open_streams(request_id, [prompt], params, prompt_param="messages")
+        try:
+            streams = self.open_streams(request_id, [prompt], params, prompt_param="messages")
+        except OpenAIError as e:
+            raise name_engine_error(e, constraint) from None
         if req.stream:
-            return StreamingResult(self._stream(req, request_id, prompt, streams, k), streams)
-        return await self._full(req, request_id, prompt, streams, k)
+            return StreamingResult(self._stream(req, request_id, prompt, streams, k, plan), streams)
+        return await self._full(req, request_id, prompt, streams, k, plan)
 
     def _logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> list[ChatTokenLogprob]:
         out = []
@@ -183,7 +231,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
-    async def _full(self, req, request_id: str, prompt: Prompt, streams, k: int | None) -> ChatCompletionResponse:
+    async def _full(self, req, request_id: str, prompt: Prompt, streams, k: int | None, plan: ToolPlan) -> ChatCompletionResponse:
         states = [_ChoiceState() for _ in range(req.n)]
         cached = 0
         try:
@@ -201,24 +249,26 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(500, f"The engine died while serving the request: {e}", code="engine_dead") from None
         except RequestFailedError as e:
             raise request_failed(e) from None
-        choices = [
-            ChatCompletionChoice(
+        choices = []
+        for i, st in enumerate(states):
+            reader = ChoiceReader(plan, self.reasoning_parser)
+            message = reader.message("".join(st.text))
+            choices.append(ChatCompletionChoice(
                 index=i,
-                message=ChatResponseMessage(content="".join(st.text)),
+                message=message,
                 logprobs=ChatChoiceLogprobs(content=st.logprobs) if k is not None else None,
-                finish_reason=st.finish_reason,
+                finish_reason=reader.finish_reason(st.finish_reason),
                 stop_reason=st.stop_reason,
-            )
-            for i, st in enumerate(states)
-        ]
+            ))
         usage = self._usage(prompt, sum(st.num_tokens for st in states), cached)
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
-    async def _stream(self, req, request_id: str, prompt: Prompt, streams, k: int | None) -> AsyncIterator[str]:
+    async def _stream(self, req, request_id: str, prompt: Prompt, streams, k: int | None, plan: ToolPlan) -> AsyncIterator[str]:
         def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
             return sse_chunk(ChatCompletionStreamResponse(id=request_id, model=self.model_name, choices=choices, usage=usage))
 
         states = [_ChoiceState() for _ in range(req.n)]
+        readers = [ChoiceReader(plan, self.reasoning_parser) for _ in range(req.n)]
         cached = 0
         try:
             for i in range(req.n):
@@ -236,13 +286,17 @@ class OpenAIServingChat(OpenAIServing):
                     lp = None
                     if k is not None and c.logprobs is not None:
                         lp = ChatChoiceLogprobs(content=self._logprobs(c.token_ids, c.logprobs, k))
+                    reader = readers[c.index]
+                    delta = reader.delta(c.text, final=c.finish_reason is not None)
+                    if delta == DeltaMessage() and lp is None and c.finish_reason is None:
+                        continue  # held back (a marker being written)
                     yield chunk(
                         [
                             ChatStreamChoice(
                                 index=c.index,
-                                delta=DeltaMessage(content=c.text),
+                                delta=delta,
                                 logprobs=lp,
-                                finish_reason=c.finish_reason,
+                                finish_reason=reader.finish_reason(c.finish_reason),
                                 stop_reason=c.stop_reason if c.finish_reason is not None else None,
                             )
                         ]

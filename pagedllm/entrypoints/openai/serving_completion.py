@@ -15,6 +15,7 @@ from pagedllm.entrypoints.openai.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from pagedllm.entrypoints.openai.structured_request import name_engine_error, one_constraint, request_constraints
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     Prompt,
@@ -50,12 +51,17 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request(f"best_of must equal n ({req.n}) or be omitted, got {req.best_of}", param="best_of")
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", param="echo")
-        params = self.sampling_params(req, req.max_tokens, req.logprobs, rename={})
+        constraint = one_constraint(req, request_constraints(req))
+        params = self.sampling_params(req, req.max_tokens, req.logprobs, rename={},
+                                      structured_outputs=constraint.params if constraint else None)
         prompts = await self._prompts(req.prompt, req.n)
         for p in prompts:
             self.check_context(len(p.token_ids), req.max_tokens, "prompt", "max_tokens")
         request_id = req.request_id or random_id("cmpl")
-        streams = self.open_streams(request_id, prompts, params)
+        try:
+            streams = self.open_streams(request_id, prompts, params)
+        except OpenAIError as e:
+            raise name_engine_error(e, constraint) from None
         if req.stream:
             return StreamingResult(self._stream(req, request_id, prompts, streams), streams)
         return await self._full(req, request_id, prompts, streams)

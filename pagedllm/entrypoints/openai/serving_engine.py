@@ -12,6 +12,7 @@ from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedEr
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body, from_value_error, internal_error_body
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.params import StructuredOutputsParams
 
 # Request fields that map one to one onto SamplingParams fields of the same name.
 _DIRECT_FIELDS = (
@@ -122,7 +123,8 @@ class OpenAIServing:
 
     # ---- sampling ---------------------------------------------------------------------------------
     def sampling_params(
-        self, req: Any, max_tokens: int | None, logprobs: int | None, rename: dict[str, str]
+        self, req: Any, max_tokens: int | None, logprobs: int | None, rename: dict[str, str],
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         if not isinstance(req.n, int) or req.n > self.settings.max_n:
             raise bad_request(f"n must be at most {self.settings.max_n} (--max-n), got {req.n}", param="n")
@@ -139,7 +141,7 @@ class OpenAIServing:
                 shown = rename.get(name, name)
                 raise bad_request(f"{shown} must fit in a signed 64-bit integer, got {value}", param=shown)
         try:
-            params = SamplingParams(**kwargs)
+            params = SamplingParams(**kwargs, structured_outputs=structured_outputs)
             params.verify_vocab(self.vocab_size)
         except (ValueError, TypeError) as e:
             raise from_value_error(ValueError(str(e)), fields, rename) from None

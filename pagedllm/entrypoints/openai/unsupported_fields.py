@@ -8,25 +8,17 @@ from pydantic import BaseModel
 
 from pagedllm.entrypoints.openai.errors import bad_request
 
-_STRUCTURED = "structured outputs (JSON schema, regex, choice and grammar constraints) are not implemented yet"
-_TOOLS = "tool calling is not implemented yet"
+_TOOLS = "the deprecated functions API is not implemented; send tools and tool_choice"
 
 # name -> (accepted when, why it is refused otherwise).
 _KNOWN: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (lambda v: v is None or v == {"type": "text"}, _STRUCTURED + '; only {"type": "text"} is accepted'),
-    "guided_json": (lambda v: v is None, _STRUCTURED),
-    "guided_regex": (lambda v: v is None, _STRUCTURED),
-    "guided_choice": (lambda v: v is None, _STRUCTURED),
-    "guided_grammar": (lambda v: v is None, _STRUCTURED),
-    "guided_decoding_backend": (lambda v: v is None, _STRUCTURED),
-    "guided_whitespace_pattern": (lambda v: v is None, _STRUCTURED),
-    "structured_outputs": (lambda v: v is None, _STRUCTURED),
-    "tools": (lambda v: v is None or v == [], _TOOLS),
+    # Structured outputs have one backend, xgrammar; naming it (or letting the server pick) changes nothing.
+    "guided_decoding_backend": (lambda v: v in (None, "auto", "xgrammar"),
+                                'the only structured-outputs backend is xgrammar; only "auto" and "xgrammar" are accepted'),
+    "guided_whitespace_pattern": (lambda v: v is None, "a whitespace pattern for JSON is not implemented; "
+                                  "structured_outputs.disable_any_whitespace turns whitespace off"),
     "functions": (lambda v: v is None or v == [], _TOOLS),
-    # Without tools, "none" and "auto" both mean plain text, which is what the server produces.
-    "tool_choice": (lambda v: v in (None, "none", "auto"), _TOOLS + '; only "none" and "auto" are accepted'),
     "function_call": (lambda v: v in (None, "none", "auto"), _TOOLS + '; only "none" and "auto" are accepted'),
-    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), _TOOLS),
     "prompt_logprobs": (lambda v: v is None, "logprobs of the prompt tokens are not implemented"),
     "modalities": (lambda v: v is None or v == ["text"], 'only text is generated; only ["text"] is accepted'),
     "audio": (lambda v: v is None, "audio output is not implemented"),

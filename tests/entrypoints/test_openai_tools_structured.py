@@ -1,0 +1,237 @@
+"""Structured outputs and tool calling through a real `pagedllm serve` (a tiny random Llama with the Qwen3
+tokenizer and chat template, --enable-auto-tool-choice --tool-call-parser hermes) and the official openai
+client: constrained outputs validate against their schemas, forced tool calls come back as OpenAI's
+tool_calls (whole and streamed), tool results render, and bad constraints are 400s naming the field."""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+from serve_helpers import Server, make_model
+
+MODEL = "tiny-qwen"
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Bounded schemas: a random model must still finish them within max_tokens.
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}, "exact": {"type": "boolean"}},
+    "required": ["zone", "exact"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+# A random model allowed whitespace between JSON tokens spends its tokens on it: compact JSON, asked for
+# as in vLLM (structured_outputs carrying only options for the constraint another field sets).
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
+BASE = dict(model=MODEL, max_tokens=200, temperature=0.8, seed=1, extra_body=COMPACT)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tools_server")
+    model = make_model("qwen3", root / "qwen3", tie=True)
+    s = Server("tools", model, ["--served-model-name", MODEL, "--max-model-len", "1024",
+                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], root)
+    try:
+        yield s.wait_ready()
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _kwargs(**over):
+    kw = dict(BASE)
+    kw.update(over)
+    return kw
+
+
+def _check_calls(calls, allowed: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        assert call.function.name in allowed
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def _streamed_calls(chunks) -> tuple[list[dict], list[str]]:
+    calls: dict[int, dict] = {}
+    finishes = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.finish_reason:
+                finishes.append(choice.finish_reason)
+            for d in choice.delta.tool_calls or []:
+                if d.index not in calls:
+                    assert d.id.startswith("chatcmpl-tool-") and d.type == "function" and d.function.name
+                    calls[d.index] = {"name": d.function.name, "arguments": d.function.arguments or ""}
+                else:
+                    assert d.id is None and d.function.name is None
+                    calls[d.index]["arguments"] += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], finishes
+
+
+# ---- structured outputs ------------------------------------------------------------------------------
+def test_response_format_json_schema_whole_and_streamed(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}}
+    out = client.chat.completions.create(messages=MESSAGES, response_format=fmt, n=2, **_kwargs())
+    for choice in out.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), WEATHER)
+    chunks = list(client.chat.completions.create(messages=MESSAGES, response_format=fmt, stream=True, **_kwargs()))
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), WEATHER)
+
+
+def test_parse_with_a_pydantic_model(client):
+    class Answer(BaseModel):
+        sunny: bool
+        rating: int
+
+    out = client.chat.completions.parse(messages=MESSAGES, response_format=Answer, **_kwargs())
+    parsed = out.choices[0].message.parsed
+    assert isinstance(parsed, Answer) and out.choices[0].finish_reason == "stop"
+
+
+def test_completions_choice_regex_and_json_object(client):
+    out = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=20, temperature=1.0, seed=3,
+                                    extra_body={"guided_choice": ["yes", "no", "maybe not"]})
+    assert out.choices[0].text in ("yes", "no", "maybe not")
+    out = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, temperature=1.0, seed=3,
+                                    extra_body={"structured_outputs": {"regex": "[A-F]{3}-[0-9]{2}"}})
+    assert re.fullmatch("[A-F]{3}-[0-9]{2}", out.choices[0].text)
+    out = client.chat.completions.create(messages=MESSAGES, response_format={"type": "json_object"},
+                                         **_kwargs(max_tokens=40, temperature=0))
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+# ---- tools -------------------------------------------------------------------------------------------
+def test_tool_choice_required_whole_and_streamed(client):
+    # A random model given the choice goes on calling tools until max_tokens: every complete call counts.
+    out = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, tool_choice="required", **_kwargs())
+    choice = out.choices[0]
+    assert choice.finish_reason in ("tool_calls", "length") and choice.message.content is None
+    _check_calls(choice.message.tool_calls, set(SCHEMAS))
+    # One call at most (parallel_tool_calls false): the output ends after it.
+    for seed in (2, 3):
+        one = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                             parallel_tool_calls=False, **_kwargs(seed=seed))
+        assert one.choices[0].finish_reason == "tool_calls" and len(one.choices[0].message.tool_calls) == 1
+        _check_calls(one.choices[0].message.tool_calls, set(SCHEMAS))
+        chunks = list(client.chat.completions.create(messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                                     parallel_tool_calls=False, stream=True, **_kwargs(seed=seed)))
+        calls, finishes = _streamed_calls(chunks)
+        assert finishes == ["tool_calls"] and len(calls) == 1
+        assert calls[0]["name"] == one.choices[0].message.tool_calls[0].function.name
+        assert json.loads(calls[0]["arguments"]) == json.loads(one.choices[0].message.tool_calls[0].function.arguments)
+        jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS[calls[0]["name"]])
+
+
+def test_named_tool_choice_whole_and_streamed(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    out = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, tool_choice=named, **_kwargs())
+    calls = out.choices[0].message.tool_calls
+    assert len(calls) == 1 and out.choices[0].finish_reason == "tool_calls"
+    _check_calls(calls, {"get_time"})
+    chunks = list(client.chat.completions.create(messages=MESSAGES, tools=TOOLS, tool_choice=named, stream=True,
+                                                 **_kwargs(seed=5)))
+    streamed, finishes = _streamed_calls(chunks)
+    assert finishes == ["tool_calls"] and [c["name"] for c in streamed] == ["get_time"]
+    jsonschema.validate(json.loads(streamed[0]["arguments"]), TIME)
+
+
+def test_tool_result_round_trip_renders_in_the_prompt(client, server):
+    first = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, **_kwargs())
+    call = first.choices[0].message.tool_calls[0]
+    conversation = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 degrees"},
+    ]
+    out = client.chat.completions.create(messages=conversation, tools=TOOLS, tool_choice="none",
+                                         **_kwargs(max_tokens=5, extra_body=None))
+    assert out.choices[0].finish_reason in ("stop", "length") and not out.choices[0].message.tool_calls
+    # The template saw the tools, the call (its arguments as an object) and the result.
+    body = {"messages": conversation}
+    ids = httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()["tokens"]
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    assert "<tool_response>\nsunny, 21 degrees\n</tool_response>" in text
+    assert json.dumps(json.loads(call.function.arguments), ensure_ascii=False) in text
+
+
+def test_auto_tool_choice_reads_free_text_with_the_server_parser(client):
+    # A random model writes no <tool_call>: the answer is content, and the tools reached the template.
+    out = client.chat.completions.create(messages=MESSAGES, tools=TOOLS,
+                                         **_kwargs(max_tokens=8, temperature=0, extra_body=None))
+    assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage.prompt_tokens > 150  # the tools' schemas are in the prompt
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+def _named(**extra) -> dict:
+    return {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, **extra}
+
+
+BAD = [
+    (_named(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format", "schema"),
+    (_named(response_format={"type": "json_object"}, guided_json=WEATHER), "guided_json", "response_format"),
+    (_named(guided_regex="(unclosed"), "guided_regex", "guided_regex"),
+    (_named(structured_outputs={"json": "{not json"}), "structured_outputs", "structured_outputs.json"),
+    (_named(structured_outputs={"regex": "a", "choice": ["a"]}), "structured_outputs", "exactly one"),
+    (_named(structured_outputs={"regex": "a", "backend": "outlines"}), "structured_outputs", "backend"),
+    (_named(guided_choice=[]), "guided_choice", "non-empty"),
+    (_named(**COMPACT), "structured_outputs", "one of json"),
+    (_named(guided_decoding_backend="outlines"), "guided_decoding_backend", "xgrammar"),
+    (_named(guided_whitespace_pattern=" *"), "guided_whitespace_pattern", "disable_any_whitespace"),
+    (_named(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "nope"),
+    (_named(tool_choice="required"), "tool_choice", "tools"),
+    (_named(tools=TOOLS + TOOLS[:1]), "tools", "get_weather"),
+    (_named(tools=[{"type": "function", "function": {"name": "f", "parametrs": {}}}]), "tools", "parametrs"),
+    (_named(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tools",
+     "response_format"),
+    (_named(messages=[{"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                                            "function": {"name": "f", "arguments": "{x"}}]}]),
+     "messages", "messages[0].tool_calls[0].function.arguments"),
+]
+
+
+@pytest.mark.parametrize("body,param,says", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
+def test_bad_constraints_and_tools_are_400s_naming_the_field(server, body, param, says):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+    assert err["type"] == "invalid_request_error"
+
+
+def test_openapi_lists_the_constraint_and_tool_fields(server):
+    spec = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    paths = spec["paths"]
+    chat = paths["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    completion = paths["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    constraint_fields = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                         "guided_grammar"}
+    assert constraint_fields <= set(chat) and constraint_fields <= set(completion)
+    assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(chat)
+    assert "tools" not in completion
