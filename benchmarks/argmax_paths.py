@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from linear_shapes import copy_tbps, graph_time_us  # noqa: E402 - a sibling script: the same graph timing
 
 from pagedllm.sample.argmax import argmax_rows  # noqa: E402
-from pagedllm.sample.argmax_triton import argmax_rows_triton  # noqa: E402
+from pagedllm.kernels.sampling.argmax import argmax_rows_triton  # noqa: E402
 
 PATHS = {
     "torch": lambda x: x.argmax(dim=-1),

@@ -83,7 +83,7 @@ def gpu_time_ms(fn, reps: int = 30, flush_mode: str = "write") -> float:
 
 
 def attention_fn(query, kv_cache, block_table, seq_lens, qsl, max_query_len, max_seq_len, **kw):
-    from pagedllm.attention.kernels.paged_attention import paged_attention
+    from pagedllm.kernels.attention.paged_attention import paged_attention
 
     out = torch.empty_like(query)
     head_size = query.shape[-1]
@@ -146,7 +146,7 @@ def main() -> None:
         print("attention_kernels: no CUDA device; nothing to time")
         return
 
-    from pagedllm.attention.kernels.launch_config import KernelConfig, choose_num_splits, default_config
+    from pagedllm.kernels.attention.launch_config import KernelConfig, choose_num_splits, default_config
 
     props = torch.cuda.get_device_properties(0)
     hq, hkv = (int(v) for v in args.heads.split(":"))
@@ -261,7 +261,7 @@ def ragged_section(results, hq, hkv, d, bs, dtype, copy_bw: float) -> None:
 
 
 def split_section(results, hq, hkv, d, bs, dtype, copy_bw: float) -> None:
-    from pagedllm.attention.kernels.launch_config import choose_num_splits
+    from pagedllm.kernels.attention.launch_config import choose_num_splits
 
     props = torch.cuda.get_device_properties(0)
     print("\n== split-KV: few long decodes (same heads), single pass vs heuristic vs forced partitions")
@@ -348,8 +348,8 @@ def pieces_section(results, args, hq, hkv, d, bs, dtype, copy_bw: float) -> None
     persistent programs take in turn (``decode_pieces.py``), for a bf16 and a float8 cache."""
     import random
 
-    from pagedllm.attention.kernels import decode_pieces as dp
-    from pagedllm.attention.kernels.launch_config import pieces_config, pieces_programs
+    from pagedllm.kernels.attention import decode_pieces as dp
+    from pagedllm.kernels.attention.launch_config import pieces_config, pieces_programs
     from pagedllm.config import resolve_kv_cache_dtype
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -403,7 +403,7 @@ def pieces_section(results, args, hq, hkv, d, bs, dtype, copy_bw: float) -> None
 
 
 def prefill_section(results, args, hq, hkv, d, bs, dtype) -> None:
-    from pagedllm.attention.kernels.launch_config import KernelConfig, default_config
+    from pagedllm.kernels.attention.launch_config import KernelConfig, default_config
 
     print(f"\n== prefill: one {args.prefill_tokens}-token prompt, {hq}q/{hkv}kv, D=128, bf16 (causal FLOPs) vs torch SDPA (dense, not paged)")
     n = args.prefill_tokens

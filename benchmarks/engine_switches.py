@@ -92,7 +92,7 @@ _BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_TRITON_GEMM", "BENCH_FUSE_DECODE_QK
 
 def _unfolded_gemv_config(n: int, k: int, float8: bool = False):
     """The GEMV's tiles before folded products: an element-wise accumulator, the same tiles for float8."""
-    from pagedllm.layers.kernels.gemv import GemvConfig
+    from pagedllm.kernels.gemv import GemvConfig
 
     block_k = next((b for b in (1024, 512, 256, 128) if k % b == 0), None)
     preferred = (8, 4, 16) if n <= 4096 and k >= 4096 else (4, 8, 16)
@@ -130,7 +130,7 @@ def run_variant(args) -> dict:
     if os.environ.get("BENCH_DECODE_LATE_WAIT") == "1":
         TritonImpl.decode_early_loads = False
     if os.environ.get("BENCH_GEMV_UNFOLDED") == "1":
-        from pagedllm.layers.kernels import gemv
+        from pagedllm.kernels import gemv
 
         gemv.default_config = _unfolded_gemv_config
     out: dict = {}

@@ -377,8 +377,8 @@ def launch_overhead_us(calls: int = 2000) -> dict[str, float]:
 
     import torch
 
-    from pagedllm.layers.kernels.activation import act_and_mul
-    from pagedllm.layers.kernels.rmsnorm import rms_norm
+    from pagedllm.kernels.activation import act_and_mul
+    from pagedllm.kernels.rmsnorm import rms_norm
 
     x = torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)

@@ -82,8 +82,8 @@ def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool, only_swa
              light: bool = False) -> dict:
     """The float8 products of these weights (quantized per row) on these rows: the GEMV at one row, else the
     quantizer plus ``torch._scaled_mm``; with ``sweep``, the GEMV's tile configs too."""
-    from pagedllm.layers.kernels import fp8_quant
-    from pagedllm.layers.kernels.gemv import default_config, gemv
+    from pagedllm.kernels import fp8_quant
+    from pagedllm.kernels.gemv import default_config, gemv
     from pagedllm.layers.quantization.fp8 import quantize_rows_ref
 
     quantized = [quantize_rows_ref(w) for w in weights]
@@ -99,7 +99,7 @@ def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool, only_swa
                 best = min(best, (t, str(cfg)))
             out["fp8_best"] = best
         return out
-    from pagedllm.layers.kernels import skinny_gemm as sg
+    from pagedllm.kernels import skinny_gemm as sg
     from pagedllm.layers.quantization.fp8 import NARROW_MAX_ROWS
 
     # Up to 64 rows, whether or not the engine's rule (quantization/fp8.py) sends this product there.
@@ -136,7 +136,7 @@ def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool, only_swa
 def time_fp8_producers(tokens: int, hidden: int, intermediate: int) -> dict:
     """The norm and the gated activation that feed float8 products: unfused (the kernel, then the row
     quantizer) against the kernel quantizing its own output, one call each per layer's worth of rows."""
-    from pagedllm.layers.kernels import activation, fp8_quant, rmsnorm
+    from pagedllm.kernels import activation, fp8_quant, rmsnorm
 
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
     w = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
@@ -151,7 +151,7 @@ def time_fp8_producers(tokens: int, hidden: int, intermediate: int) -> dict:
 
 def gemv_candidates(n: int, k: int) -> list:
     """GEMV tiles to sweep: 2-16 rows by 512-2048 columns, 4 or 8 warps, 16 products folded or none."""
-    from pagedllm.layers.kernels.gemv import GemvConfig
+    from pagedllm.kernels.gemv import GemvConfig
 
     out = []
     for bn, bk, warps, fold in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8), (1, 16)):
@@ -168,7 +168,7 @@ def fp8_skinny_candidates(m: int, n: int, k: int, only_swapped: bool = False, li
     swapped tiles (``swap_ab``): 64 or 128 weight rows a program, 128 or 256 deep. ``light``: instead,
     16-row tiles that hold fewer registers and less shared memory, for more programs an SM: 16-32
     columns, 64-256 deep, 2-3 stages, 2 or 4 warps, K split 2-8 ways."""
-    from pagedllm.layers.kernels import skinny_gemm as sg
+    from pagedllm.kernels import skinny_gemm as sg
 
     row_tiles = sorted({16, min(64, max(16, 1 << (m - 1).bit_length()))})
     early = m <= sg.EARLY_LAUNCH_MAX_ROWS
@@ -191,7 +191,7 @@ def fp8_skinny_candidates(m: int, n: int, k: int, only_swapped: bool = False, li
 def swapped_candidates(m: int, n: int, k: int) -> list:
     """Swapped skinny-GEMM tiles: the rows' own token tile (16-64), 64 or 128 weight rows (4 or 8 warps),
     128 or 256 deep, 3-4 stages, K split 1-4 ways; up to 16 rows also 16 or 32 weight rows (1-4 warps)."""
-    from pagedllm.layers.kernels import skinny_gemm as sg
+    from pagedllm.kernels import skinny_gemm as sg
 
     bm = min(64, max(16, 1 << (m - 1).bit_length()))
     out = []
@@ -212,7 +212,7 @@ def swapped_candidates(m: int, n: int, k: int) -> list:
 
 def skinny_candidates(tokens: int, n: int, k: int, only_swapped: bool = False) -> list:
     """Skinny-GEMM launch shapes to sweep: row tiles near the token count, 32-128 columns, K split 1-8 ways."""
-    from pagedllm.layers.kernels import skinny_gemm as sg
+    from pagedllm.kernels import skinny_gemm as sg
 
     rows = min(64, max(16, 1 << (tokens - 1).bit_length()))
     row_tiles = {rows} | ({32} if tokens == 64 else set()) | ({128} if tokens >= 128 else set())
@@ -247,8 +247,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("linear_shapes: no CUDA device; nothing to time")
         return
-    from pagedllm.layers.kernels import skinny_gemm as sg
-    from pagedllm.layers.kernels.gemv import default_config, gemv
+    from pagedllm.kernels import skinny_gemm as sg
+    from pagedllm.kernels.gemv import default_config, gemv
 
     bw = copy_tbps()
     print(f"device copy {bw:.2f} TB/s (read + write)")

@@ -1,4 +1,4 @@
-"""Tile sweep of the top-k/top-p threshold kernel (sample/top_p_triton.py) on CUDA, checked against the full sort.
+"""Tile sweep of the top-k/top-p threshold kernel (kernels/sampling/top_p.py) on CUDA, checked against the full sort.
 
     PYTHONPATH=$PWD python3 benchmarks/top_p_kernel.py [--rows 64,256] [--vocab 151936]
 
@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from pagedllm.sample import top_p_triton
+from pagedllm.kernels.sampling import top_p as top_p_triton
 from pagedllm.sample.truncation import sorted_threshold_
 from gpu_measure import median_event_ms
 

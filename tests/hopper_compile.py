@@ -53,21 +53,22 @@ def _compile(kernel, args, kwargs) -> str:
 
 
 def main() -> None:
-    import pagedllm.kernel_launch as kl
+    import pagedllm.kernels.launch as kl
 
     kl.use_pdl = lambda t: True  # as on an H200 with PAGEDLLM_PDL=1
-    import pagedllm.kernel_math as km
+    import pagedllm.kernels.numerics as km
 
     km._compiled_for_nvidia = lambda t: True  # the explicitly rounded variants that run there
     from paged_batches import build_paged_batch
     from pagedllm.attention.backends.triton import TritonImpl
-    from pagedllm.attention.kernels import decode_pieces as dp
-    from pagedllm.attention.kernels import paged_attention as pa
-    from pagedllm.attention.kernels import reshape_and_cache as rc
-    from pagedllm.layers.kernels import activation, fp8_quant, gemv, qk_norm_rotary, rmsnorm, rotary, skinny_gemm
+    from pagedllm.kernels.attention import decode_pieces as dp
+    from pagedllm.kernels.attention import paged_attention as pa
+    from pagedllm.kernels.attention import reshape_and_cache as rc
+    from pagedllm.kernels import activation, fp8_quant, gemv, qk_norm_rotary, rmsnorm, rotary, skinny_gemm
+    from pagedllm.layers import qk_norm_rotary as qk_norm_rotary_layer
     from pagedllm.layers.norm import RMSNorm
     from pagedllm.layers.rotary import RotaryEmbedding
-    from pagedllm.sample import argmax_triton
+    from pagedllm.kernels.sampling import argmax as argmax_triton
 
     launches: list = []
     for kernel in (gemv._gemv_kernel, skinny_gemm._skinny_gemm_kernel, rmsnorm._rmsnorm_kernel, activation._act_and_mul_kernel, rotary._rotary_kernel,
@@ -99,12 +100,12 @@ def main() -> None:
     q, k = torch.zeros(2, 4 * 64, dtype=bf), torch.zeros(2, 2 * 64, dtype=bf)
     rotary.rotary_neox_(pos, q, k, torch.ones(32), 64)
     norm = RMSNorm(64, params_dtype=bf)
-    qk_norm_rotary.apply_(pos, q, k, norm, norm, RotaryEmbedding(64, torch.ones(32)))
+    qk_norm_rotary_layer.apply_(pos, q, k, norm, norm, RotaryEmbedding(64, torch.ones(32)))
     # ... storing keys and values into a paged cache in the same launch (bf16, and a float8 cache).
     for cache_dtype in (bf, torch.float8_e4m3fn):
         kc = torch.zeros(4, 16, 2, 64, dtype=cache_dtype)
         write = qk_norm_rotary.KVCacheWrite(torch.zeros(2, 2 * 64, dtype=bf), kc, kc.clone(), torch.zeros(2, dtype=torch.int64))
-        qk_norm_rotary.apply_(pos, q, k, norm, norm, RotaryEmbedding(64, torch.ones(32)), write)
+        qk_norm_rotary_layer.apply_(pos, q, k, norm, norm, RotaryEmbedding(64, torch.ones(32)), write)
     # A pure-decode batch (fused write, rotary, split) and a mixed one (separate cache write).
     # Pure-decode batches (fused write and rotary, split; then with the q/k norm too) and a mixed one.
     for reqs, splits, rope, norm in (([(200, 1), (70, 1)], 4, True, False), ([(9, 1), (3, 1)], 1, True, True),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm.kernel_launch import PDL_MAX_TOKENS, pdl_launch_args, use_pdl
+from pagedllm.kernels.launch import PDL_MAX_TOKENS, pdl_launch_args, use_pdl
 
 
 def test_pdl_is_off_on_cpu_even_when_asked(monkeypatch):

@@ -12,8 +12,8 @@ from torch import nn
 
 def _kernel_act_and_mul(module: nn.Module, x: torch.Tensor, act: str):
     """The Triton kernel's [T, F] result (or Fp8Rows), or None where it does not apply."""
-    from pagedllm.layers.kernels import activation as kernel  # one launch instead of two
-    from pagedllm.layers.kernels.fp8_quant import fuse_wanted
+    from pagedllm.kernels import activation as kernel  # one launch instead of two
+    from pagedllm.layers.quantization.fp8 import fuse_wanted
 
     if not kernel.usable(x):
         return None

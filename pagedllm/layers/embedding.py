@@ -103,7 +103,7 @@ class ParallelLMHead(VocabEmbedding):
         else:
             logits = None
             if hidden_states.shape[0] == 1:
-                from pagedllm.layers.kernels import gemv  # one token: the batch-1 GEMV (linear.py)
+                from pagedllm.kernels import gemv  # one token: the batch-1 GEMV (linear.py)
 
                 if gemv.usable(hidden_states, self.weight):
                     logits = gemv.gemv(hidden_states, self.weight, self.bias)

@@ -57,13 +57,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if x.device.type == "cpu":
             return cpu_linear(x, layer.weight, bias, layer.packed_weight)
         if x.shape[0] == 1 and x.is_cuda:
-            from pagedllm.layers.kernels import gemv
+            from pagedllm.kernels import gemv
 
             if gemv.usable(x, layer.weight):
                 # One token (batch-1 decode): one bandwidth-bound launch instead of cuBLAS's split-K pair.
                 return gemv.gemv(x, layer.weight, bias)
         elif x.is_cuda:
-            from pagedllm.layers.kernels import skinny_gemm
+            from pagedllm.kernels import skinny_gemm
 
             if skinny_gemm.enabled() and skinny_gemm.usable(x, layer.weight):
                 return skinny_gemm.skinny_gemm(x, layer.weight, bias)  # [T, N]: small tiles (opt-in)

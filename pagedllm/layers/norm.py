@@ -39,10 +39,10 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if x.is_cuda:
             # One fused Triton launch instead of ~9 small torch kernels; same op order (kernels/rmsnorm.py).
-            from pagedllm.layers.kernels import rmsnorm as kernel
+            from pagedllm.kernels import rmsnorm as kernel
 
             if kernel.usable(x, self.weight, residual):
-                from pagedllm.layers.kernels.fp8_quant import fuse_wanted
+                from pagedllm.layers.quantization.fp8 import fuse_wanted
 
                 return kernel.rms_norm(x, self.weight, self.eps, residual, gemma=isinstance(self, GemmaRMSNorm),
                                        quantize=self.quantize_output and fuse_wanted(x, self.quantize_for))

@@ -97,7 +97,7 @@ class RotaryEmbedding(nn.Module):
         """The rotated ``(query, key)``; on CUDA (neox style) they are rotated in place and returned."""
         if query.is_cuda:
             # One Triton launch (cos/sin included) rotating q and k in place, instead of ~22 torch kernels.
-            from pagedllm.layers.kernels import rotary as kernel
+            from pagedllm.kernels import rotary as kernel
 
             if kernel.usable(query, key, positions, self.head_size, self.is_neox_style):
                 return kernel.rotary_neox_(positions, query, key, self.inv_freq, self.head_size, self.attention_scaling)

@@ -109,7 +109,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and q.is_cuda:
             # One Triton launch normalizing and rotating q and k in place in the qkv output, instead of
             # two norm launches writing copies and a rotary launch over them (kernels/qk_norm_rotary.py).
-            from pagedllm.layers.kernels import qk_norm_rotary as fused
+            from pagedllm.layers import qk_norm_rotary as fused
 
             use_fused = fused.modules_usable(positions, q, k, self.q_norm, self.k_norm, self.rotary_emb)
         rotary_in_attention = norms_in_attention = None

@@ -12,11 +12,11 @@ _CHUNKS = (256, 128, 64, 32, 16)
 def argmax_rows(logits: torch.Tensor, chunked: bool | None = None) -> torch.Tensor:  # [S, V] -> [S] int64
     """``logits.argmax(dim=-1)``, ties to the first index (and NaN counting as the maximum) alike.
 
-    On CUDA, by default, two Triton launches over (row, chunk) pairs (``argmax_triton``). ``chunked``
+    On CUDA, by default, two Triton launches over (row, chunk) pairs (kernels/sampling/argmax.py). ``chunked``
     forces the two-stage form in torch ops on or off; without Triton it runs for a few rows on CUDA.
     """
     if chunked is None and logits.is_cuda:
-        from pagedllm.sample import argmax_triton
+        from pagedllm.kernels.sampling import argmax as argmax_triton
 
         if argmax_triton.usable(logits):
             return argmax_triton.argmax_rows_triton(logits)

@@ -52,10 +52,10 @@ def apply_sparse_penalties_(
     float32, repetition (None: no prompt in seen_index) / frequency / presence [B] float32. The same
     float operations in the same order on every seen token, so the result equals the dense one; the
     unseen tokens, which the dense path leaves as they are, are not read. On CUDA one Triton launch
-    (penalties_triton.py; seen_index must then be ascending) instead of a dozen small ones."""
+    (kernels/sampling/penalties.py; seen_index must then be ascending) instead of a dozen small ones."""
     if logits.is_cuda and logits.dtype == torch.float32 and logits.stride(-1) == 1:
         try:
-            from pagedllm.sample.penalties_triton import sparse_penalties_triton_
+            from pagedllm.kernels.sampling.penalties import sparse_penalties_triton_
         except ImportError:  # no Triton on this machine
             pass
         else:

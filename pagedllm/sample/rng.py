@@ -147,11 +147,11 @@ def add_gumbel_(logits: torch.Tensor, key0: torch.Tensor, key1: torch.Tensor) ->
     """
     if logits.is_cuda and logits.is_contiguous():
         try:
-            from pagedllm.sample.gumbel_triton import add_gumbel_triton_
+            from pagedllm.kernels.sampling.gumbel import add_gumbel_triton_
         except ImportError:  # no Triton on this machine
             pass
         else:
-            return add_gumbel_triton_(logits, key0, key1)
+            return add_gumbel_triton_(logits, key0, key1, (_MIX_MUL_1, _MIX_MUL_2), _UNIFORM_BITS)
     vocab_size = logits.shape[-1]
     block = vocab_size if logits.is_cuda else max(4096, _NOISE_BLOCK_ELEMENTS // max(1, logits.shape[0]))
     for start in range(0, vocab_size, block):

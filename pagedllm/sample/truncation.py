@@ -41,7 +41,7 @@ def apply_top_k_top_p(
     if logits.is_cuda:
         if logits.dtype == torch.float32 and logits.stride(-1) == 1:
             try:
-                from pagedllm.sample.top_p_triton import top_k_top_p_triton_
+                from pagedllm.kernels.sampling.top_p import top_k_top_p_triton_
             except ImportError:  # no Triton on this machine
                 pass
             else:

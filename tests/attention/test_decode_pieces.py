@@ -8,7 +8,7 @@ triton = pytest.importorskip("triton", reason="triton is not importable; the Tri
 
 from pagedllm.attention.backends import torch_ref  # noqa: E402
 from pagedllm.attention.backends.triton import TritonBackend, TritonImpl  # noqa: E402
-from pagedllm.attention.kernels import decode_pieces  # noqa: E402
+from pagedllm.kernels.attention import decode_pieces  # noqa: E402
 from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
 from paged_batches import build_paged_batch  # noqa: E402
 
@@ -118,7 +118,7 @@ def test_fused_rotary_and_qk_norm_match_the_one_pass_kernel(cache_dtype):
 def test_engine_rule_and_scratch_accounting():
     # Float8 decode of at least two (request, KV head) pairs an SM takes pieces; a 16-bit cache, a sliding
     # window or a prompt chunk does not. Only the float8 case reserves scratch at start.
-    from pagedllm.attention.kernels.launch_config import device_sm_count
+    from pagedllm.kernels.attention.launch_config import device_sm_count
 
     sms = device_sm_count(DEVICE)
     n = 2 * sms // 2

@@ -11,12 +11,12 @@ _ON_GPU = torch.cuda.is_available()  # without a GPU, conftest.py runs the kerne
 triton = pytest.importorskip("triton", reason="triton is not importable; the Triton backend cannot be tested")
 
 from pagedllm.attention.backends import torch_ref  # noqa: E402
-from pagedllm.attention.kernels import attend_tile as at_mod  # noqa: E402
-from pagedllm.attention.kernels import launch_config as lc  # noqa: E402
-from pagedllm.attention.kernels import paged_attention as pa_mod  # noqa: E402
-from pagedllm.attention.kernels import reshape_and_cache as rc_mod  # noqa: E402
-from pagedllm.layers.kernels import qk_norm_rotary as qkr_k  # noqa: E402
-from pagedllm.layers.kernels import rotary as rot_k  # noqa: E402
+from pagedllm.kernels.attention import attend_tile as at_mod  # noqa: E402
+from pagedllm.kernels.attention import launch_config as lc  # noqa: E402
+from pagedllm.kernels.attention import paged_attention as pa_mod  # noqa: E402
+from pagedllm.kernels.attention import reshape_and_cache as rc_mod  # noqa: E402
+from pagedllm.kernels import qk_norm_rotary as qkr_k  # noqa: E402
+from pagedllm.kernels import rotary as rot_k  # noqa: E402
 from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
 from pagedllm.attention.backends import triton as _BACKEND  # noqa: E402
 from paged_batches import build_paged_batch  # noqa: E402

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.kernels import fp8_quant, gemv, skinny_gemm
+from pagedllm.kernels import fp8_quant, gemv, skinny_gemm
 from pagedllm.layers.quantization.fp8 import Fp8LinearMethod, fp8_linear_ref, quantize_rows_ref, weight_only_rows
 from tiny_models import make_tiny_model
 

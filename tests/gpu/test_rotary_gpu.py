@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.layers.kernels import rotary as rot_k
+from pagedllm.kernels import rotary as rot_k
 from pagedllm.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

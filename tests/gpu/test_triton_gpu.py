@@ -117,7 +117,7 @@ def test_float8_cache(cache_dtype, num_splits, fp16_dots):
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_float8_cache_many_decodes(cache_dtype):
     # Enough decode programs for the one-warp, 32-key launch that a float8 cache takes on a large batch.
-    from pagedllm.attention.kernels.launch_config import default_config
+    from pagedllm.kernels.attention.launch_config import default_config
 
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     n = 6 * sms // 8 + 7
@@ -130,7 +130,7 @@ def test_float8_cache_many_decodes(cache_dtype):
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_float8_cache_write_saturates_like_torch_ref(cache_dtype):
     from pagedllm.attention.backends.torch_ref import write_kv_cache
-    from pagedllm.attention.kernels.reshape_and_cache import reshape_and_cache
+    from pagedllm.kernels.attention.reshape_and_cache import reshape_and_cache
 
     fmax = torch.finfo(cache_dtype).max
     key = torch.randn(64, 8, 128, device=DEVICE) * (fmax / 2)  # about a third beyond the largest value
@@ -145,7 +145,7 @@ def test_float8_cache_write_saturates_like_torch_ref(cache_dtype):
 
 
 def test_heuristic_splits_few_decodes_on_this_gpu():
-    from pagedllm.attention.kernels.launch_config import choose_num_splits
+    from pagedllm.kernels.attention.launch_config import choose_num_splits
 
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     assert choose_num_splits(2, 1, 16384, 8, sms) > 1
@@ -216,7 +216,7 @@ def test_decode_pieces_on_a_ragged_batch(cache_dtype):
     # one CUDA graph; every counter back at zero.
     from pagedllm.attention.backends.torch_ref import TorchRefImpl
     from pagedllm.attention.backends.triton import TritonImpl
-    from pagedllm.attention.kernels import decode_pieces
+    from pagedllm.kernels.attention import decode_pieces
 
     gen = torch.Generator().manual_seed(3)
     reqs = [(int(c), 1) for c in torch.randint(1, 5000, (150,), generator=gen)] + [(9000, 1), (0, 1)]
@@ -257,7 +257,7 @@ def test_decode_loads_before_its_wait_only_what_the_qk_norm_launch_leaves_alone(
     # keys each time, give the bits of the launch that waits first, and torch_ref's values.
     from pagedllm.attention.backends.torch_ref import TorchRefImpl
     from pagedllm.attention.backends.triton import TritonImpl
-    from pagedllm.layers.kernels import qk_norm_rotary
+    from pagedllm.layers import qk_norm_rotary
     from pagedllm.layers.norm import RMSNorm
     from pagedllm.layers.rotary import RotaryEmbedding
 

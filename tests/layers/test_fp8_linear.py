@@ -7,7 +7,7 @@ import torch
 from tiny_models import make_tiny_model
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.kernels.fp8_quant import FP8_MAX, MIN_SCALE
+from pagedllm.kernels.fp8_quant import FP8_MAX, MIN_SCALE
 from pagedllm.layers.quantization import quantize_model
 from pagedllm.layers.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod, fp8_linear_ref, quantize_rows_ref
 
@@ -43,7 +43,7 @@ def test_reference_quantizer_bounds_the_error_and_keeps_zero_rows() -> None:
 
 @pytest.mark.parametrize(("m", "k"), [(1, 64), (5, 1300), (3, 2048)])
 def test_triton_quantizer_matches_the_reference(m: int, k: int) -> None:
-    from pagedllm.layers.kernels import fp8_quant
+    from pagedllm.kernels import fp8_quant
 
     x, q_exp, s_exp = _exact_rows(m, k, seed=m * k)
     q, s = fp8_quant.quantize_rows(x.to(DEVICE))
@@ -56,7 +56,7 @@ def test_triton_quantizer_matches_the_reference(m: int, k: int) -> None:
 
 @pytest.mark.parametrize(("n", "k", "bias"), [(64, 1024, False), (48, 512, True)])
 def test_gemv_reads_float8_weights_with_row_scales(n: int, k: int, bias: bool) -> None:
-    from pagedllm.layers.kernels import gemv
+    from pagedllm.kernels import gemv
 
     gen = torch.Generator().manual_seed(n + k)
     w_q, w_s = quantize_rows_ref(torch.randn(n, k, generator=gen) * k**-0.5)
@@ -134,8 +134,8 @@ def test_engine_args_name_the_bad_quantization() -> None:
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("gemma", [False, True])
 def test_norm_kernel_quantizes_its_output_as_the_quantizer_would(residual: bool, gemma: bool) -> None:
-    from pagedllm.layers.kernels import fp8_quant
-    from pagedllm.layers.kernels import rmsnorm as norm_k
+    from pagedllm.kernels import fp8_quant
+    from pagedllm.kernels import rmsnorm as norm_k
 
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(6, 320, generator=gen).half().to(DEVICE)
@@ -153,8 +153,8 @@ def test_norm_kernel_quantizes_its_output_as_the_quantizer_would(residual: bool,
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_activation_kernel_quantizes_its_output_as_the_quantizer_would(act: str) -> None:
-    from pagedllm.layers.kernels import activation as act_k
-    from pagedllm.layers.kernels import fp8_quant
+    from pagedllm.kernels import activation as act_k
+    from pagedllm.kernels import fp8_quant
 
     gen = torch.Generator().manual_seed(12)
     x = (torch.randn(5, 2 * 1300, generator=gen) * 2).half().to(DEVICE)  # 1300: two column blocks, one partial
@@ -176,7 +176,7 @@ def test_quantized_model_flags_the_producers_of_float8_inputs(tiny_llama: str) -
                                                             (3, 64, 1024, None, True), (7, 64, 2048, None, False)])
 def test_skinny_gemm_reads_float8_weights_with_row_scales(m: int, n: int, k: int, split: int | None, bias: bool) -> None:
     """Given tiles, and (split None) the float8 tiles of the default rule: 512 deep, or 256 deep split 4 ways."""
-    from pagedllm.layers.kernels import skinny_gemm as sg
+    from pagedllm.kernels import skinny_gemm as sg
 
     gen = torch.Generator().manual_seed(m * n)
     w_q, w_s = quantize_rows_ref(torch.randn(n, k, generator=gen) * k**-0.5)
@@ -198,7 +198,7 @@ def test_skinny_gemm_reads_float8_weights_with_row_scales(m: int, n: int, k: int
 def test_swapped_tiles_read_float8_weights_as_the_left_operand(m: int, cfg: tuple) -> None:
     """Weight rows as the product's left operand (``swap_ab``): ragged rows, K splits and the column scales
     give what the reference gives."""
-    from pagedllm.layers.kernels import skinny_gemm as sg
+    from pagedllm.kernels import skinny_gemm as sg
 
     n, k = 256, 512
     gen = torch.Generator().manual_seed(m)
@@ -231,7 +231,7 @@ def test_weight_only_rows_follow_the_skinny_switches(monkeypatch) -> None:
 def test_float8_tiles_by_rows_and_depth() -> None:
     """16 x 32 tiles up to 16 rows and over shallow inputs; swapped 64-row weight tiles over inputs of
     >= 4096 at 17-64 rows, split while the partials fit the workspace."""
-    from pagedllm.layers.kernels import skinny_gemm as sg
+    from pagedllm.kernels import skinny_gemm as sg
 
     assert sg.default_config(8, 4096, 14336, float8=True) == sg.GemmConfig(16, 32, 256, 4, 3, 2)
     assert sg.default_config(32, 1024, 3072, float8=True) == sg.GemmConfig(16, 32, 256, 4, 3, 4)

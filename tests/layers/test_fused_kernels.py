@@ -11,9 +11,9 @@ _ON_GPU = torch.cuda.is_available()  # without a GPU, conftest.py runs the kerne
 triton = pytest.importorskip("triton", reason="triton is not importable; the fused kernels cannot be tested")
 
 from pagedllm.layers.activation import GeluAndMul, SiluAndMul  # noqa: E402
-from pagedllm.layers.kernels import activation as act_k  # noqa: E402
-from pagedllm.layers.kernels import rmsnorm as norm_k  # noqa: E402
-from pagedllm.layers.kernels import rotary as rot_k  # noqa: E402
+from pagedllm.kernels import activation as act_k  # noqa: E402
+from pagedllm.kernels import rmsnorm as norm_k  # noqa: E402
+from pagedllm.kernels import rotary as rot_k  # noqa: E402
 from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm  # noqa: E402
 from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
 

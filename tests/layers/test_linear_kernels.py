@@ -9,8 +9,8 @@ _ON_GPU = torch.cuda.is_available()  # without a GPU, conftest.py runs the kerne
 
 triton = pytest.importorskip("triton", reason="triton is not importable; the GEMV kernel cannot be tested")
 
-from pagedllm.layers.kernels import gemv as gemv_k  # noqa: E402
-from pagedllm.layers.kernels import skinny_gemm as sg_k  # noqa: E402
+from pagedllm.kernels import gemv as gemv_k  # noqa: E402
+from pagedllm.kernels import skinny_gemm as sg_k  # noqa: E402
 
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]

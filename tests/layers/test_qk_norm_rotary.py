@@ -10,7 +10,8 @@ _ON_GPU = torch.cuda.is_available()  # without a GPU, conftest.py runs the kerne
 
 triton = pytest.importorskip("triton", reason="triton is not importable; the fused kernels cannot be tested")
 
-from pagedllm.layers.kernels import qk_norm_rotary as qkr_k  # noqa: E402
+from pagedllm.kernels import qk_norm_rotary as qkr_k  # noqa: E402
+from pagedllm.layers import qk_norm_rotary as qkr_l  # noqa: E402
 from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm  # noqa: E402
 from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -81,8 +82,8 @@ def _check(dtype, head_size, rotary_dim, hq, hkv, gemma, three_d, scaling=1.0, p
     v_before = qkv[:, (hq + hkv) * head_size :].clone()
     ref_q, ref_k = _ref(positions, q, k, q_norm, k_norm, rope, head_size)
 
-    assert qkr_k.modules_usable(positions, q, k, q_norm, k_norm, rope)
-    got_q, got_k = qkr_k.apply_(positions, q, k, q_norm, k_norm, rope)
+    assert qkr_l.modules_usable(positions, q, k, q_norm, k_norm, rope)
+    got_q, got_k = qkr_l.apply_(positions, q, k, q_norm, k_norm, rope)
     # In place: the same views, rewritten inside the qkv output; v untouched.
     assert got_q is q and got_k is k
     _assert_matches(got_q if three_d else got_q.unflatten(-1, (-1, head_size)), ref_q)
@@ -120,23 +121,23 @@ def test_not_usable_cases():
     positions = torch.arange(3, device=DEVICE)
     qkv = torch.randn(3, 4 * head_size, dtype=torch.float16, device=DEVICE)
     q, k = qkv[:, : 2 * head_size], qkv[:, 2 * head_size : 3 * head_size]
-    assert qkr_k.modules_usable(positions, q, k, q_norm, k_norm, rope)
+    assert qkr_l.modules_usable(positions, q, k, q_norm, k_norm, rope)
     # A Llama-style weight of another dtype makes torch type-promote the product.
-    assert not qkr_k.modules_usable(positions, q, k, copy.deepcopy(q_norm).float(), k_norm, rope)
+    assert not qkr_l.modules_usable(positions, q, k, copy.deepcopy(q_norm).float(), k_norm, rope)
     # A Gemma weight is cast to float32 anyway, so its dtype does not matter.
     g_q, g_k, _ = _layers(head_size, head_size, torch.float32, True)
-    assert qkr_k.modules_usable(positions, q, k, g_q, g_k, rope)
+    assert qkr_l.modules_usable(positions, q, k, g_q, g_k, rope)
     # Mixed norm classes, GPT-J style rotary, a norm of another width, a strided head dim, float positions.
-    assert not qkr_k.modules_usable(positions, q, k, q_norm, g_k, rope)
+    assert not qkr_l.modules_usable(positions, q, k, q_norm, g_k, rope)
     gptj = RotaryEmbedding(head_size, rope.inv_freq.cpu(), is_neox_style=False).to(DEVICE)
-    assert not qkr_k.modules_usable(positions, q, k, q_norm, k_norm, gptj)
-    assert not qkr_k.modules_usable(positions, q, k, RMSNorm(32, params_dtype=torch.float16).to(DEVICE), k_norm, rope)
-    assert not qkr_k.modules_usable(positions, q[:, ::2], k[:, ::2], q_norm, k_norm, rope)
-    assert not qkr_k.modules_usable(positions.float(), q, k, q_norm, k_norm, rope)
-    assert not qkr_k.modules_usable(positions[:0], q[:0], k[:0], q_norm, k_norm, rope)
+    assert not qkr_l.modules_usable(positions, q, k, q_norm, k_norm, gptj)
+    assert not qkr_l.modules_usable(positions, q, k, RMSNorm(32, params_dtype=torch.float16).to(DEVICE), k_norm, rope)
+    assert not qkr_l.modules_usable(positions, q[:, ::2], k[:, ::2], q_norm, k_norm, rope)
+    assert not qkr_l.modules_usable(positions.float(), q, k, q_norm, k_norm, rope)
+    assert not qkr_l.modules_usable(positions[:0], q[:0], k[:0], q_norm, k_norm, rope)
     # A subclass might apply its weight differently: only the exact classes are recognized.
     sub = type("OtherNorm", (RMSNorm,), {})
-    assert not qkr_k.modules_usable(positions, q, k, sub(head_size, params_dtype=torch.float16).to(DEVICE),
+    assert not qkr_l.modules_usable(positions, q, k, sub(head_size, params_dtype=torch.float16).to(DEVICE),
                                     sub(head_size, params_dtype=torch.float16).to(DEVICE), rope)
 
 
@@ -178,11 +179,11 @@ def test_llama_attention_forward_uses_fused_kernel(gemma, monkeypatch):
     positions = torch.tensor(POSITIONS, device=DEVICE)
     x = torch.randn(positions.numel(), hidden, dtype=dtype, device=DEVICE)
     calls = []
-    real_apply = qkr_k.apply_
-    monkeypatch.setattr(qkr_k, "apply_", lambda *a: calls.append(1) or real_apply(*a))
+    real_apply = qkr_l.apply_
+    monkeypatch.setattr(qkr_l, "apply_", lambda *a: calls.append(1) or real_apply(*a))
     layer(positions, x, None, None)
     assert calls, "the fused kernel was not used"
-    monkeypatch.setattr(qkr_k, "modules_usable", lambda *a: False)
+    monkeypatch.setattr(qkr_l, "modules_usable", lambda *a: False)
     layer(positions, x, None, None)
     (fq, fk), (uq, uk) = captured
     _assert_matches(fq, uq)
@@ -203,7 +204,7 @@ CACHE_CASES = [
 def test_cache_write_equals_reshape_and_cache(dtype, cache_dtype, head_size, rotary_dim, hq, hkv, three_d, gemma):
     """With ``cache``, the launch stores the finished keys and the values at their slots: the same cache
     bytes as the kernel without it followed by reshape_and_cache, the same q and k, padding slots untouched."""
-    from pagedllm.attention.kernels.reshape_and_cache import reshape_and_cache
+    from pagedllm.kernels.attention.reshape_and_cache import reshape_and_cache
 
     torch.manual_seed(hq * 11 + hkv + head_size)
     q_norm, k_norm, rope = _layers(head_size, rotary_dim, dtype, gemma)
@@ -224,13 +225,13 @@ def test_cache_write_equals_reshape_and_cache(dtype, cache_dtype, head_size, rot
     ref_cache, got_cache = fill.clone(), fill.clone()
 
     (ref_t, q, k, v), (got_t, gq, gk, gv) = views
-    qkr_k.apply_(positions, q, k, q_norm, k_norm, rope)
+    qkr_l.apply_(positions, q, k, q_norm, k_norm, rope)
     flat = lambda x: x if x.dim() == 3 else x.unflatten(-1, (-1, head_size))  # noqa: E731
     reshape_and_cache(flat(k), flat(v), ref_cache[0], ref_cache[1], slots)
 
     write = qkr_k.KVCacheWrite(gv, got_cache[0], got_cache[1], slots)
     assert qkr_k.cache_write_usable(write, gk, head_size)
-    qkr_k.apply_(positions, gq, gk, q_norm, k_norm, rope, write)
+    qkr_l.apply_(positions, gq, gk, q_norm, k_norm, rope, write)
     assert torch.equal(got_t, ref_t), "q, k and v must come out as without the cache write"
     assert torch.equal(got_cache.view(torch.uint8), ref_cache.view(torch.uint8))
     written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=DEVICE)

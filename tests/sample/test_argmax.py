@@ -49,7 +49,7 @@ def _hard_rows(vocab: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else []))
 def test_triton_argmax_matches_torch(vocab: int, dtype: torch.dtype) -> None:
     # On the CPU the kernels run interpreted (conftest.py); bfloat16 only compiled, on CUDA.
-    from pagedllm.sample.argmax_triton import argmax_rows_triton, usable
+    from pagedllm.kernels.sampling.argmax import argmax_rows_triton, usable
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     logits = _hard_rows(vocab, dtype).to(device)

@@ -385,7 +385,7 @@ def test_sparse_penalties_equal_the_dense_ones_bit_for_bit(builder):
             assert bool((index[1:] >= index[:-1]).all())
             md = dataclasses.replace(md, seen_index=index, seen_output_counts=counts)
         if builder == "sync-free+triton":
-            from pagedllm.sample.penalties_triton import sparse_penalties_triton_
+            from pagedllm.kernels.sampling.penalties import sparse_penalties_triton_
 
             # Compiled (with its exact-rounding instructions) where there is a GPU.
             dev = torch.device("cuda") if torch.cuda.is_available() else CPU

@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not importable")
 
-from pagedllm.sample.top_p_triton import top_k_top_p_triton_  # noqa: E402
+from pagedllm.kernels.sampling.top_p import top_k_top_p_triton_  # noqa: E402
 from pagedllm.sample.truncation import sorted_threshold_  # noqa: E402
 
 # The interpreter itself trips a NumPy deprecation on every scalar index; it says nothing about our code.

@@ -5,10 +5,10 @@ import torch
 import triton
 
 from pagedllm.attention.backend import AttentionBackend, AttentionImpl
-from pagedllm.attention.kernels import decode_pieces as pieces_kernel
-from pagedllm.attention.kernels.launch_config import device_sm_count, pieces_config, pieces_programs
-from pagedllm.attention.kernels.paged_attention import paged_attention
-from pagedllm.attention.kernels.reshape_and_cache import reshape_and_cache
+from pagedllm.kernels.attention import decode_pieces as pieces_kernel
+from pagedllm.kernels.attention.launch_config import device_sm_count, pieces_config, pieces_programs
+from pagedllm.kernels.attention.paged_attention import paged_attention
+from pagedllm.kernels.attention.reshape_and_cache import reshape_and_cache
 from pagedllm.attention.metadata import AttentionMetadata
 
 

@@ -22,7 +22,7 @@ import os
 import torch
 from torch import nn
 
-from pagedllm.layers.kernels.fp8_quant import FP8_MAX, MIN_SCALE, Fp8Rows
+from pagedllm.kernels.fp8_quant import FP8_MAX, MIN_SCALE, Fp8Rows
 from pagedllm.layers.linear import LinearMethodBase, UnquantizedLinearMethod
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -74,7 +74,7 @@ NARROW_MAX_ROWS = 64
 
 
 def _skinny_on() -> bool:
-    from pagedllm.layers.kernels import skinny_gemm
+    from pagedllm.kernels import skinny_gemm
 
     return skinny_gemm.enabled() or os.environ.get("PAGEDLLM_FP8_SKINNY", "1") != "0"
 
@@ -87,6 +87,15 @@ def weight_only_rows(m: int, shape: tuple[int, int] | None = None) -> bool:
     if not _skinny_on():
         return False
     return m <= WEIGHT_ONLY_MAX_ROWS or (m <= NARROW_MAX_ROWS and shape is not None and shape[0] <= shape[1])
+
+
+def fuse_wanted(x: torch.Tensor, consumer: tuple[int, int] | None = None) -> bool:
+    """Whether a producer flagged ``quantize_output`` should hand these rows over quantized: exactly when the
+    float8 linear (whose weight's shape is ``consumer``) would quantize them itself (CUDA, a 16-bit type,
+    more rows than its products that keep the 16-bit activation take)."""
+    if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2):
+        return False
+    return not weight_only_rows(x.shape[0], consumer) and float8_products(x.device.index or 0)
 
 
 def quantizable(layer: nn.Module) -> bool:
@@ -185,13 +194,13 @@ class Fp8LinearMethod(LinearMethodBase):
             return _scaled_product(x, layer, bias)
         if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and float8_products(x.device.index or 0):
             if weight_only_rows(x.shape[0], w.shape):
-                from pagedllm.layers.kernels import gemv, skinny_gemm
+                from pagedllm.kernels import gemv, skinny_gemm
 
                 if x.shape[0] == 1 and gemv.usable(x, w):
                     return gemv.gemv(x, w, bias, scale=w_scale)  # [1, N]
                 if x.shape[0] > 1 and skinny_gemm.usable(x, w):
                     return skinny_gemm.skinny_gemm(x, w, bias, scale=w_scale)  # [T, N]
-            from pagedllm.layers.kernels import fp8_quant
+            from pagedllm.kernels import fp8_quant
 
             if x.shape[0] > 0 and fp8_quant.usable(x) and quantizable(layer):
                 q, scales = fp8_quant.quantize_rows(x)  # [T, K] float8, [T, 1]

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import device_is_hopper_or_later
+from pagedllm.kernels.launch import device_is_hopper_or_later
 
 # A constexpr global, because jitted code may only read constexpr globals.
 LOG2E = tl.constexpr(1.4426950408889634)

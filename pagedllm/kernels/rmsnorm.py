@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
-from pagedllm.layers.kernels.fp8_quant import Fp8Rows, quantize_row_fp32
+from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.kernels.fp8_quant import Fp8Rows, quantize_row_fp32
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -34,7 +34,7 @@ def _rmsnorm_kernel(
     GEMMA: tl.constexpr,
     QUANT_OUT: tl.constexpr,  # store the output row as float8 plus its scale (fp8_quant.py's arithmetic)
     BLOCK_H: tl.constexpr,  # next power of two >= hidden: the whole row is one tile
-    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
 ):
     row = tl.program_id(0)
     i0 = row // n_inner

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
 
 CHUNK = 4096
 _NO_INDEX = 2**31 - 1  # above every vocabulary index: the neutral element of "first index"
@@ -40,7 +40,7 @@ def _chunk_argmax_kernel(
     stride_x,
     num_chunks,
     CHUNK: tl.constexpr,
-    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
 ):
     wait_for_previous_kernel(USE_GDC, False)
     row = tl.program_id(0)

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
 
 # Elements one program moves per tensor; bounds registers while keeping each program's copy wide.
 _MAX_TILE_ELEMS = 4096
@@ -27,7 +27,7 @@ def _reshape_and_cache_kernel(
     HEAD_SIZE_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
 ):
     wait_for_previous_kernel(USE_GDC, True)
     tok = tl.program_id(0)

@@ -18,10 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.kernels.attend_tile import _attend_ranges
-from pagedllm.attention.kernels.decode_qk import store_new_token, transform_heads, transform_launch_args
-from pagedllm.attention.kernels.paged_attention import kernel_strides
-from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.kernels.attention.attend_tile import _attend_ranges
+from pagedllm.kernels.attention.decode_qk import store_new_token, transform_heads, transform_launch_args
+from pagedllm.kernels.attention.paged_attention import kernel_strides
+from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
 
 # A piece's length in keys; 0: chosen per step on the device (see _piece_ends_kernel).
 PIECE_LEN = 0

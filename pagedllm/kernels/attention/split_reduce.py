@@ -4,7 +4,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import wait_for_previous_kernel
+from pagedllm.kernels.launch import wait_for_previous_kernel
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -18,7 +18,7 @@ def _reduce_splits_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_P2: tl.constexpr,
     SPLITS_P2: tl.constexpr,
-    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
 ):
     wait_for_previous_kernel(USE_GDC, True)
     tok = tl.program_id(0).to(tl.int64)

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
-from pagedllm.kernel_math import exact_rounding, rope_combine
+from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.kernels.numerics import exact_rounding, rope_combine
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -57,7 +57,7 @@ def _rotary_kernel(
     HALF_P2: tl.constexpr,
     BLOCK_H: tl.constexpr,
     EXACT: tl.constexpr,  # kernel_math.exact_rounding
-    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
 ):
     wait_for_previous_kernel(USE_GDC, True)
     tok = tl.program_id(0)

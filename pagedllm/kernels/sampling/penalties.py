@@ -1,7 +1,7 @@
 """Triton kernel for penalties.apply_sparse_penalties_: all seen (row, token) entries penalised in one launch.
 
 Each entry reads its logit, applies the repetition, frequency and presence penalties with torch's
-roundings (every product, quotient and difference rounded on its own, nothing fused: kernel_math's
+roundings (every product, quotient and difference rounded on its own, nothing fused: numerics.py's
 EXACT helpers), and writes it back, so the result stays bit-identical to the dense reference. The
 entries arrive sorted; a repeat of the entry before it is skipped, so each logit is read and
 written by one thread only.
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_math import add_rn, div_rn, exact_rounding, mul_rn
+from pagedllm.kernels.numerics import add_rn, div_rn, exact_rounding, mul_rn
 
 _BLOCK = 1024
 

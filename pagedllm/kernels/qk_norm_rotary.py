@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
-from pagedllm.kernel_math import exact_rounding, norm_weight, rope_combine
-from pagedllm.layers.kernels.rotary import _heads_view
+from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.kernels.numerics import exact_rounding, norm_weight, rope_combine
+from pagedllm.kernels.rotary import _heads_view
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -129,7 +129,7 @@ def _qk_norm_rotary_kernel(
     WRITE_CACHE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # the cache's tokens per block
     D_P2: tl.constexpr,  # next power of two of D, for the value copy
-    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
 ):
     # int64: tok * stride_qt passes 2**31 for long prefills of wide models.
     tok = tl.program_id(0).to(tl.int64)
@@ -221,25 +221,6 @@ def usable(
     )
 
 
-def modules_usable(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_norm, k_norm, rotary_emb) -> bool:
-    """``usable`` for a layer's ``q_norm``/``k_norm`` (RMSNorm or GemmaRMSNorm, same class) and RotaryEmbedding."""
-    from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm
-    from pagedllm.layers.rotary import RotaryEmbedding
-
-    # Exact classes: a subclass could change the weight's application and the kernel would not know.
-    kind = type(q_norm)
-    return (
-        kind in (RMSNorm, GemmaRMSNorm)
-        and type(k_norm) is kind
-        and type(rotary_emb) is RotaryEmbedding
-        and q_norm.hidden_size == k_norm.hidden_size == rotary_emb.head_size
-        and usable(
-            positions, query, key, q_norm.weight, k_norm.weight, rotary_emb.inv_freq,
-            rotary_emb.head_size, rotary_emb.is_neox_style, kind is GemmaRMSNorm,
-        )
-    )
-
-
 def qk_norm_rotary_(
     positions: torch.Tensor,  # [T] int
     query: torch.Tensor,  # [T, Hq*D] or [T, Hq, D], last dim contiguous; normalized and rotated in place
@@ -312,24 +293,4 @@ def cache_write_usable(cache: KVCacheWrite, key: torch.Tensor, head_size: int) -
         and kc.device == key.device
         and cache.slot_mapping.dtype == torch.int64
         and cache.slot_mapping.shape[0] >= key.shape[0]
-    )
-
-
-def apply_(
-    positions: torch.Tensor,  # [T] int
-    query: torch.Tensor,  # [T, Hq*D] or [T, Hq, D]; rewritten in place
-    key: torch.Tensor,  # [T, Hkv*D] or [T, Hkv, D]; rewritten in place
-    q_norm,
-    k_norm,
-    rotary_emb,
-    cache: KVCacheWrite | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (query, key), the same tensors
-    """``rotary_emb(positions, q_norm(q), k_norm(k))`` from the layer's modules; check ``modules_usable`` first
-    (and ``cache_write_usable`` for ``cache``)."""
-    from pagedllm.layers.norm import GemmaRMSNorm
-
-    return qk_norm_rotary_(
-        positions, query, key, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps,
-        rotary_emb.inv_freq, rotary_emb.head_size, rotary_emb.attention_scaling,
-        gemma=type(q_norm) is GemmaRMSNorm, cache=cache,
     )

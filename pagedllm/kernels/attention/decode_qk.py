@@ -1,6 +1,6 @@
 """The decode token's q/k transforms inside the attention kernel, in registers: per-head RMSNorm, then neox rotary.
 
-Same arithmetic as ``pagedllm.layers.kernels.rotary`` (and so as ``RotaryEmbedding``): ``freqs =
+Same arithmetic as ``pagedllm.kernels.rotary`` (and so as ``RotaryEmbedding``): ``freqs =
 pos * inv_freq`` in float32, cos/sin times the attention scaling rounded to the activation dtype, and
 ``x * cos + partner * (+-sin)`` with each product and the sum rounded to that dtype. Channel ``d`` of the
 rotated part pairs with ``d + R/2`` (sign -) in the first half and ``d - R/2`` (sign +) in the second;
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_math import exact_rounding, norm_weight, rope_combine
+from pagedllm.kernels.numerics import exact_rounding, norm_weight, rope_combine
 
 
 @triton.jit

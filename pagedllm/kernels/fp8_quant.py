@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
 
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
 # A row of zeros still gets a positive scale, so dequantization never divides by zero.
@@ -50,17 +50,6 @@ class Fp8Rows:
         return self.q.is_cuda
 
 
-def fuse_wanted(x: torch.Tensor, consumer: tuple[int, int] | None = None) -> bool:
-    """Whether a producer flagged ``quantize_output`` should hand these rows over quantized: exactly when the
-    float8 linear (whose weight's shape is ``consumer``) would quantize them itself (CUDA, a 16-bit type,
-    more rows than its products that keep the 16-bit activation take)."""
-    if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2):
-        return False
-    from pagedllm.layers.quantization.fp8 import float8_products, weight_only_rows
-
-    return not weight_only_rows(x.shape[0], consumer) and float8_products(x.device.index or 0)
-
-
 @triton.jit
 def row_scale(amax):
     """A row's scale from its largest magnitude. IEEE divisions throughout (Triton's `/` on float32 is
@@ -90,7 +79,7 @@ def _quant_rows_kernel(
     K,
     stride_xm,
     BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
 ):
     wait_for_previous_kernel(USE_GDC, False)
     row = tl.program_id(0).to(tl.int64)

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernel_launch import pdl_launch_args, wait_for_previous_kernel
-from pagedllm.layers.kernels.fp8_quant import Fp8Rows, row_scale, to_fp8_range
+from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.kernels.fp8_quant import Fp8Rows, row_scale, to_fp8_range
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -45,7 +45,7 @@ def _act_and_mul_kernel(
     stride_xt,
     ACT: tl.constexpr,  # 0 silu, 1 gelu tanh, 2 gelu erf
     BLOCK: tl.constexpr,
-    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
 ):
     wait_for_previous_kernel(USE_GDC, True)
     tok = tl.program_id(0)

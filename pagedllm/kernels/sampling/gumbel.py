@@ -1,12 +1,10 @@
-"""Fused Triton kernel for rng.add_gumbel_: hashes (row key, token id) to Gumbel noise and adds it to
+"""Fused Triton kernel for sample/rng.py's add_gumbel_: hashes (row key, token id) to Gumbel noise and adds it to
 the logits in one pass. Bit-for-bit the same hash as the eager code in rng.py."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from pagedllm.sample.rng import _MIX_MUL_1, _MIX_MUL_2, _UNIFORM_BITS
 
 _BLOCK = 2048
 
@@ -43,14 +41,17 @@ def _add_gumbel_kernel(
     tl.store(ptrs, vals + noise, mask=in_vocab)
 
 
-def add_gumbel_triton_(logits: torch.Tensor, key0: torch.Tensor, key1: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] float32 CUDA (modified), key0/key1 [R] int64 in [0, 2**32). Returns logits."""
+def add_gumbel_triton_(
+    logits: torch.Tensor, key0: torch.Tensor, key1: torch.Tensor, mix_mul: tuple[int, int], uniform_bits: int
+) -> torch.Tensor:
+    """logits [R, V] float32 CUDA (modified), key0/key1 [R] int64 in [0, 2**32); ``mix_mul`` and ``uniform_bits``:
+    the hash's constants, which rng.py defines. Returns logits."""
     num_rows, vocab_size = logits.shape
     if num_rows == 0:
         return logits
     grid = (num_rows, triton.cdiv(vocab_size, _BLOCK))
     _add_gumbel_kernel[grid](
         logits, key0.contiguous(), key1.contiguous(), vocab_size, logits.stride(0),
-        MUL1=_MIX_MUL_1, MUL2=_MIX_MUL_2, UNIFORM_BITS=_UNIFORM_BITS, BLOCK=_BLOCK,
+        MUL1=mix_mul[0], MUL2=mix_mul[1], UNIFORM_BITS=uniform_bits, BLOCK=_BLOCK,
     )
     return logits

@@ -5,13 +5,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.kernels.attend_tile import _attend_ranges, chunk_descriptors
-from pagedllm.attention.kernels.launch_config import (
+from pagedllm.kernels.attention.attend_tile import _attend_ranges, chunk_descriptors
+from pagedllm.kernels.attention.launch_config import (
     KernelConfig, choose_num_splits, default_config, device_sm_count, per_head_config,
 )
-from pagedllm.attention.kernels.decode_qk import store_new_token, transform_heads, transform_launch_args
-from pagedllm.attention.kernels.split_reduce import _reduce_splits_kernel
-from pagedllm.kernel_launch import pdl_launch_args, prefetch_to_l2, wait_for_previous_kernel
+from pagedllm.kernels.attention.decode_qk import store_new_token, transform_heads, transform_launch_args
+from pagedllm.kernels.attention.split_reduce import _reduce_splits_kernel
+from pagedllm.kernels.launch import pdl_launch_args, prefetch_to_l2, wait_for_previous_kernel
 
 # Requests scanned per step when a program looks up which request it serves.
 _SEARCH_BLOCK = 128
@@ -114,7 +114,7 @@ def _paged_attention_kernel(
     QK_NORM: tl.constexpr,  # (WRITE_KV) q and the new k arrive before their per-head RMSNorm: apply it here
     GEMMA_NORM: tl.constexpr,  # that norm's weight is an offset from 1
     EXACT: tl.constexpr,  # (ROPE) kernel_math.exact_rounding
-    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernel_launch.py)
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
     PER_HEAD: tl.constexpr = False,  # (not DECODE_ONLY) rows are BLOCK_M tokens of one query head
     FP16_DOTS: tl.constexpr = False,  # (float8 cache, bf16 query) both products in float16, not bfloat16
     ROWS: tl.constexpr = 0,  # (not DECODE_ONLY) serve all requests (0), only prompt chunks (1), only single tokens (2)

@@ -1,0 +1,1 @@
+"""Sampling kernels: the greedy argmax, Gumbel noise, sparse penalties and the top-k/top-p threshold search."""
