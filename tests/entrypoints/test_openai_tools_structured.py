@@ -1,7 +1,11 @@
-"""Structured outputs and tool calling through a real `pagedllm serve` (a tiny random Llama with the Qwen3
-tokenizer and chat template, --enable-auto-tool-choice --tool-call-parser hermes) and the official openai
-client: constrained outputs validate against their schemas, forced tool calls come back as OpenAI's
-tool_calls (whole and streamed), tool results render, and bad constraints are 400s naming the field."""
+"""Structured outputs, tool calling and reasoning through a real `pagedllm serve` (a tiny random Llama with
+the Qwen3 tokenizer and chat template, --enable-auto-tool-choice --tool-call-parser hermes
+--reasoning-parser deepseek_r1) and the official openai client: constrained outputs validate against their
+schemas, forced tool calls come back as OpenAI's tool_calls (whole and streamed), tool results render,
+reasoning goes to reasoning_content, and bad constraints are 400s naming the field.
+
+Constraints do not yet apply after reasoning only, so constrained chat requests turn Qwen3's thinking off
+(`enable_thinking: false`), which also turns the reasoning parser off for them."""
 from __future__ import annotations
 
 import json
@@ -41,7 +45,8 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 # A random model allowed whitespace between JSON tokens spends its tokens on it: compact JSON, asked for
 # as in vLLM (structured_outputs carrying only options for the constraint another field sets).
 COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
-BASE = dict(model=MODEL, max_tokens=200, temperature=0.8, seed=1, extra_body=COMPACT)
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+BASE = dict(model=MODEL, max_tokens=200, temperature=0.8, seed=1, extra_body={**COMPACT, **NO_THINKING})
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +54,8 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("tools_server")
     model = make_model("qwen3", root / "qwen3", tie=True)
     s = Server("tools", model, ["--served-model-name", MODEL, "--max-model-len", "1024",
-                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], root)
+                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                "--reasoning-parser", "deepseek_r1"], root)
     try:
         yield s.wait_ready()
     finally:
@@ -188,9 +194,25 @@ def test_auto_tool_choice_reads_free_text_with_the_server_parser(client):
     assert out.usage.prompt_tokens > 150  # the tools' schemas are in the prompt
 
 
+# ---- reasoning ---------------------------------------------------------------------------------------
+def test_reasoning_goes_to_reasoning_content_whole_and_streamed(client):
+    # DeepSeek-R1's parser: everything before </think> is reasoning, and a random model never closes it.
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.message.reasoning_content and whole.message.content is None
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.reasoning_content or "" for d in deltas) == whole.message.reasoning_content
+    assert not "".join(d.content or "" for d in deltas)
+    # Thinking turned off in the template: no reasoning to split off.
+    kw["extra_body"] = {"ignore_eos": True, **NO_THINKING}
+    plain = client.chat.completions.create(**kw).choices[0]
+    assert plain.message.content and plain.message.reasoning_content is None
+
+
 # ---- bad input ---------------------------------------------------------------------------------------
 def _named(**extra) -> dict:
-    return {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, **extra}
+    return {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, **NO_THINKING, **extra}
 
 
 BAD = [
@@ -202,6 +224,10 @@ BAD = [
     (_named(structured_outputs={"regex": "a", "backend": "outlines"}), "structured_outputs", "backend"),
     (_named(guided_choice=[]), "guided_choice", "non-empty"),
     (_named(**COMPACT), "structured_outputs", "one of json"),
+    # With thinking on, a constraint would apply to the reasoning too.
+    (_named(response_format={"type": "json_object"}, chat_template_kwargs=None), "response_format",
+     "--reasoning-parser"),
+    (_named(tools=TOOLS, tool_choice="required", chat_template_kwargs={}), "tools", "enable_thinking"),
     (_named(guided_decoding_backend="outlines"), "guided_decoding_backend", "xgrammar"),
     (_named(guided_whitespace_pattern=" *"), "guided_whitespace_pattern", "disable_any_whitespace"),
     (_named(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "nope"),

@@ -118,3 +118,48 @@ def test_reasoning_split_whole_and_streamed(name, text, reasoning, content):
             r, c = r + dr, c + dc
         dr, dc = stream.finish()
         assert (r + dr, c + dc) == (reasoning or "", content or "")
+
+
+# ---- a chat choice: reasoning split off first, then tool calls read from the answer --------------------
+def _reader(parallel: bool = True):
+    from pagedllm.entrypoints.openai.chat_outputs import ChoiceReader
+    from pagedllm.entrypoints.openai.tool_calling import ToolPlan
+
+    plan = ToolPlan("auto", None, parser=get_tool_parser("hermes"), parallel=parallel)
+    return ChoiceReader(plan, get_reasoning_parser("deepseek_r1"))
+
+
+THOUGHT_AND_CALLS = ('Weather first.</think>\n\nChecking. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+                     '</tool_call><tool_call>{"name": "now", "arguments": {}}</tool_call>')
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_chat_choice_reasoning_then_tool_calls_whole_and_streamed(parallel):
+    expected = [("get_weather", {"city": "Oslo"}), ("now", {})][:2 if parallel else 1]
+    reader = _reader(parallel)
+    message = reader.message(THOUGHT_AND_CALLS)
+    assert message.reasoning_content == "Weather first." and message.content == "Checking."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == expected
+    assert reader.finish_reason("stop") == "tool_calls" and reader.finish_reason("length") == "length"
+    for seed in range(6):
+        reader = _reader(parallel)
+        pieces = _chunks(THOUGHT_AND_CALLS, seed)
+        reasoning, content, calls = "", "", {}
+        for i, piece in enumerate(pieces):
+            delta = reader.delta(piece, final=i == len(pieces) - 1)
+            reasoning += delta.reasoning_content or ""
+            content += delta.content or ""
+            for d in delta.tool_calls or []:
+                if d.id is not None:
+                    calls[d.index] = [d.function.name, ""]
+                calls[d.index][1] += d.function.arguments or ""
+        assert reasoning == "Weather first." and content.strip() == "Checking."
+        assert [(n, json.loads(a)) for n, a in calls.values()] == expected
+        assert reader.finish_reason("stop") == "tool_calls"
+
+
+def test_chat_choice_without_calls_keeps_its_finish_reason():
+    reader = _reader()
+    message = reader.message("Just thinking</think>The answer is 4.")
+    assert (message.reasoning_content, message.content, message.tool_calls) == ("Just thinking", "The answer is 4.", None)
+    assert reader.finish_reason("stop") == "stop"

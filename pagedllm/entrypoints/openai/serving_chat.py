@@ -178,11 +178,15 @@ class OpenAIServingChat(OpenAIServing):
         k = (req.top_logprobs or 0) if req.logprobs else None
         plan = plan_tools(req, self.auto_tool_parser)
         constraint = one_constraint(req, request_constraints(req) + ([plan.constraint] if plan.constraint else []))
-        if constraint is not None and self.reasoning_parser is not None:
+        # With thinking turned off in the template (Qwen3's enable_thinking), the output holds no reasoning.
+        thinking = (req.chat_template_kwargs or {}).get("enable_thinking") is not False
+        reasoning = self.reasoning_parser if thinking else None
+        if constraint is not None and reasoning is not None:
             field = constraint.field.split(".")[0]
             raise bad_request(
                 f"{field} cannot be combined with the server's --reasoning-parser yet: the constraint would apply "
-                "to the reasoning as well as to the answer",
+                "to the reasoning as well as to the answer; turn thinking off with chat_template_kwargs "
+                '{"enable_thinking": false}',
                 param=field,
             )
         params = self.sampling_params(req, max_tokens, k, rename={"logprobs": "top_logprobs", "max_tokens": max_param},
@@ -200,8 +204,8 @@ class OpenAIServingChat(OpenAIServing):
         except OpenAIError as e:
             raise name_engine_error(e, constraint) from None
         if req.stream:
-            return StreamingResult(self._stream(req, request_id, prompt, streams, k, plan), streams)
-        return await self._full(req, request_id, prompt, streams, k, plan)
+            return StreamingResult(self._stream(req, request_id, prompt, streams, k, plan, reasoning), streams)
+        return await self._full(req, request_id, prompt, streams, k, plan, reasoning)
 
     def _logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> list[ChatTokenLogprob]:
         out = []
@@ -231,7 +235,8 @@ class OpenAIServingChat(OpenAIServing):
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
-    async def _full(self, req, request_id: str, prompt: Prompt, streams, k: int | None, plan: ToolPlan) -> ChatCompletionResponse:
+    async def _full(self, req, request_id: str, prompt: Prompt, streams, k: int | None, plan: ToolPlan,
+                    reasoning: ReasoningParser | None) -> ChatCompletionResponse:
         states = [_ChoiceState() for _ in range(req.n)]
         cached = 0
         try:
@@ -251,7 +256,7 @@ class OpenAIServingChat(OpenAIServing):
             raise request_failed(e) from None
         choices = []
         for i, st in enumerate(states):
-            reader = ChoiceReader(plan, self.reasoning_parser)
+            reader = ChoiceReader(plan, reasoning)
             message = reader.message("".join(st.text))
             choices.append(ChatCompletionChoice(
                 index=i,
@@ -263,12 +268,13 @@ class OpenAIServingChat(OpenAIServing):
         usage = self._usage(prompt, sum(st.num_tokens for st in states), cached)
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
-    async def _stream(self, req, request_id: str, prompt: Prompt, streams, k: int | None, plan: ToolPlan) -> AsyncIterator[str]:
+    async def _stream(self, req, request_id: str, prompt: Prompt, streams, k: int | None, plan: ToolPlan,
+                    reasoning: ReasoningParser | None) -> AsyncIterator[str]:
         def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
             return sse_chunk(ChatCompletionStreamResponse(id=request_id, model=self.model_name, choices=choices, usage=usage))
 
         states = [_ChoiceState() for _ in range(req.n)]
-        readers = [ChoiceReader(plan, self.reasoning_parser) for _ in range(req.n)]
+        readers = [ChoiceReader(plan, reasoning) for _ in range(req.n)]
         cached = 0
         try:
             for i in range(req.n):
