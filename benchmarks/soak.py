@@ -34,6 +34,8 @@ import tempfile
 import threading
 import time
 
+from pagedllm import envs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
@@ -265,7 +267,7 @@ def main() -> int:
                     "--kv-cache-memory-bytes 4194304 --disable-access-log --uvicorn-log-level warning")
     ap.add_argument("--base-url", default=None, help="soak this running server instead of starting one")
     ap.add_argument("--server-pid", type=int, default=None, help="with --base-url: the server's pid, for RSS")
-    ap.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"))
+    ap.add_argument("--api-key", default=envs.PAGEDLLM_API_KEY)
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
 

@@ -10,18 +10,25 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedllm.kernels import launch
 from pagedllm.kernels.launch import PDL_MAX_TOKENS, pdl_launch_args, use_pdl
 
 
-def test_pdl_is_off_on_cpu_even_when_asked(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_PDL", "1")
+@pytest.fixture
+def pdl_setting(monkeypatch):
+    """``launch.set_pdl`` for one test: the process-wide setting is given back afterwards."""
+    monkeypatch.setattr(launch, "_pdl_enabled", launch._pdl_enabled)
+    return launch.set_pdl
+
+
+def test_pdl_is_off_on_cpu_even_when_asked(pdl_setting):
+    pdl_setting(True)
     t = torch.zeros(2)
     assert not use_pdl(t)
     assert pdl_launch_args(t) == {"USE_GDC": False}
 
 
-def test_pdl_is_on_by_default_where_the_gpu_has_it(monkeypatch):
-    monkeypatch.delenv("PAGEDLLM_PDL", raising=False)
+def test_pdl_is_on_by_default_where_the_gpu_has_it(pdl_setting):
     assert pdl_launch_args(torch.zeros(1)) == {"USE_GDC": False}
     if torch.cuda.is_available():
         on = torch.cuda.get_device_capability()[0] >= 9
@@ -31,7 +38,7 @@ def test_pdl_is_on_by_default_where_the_gpu_has_it(monkeypatch):
         # A long prefill launches without it.
         assert not use_pdl(torch.zeros(PDL_MAX_TOKENS + 1, 8, device="cuda"))
         assert use_pdl(torch.zeros(PDL_MAX_TOKENS, 8, device="cuda")) == on
-        monkeypatch.setenv("PAGEDLLM_PDL", "0")
+        pdl_setting(False)
         assert not use_pdl(torch.zeros(1, device="cuda"))
 
 

@@ -11,12 +11,13 @@ then take ~6-11 ms. ``shutdown`` gives them back, so that an engine dropped in a
 from __future__ import annotations
 
 import gc
-import os
+
+from pagedllm import envs
 
 
 def freeze_start_up_heap() -> None:
     """Collects what start-up left as garbage, then freezes every object still alive."""
-    if os.environ.get("PAGEDLLM_GC_FREEZE", "1") == "0":
+    if not envs.PAGEDLLM_GC_FREEZE:
         return
     gc.collect()
     gc.freeze()

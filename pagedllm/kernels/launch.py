@@ -10,7 +10,8 @@ once; the GEMV and the skinny GEMM read their first weight tile, the norms their
 norm + rotary launch its positions and cache slots (written by the host before the step's first
 launch, which runs fully serialized) before waiting, and decode attention its request's length and
 the first tile's L2 lines (``prefetch_to_l2``). On by default on CUDA devices of compute
-capability >= 9.0, where it took 4% off a batch-1 8B decode step; ``PAGEDLLM_PDL=0`` turns it off.
+capability >= 9.0, where it took 4% off a batch-1 8B decode step; the engine turns it off at start-up
+(``set_pdl``) when the user asks (``PAGEDLLM_PDL=0``).
 
 Only launches over at most ``PDL_MAX_TOKENS`` tokens use it: decode steps and short chunks, which are
 launch-latency-bound and CUDA-graph-captured. A long prefill is compute-bound, runs eagerly and is close
@@ -33,17 +34,33 @@ def device_is_hopper_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+@functools.cache
+def triton_interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``): read on first use, once, as
+    triton itself fixes the choice when a kernel is decorated."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 # The largest CUDA-graph decode batch of the default max_num_seqs.
 PDL_MAX_TOKENS = 256
+
+# Set once by the engine at start-up (``set_pdl``), so that no launch reads the environment.
+_pdl_enabled = True
+
+
+def set_pdl(enabled: bool) -> None:
+    """Allows (the default) or forbids programmatic dependent launch for every later launch in this process."""
+    global _pdl_enabled
+    _pdl_enabled = enabled
 
 
 def use_pdl(t: torch.Tensor) -> bool:
     """Whether kernels over ``t`` (tokens first) launch with PDL (and so must wait on their predecessor)."""
-    if not t.is_cuda or os.environ.get("PAGEDLLM_PDL", "1") == "0":
+    if not (_pdl_enabled and t.is_cuda):
         return False
     if t.dim() and t.shape[0] > PDL_MAX_TOKENS:
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if triton_interpreted():
         return False  # the interpreter runs programs one by one and knows no grid dependency control
     return device_is_hopper_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device())
 

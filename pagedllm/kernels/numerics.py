@@ -10,16 +10,16 @@ interpreter computes op by op in numpy and never contracts, so there ``EXACT`` i
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
+from pagedllm.kernels.launch import triton_interpreted
+
 
 def _compiled_for_nvidia(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return t.is_cuda and torch.version.hip is None and not triton_interpreted()
 
 
 def exact_rounding(t: torch.Tensor) -> bool:

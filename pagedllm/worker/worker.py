@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.cuda_graphs import graph_sizes
@@ -73,6 +74,9 @@ class Worker:
         if self.device.type == "cuda":
             # torch 2.11 rejects a bare torch.device("cuda") here: it wants an index.
             torch.cuda.set_device(self.device.index or 0)
+            from pagedllm.kernels import launch  # triton is needed on CUDA only
+
+            launch.set_pdl(envs.PAGEDLLM_PDL)
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, self.device)
         self.memory = MemoryProfile()

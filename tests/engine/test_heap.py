@@ -6,7 +6,7 @@ import weakref
 
 from tiny_models import make_tiny_model
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, envs
 
 
 def _llm(path):
@@ -34,7 +34,7 @@ def test_engine_freezes_its_start_up_heap_and_shutdown_releases_it(tmp_path):
 def test_freezing_can_be_turned_off(tmp_path, monkeypatch):
     path = make_tiny_model("llama", tmp_path / "llama")
     gc.unfreeze()
-    monkeypatch.setenv("PAGEDLLM_GC_FREEZE", "0")
+    monkeypatch.setattr(envs, "PAGEDLLM_GC_FREEZE", False)
     llm = _llm(path)
     assert gc.get_freeze_count() == 0
     llm.llm_engine.engine_core.shutdown()

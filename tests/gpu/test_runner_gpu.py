@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, envs
 from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -146,7 +146,7 @@ def test_programmatic_dependent_launch_changes_nothing(model, tmp_path, monkeypa
     prompts = _prompts(5, seed=4)
     outs = {}
     for pdl in ("0", "1"):
-        monkeypatch.setenv("PAGEDLLM_PDL", pdl)
+        monkeypatch.setattr(envs, "PAGEDLLM_PDL", pdl == "1")
         llm = _llm(path, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=_KV_BYTES)
         res = _generate(llm, prompts, [3, 17, 25, 30, 1], logprobs=2)
         outs[pdl] = [(o.outputs[0].token_ids, [list(d.items()) for d in o.outputs[0].logprobs]) for o in res]

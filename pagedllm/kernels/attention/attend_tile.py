@@ -1,13 +1,11 @@
 """The inner step of the paged-attention kernel: one tile of keys folded into a flash-style running softmax."""
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.launch import device_is_hopper_or_later
+from pagedllm.kernels.launch import device_is_hopper_or_later, triton_interpreted
 
 # A constexpr global, because jitted code may only read constexpr globals.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -184,7 +182,7 @@ def chunk_descriptors(
     on_device = (new_k.is_cuda and device_is_hopper_or_later(
         new_k.device.index if new_k.device.index is not None else torch.cuda.current_device())
                  and new_k.element_size() == 2 and head_size <= 128)
-    usable = enabled and num_tokens > 0 and (on_device or os.environ.get("TRITON_INTERPRET") == "1")
+    usable = enabled and num_tokens > 0 and (on_device or triton_interpreted())
     usable = usable and head_size == triton.next_power_of_2(head_size) and head_size >= 16
     descs = []
     for t in (new_k, new_v):
