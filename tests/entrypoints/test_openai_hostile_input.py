@@ -143,7 +143,8 @@ def test_unsupported_fields_are_refused_by_name(completions_server, path, field,
 def test_fields_at_values_that_change_nothing_are_accepted(completions_server):
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "chat_template": TEMPLATE,
             "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "parallel_tool_calls": False,
-            "prompt_logprobs": None, "store": False}
+            "prompt_logprobs": None, "store": False, "metadata": {"team": "search"}, "user": "u-1",
+            "service_tier": "auto"}
     assert _post(completions_server, "/v1/chat/completions", body).status_code == 200
 
 

@@ -261,3 +261,7 @@ def test_openapi_lists_the_constraint_and_tool_fields(server):
     assert constraint_fields <= set(chat) and constraint_fields <= set(completion)
     assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(chat)
     assert "tools" not in completion
+    # Fields accepted only at values that change nothing are listed at those values; no others are accepted.
+    body = paths["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["additionalProperties"] is False
+    assert {"anyOf": [{"enum": [False]}, {"type": "null"}]} == chat["store"] and "metadata" in chat

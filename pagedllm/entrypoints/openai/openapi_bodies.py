@@ -32,10 +32,18 @@ def json_schema(model: Any) -> dict[str, Any]:
 
 
 def request_body(model: Any) -> dict[str, Any]:
-    """`openapi_extra` for a route whose JSON body is validated as `model`."""
+    """`openapi_extra` for a route whose JSON body is validated as `model`, with the fields accepted only at
+    values that change nothing (unsupported_fields), and no others: unknown fields are refused."""
+    from pagedllm.entrypoints.openai.unsupported_fields import accepted_field_schemas
+
+    schema = json_schema(model)
+    props = schema.setdefault("properties", {})
+    for name, accepted in accepted_field_schemas().items():
+        props.setdefault(name, accepted)
+    schema["additionalProperties"] = False
     return {
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": json_schema(model)}},
+            "content": {"application/json": {"schema": schema}},
         }
     }

@@ -1,5 +1,6 @@
 """Request fields the server does not implement: each is refused with a 400 that names it, unless its value
-is one that changes nothing (e.g. `response_format: {"type": "text"}`), so that no field is silently ignored."""
+is one that changes nothing (e.g. `store: false`), so that no field is silently ignored. The values accepted
+are also JSON schemas, which /openapi.json lists with the fields the server implements."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -23,7 +24,9 @@ _KNOWN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "modalities": (lambda v: v is None or v == ["text"], 'only text is generated; only ["text"] is accepted'),
     "audio": (lambda v: v is None, "audio output is not implemented"),
     "store": (lambda v: v in (None, False), "the server does not store completions"),
-    "metadata": (lambda v: v is None, "the server does not store completions, so it keeps no metadata"),
+    # Tags for stored completions and for dashboards: the answer is the same with them.
+    "metadata": (lambda v: v is None or (isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
+                 "metadata is a map of strings"),
     "service_tier": (lambda v: v in (None, "auto", "default"), 'the server has one tier; only "auto" and "default" are accepted'),
     "prediction": (lambda v: v is None, "predicted outputs are not implemented"),
     "reasoning_effort": (lambda v: v is None, "reasoning effort is not implemented"),
@@ -31,6 +34,25 @@ _KNOWN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_beam_search": (lambda v: v in (None, False), "beam search is not implemented"),
     "priority": (lambda v: v in (None, 0), "request priorities are not implemented"),
 }
+
+
+# The values each field above is accepted at, for /openapi.json (null is accepted for every one of them).
+_ACCEPTED_SCHEMAS: dict[str, dict[str, Any]] = {
+    "guided_decoding_backend": {"enum": ["auto", "xgrammar"]},
+    "functions": {"type": "array", "maxItems": 0},
+    "function_call": {"enum": ["none", "auto"]},
+    "modalities": {"type": "array", "items": {"enum": ["text"]}, "minItems": 1, "maxItems": 1},
+    "store": {"enum": [False]},
+    "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+    "service_tier": {"enum": ["auto", "default"]},
+    "use_beam_search": {"enum": [False]},
+    "priority": {"enum": [0]},
+}
+
+
+def accepted_field_schemas() -> dict[str, dict[str, Any]]:
+    """JSON schemas of the fields accepted at values that change nothing."""
+    return {name: {"anyOf": [schema, {"type": "null"}]} for name, schema in _ACCEPTED_SCHEMAS.items()}
 
 
 def _message(where: str, name: str, value: Any) -> str:
