@@ -106,25 +106,20 @@ def main() -> None:
         kc = torch.zeros(4, 16, 2, 64, dtype=cache_dtype)
         write = qk_norm_rotary.KVCacheWrite(torch.zeros(2, 2 * 64, dtype=bf), kc, kc.clone(), torch.zeros(2, dtype=torch.int64))
         qk_norm_rotary_layer.apply_(pos, q, k, norm, norm, RotaryEmbedding(64, torch.ones(32)), write)
-    # A pure-decode batch (fused write, rotary, split) and a mixed one (separate cache write).
-    # Pure-decode batches (fused write and rotary, split; then with the q/k norm too) and a mixed one.
-    for reqs, splits, rope, norm in (([(200, 1), (70, 1)], 4, True, False), ([(9, 1), (3, 1)], 1, True, True),
-                                     ([(5, 6), (3, 1)], 1, False, False)):
+    # Pure-decode batches (fused write and rotary, split and not) and a mixed one (separate cache write).
+    for reqs, splits, rope in (([(200, 1), (70, 1)], 4, True), ([(9, 1), (3, 1)], 1, True),
+                               ([(5, 6), (3, 1)], 1, False)):
         query, key, value, cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, bf, 0)
         impl = TritonImpl(4, 64, 0.125, 2, None, None)
         impl.num_splits = splits
-        impl.fuse_decode_qk_norm = norm
         extra = {"rotary": RotaryEmbedding(64, torch.ones(32))} if rope else {}
-        if norm:
-            extra["qk_norm"] = (torch.ones(64, dtype=bf), torch.ones(64, dtype=bf), 1e-6, 1e-6, False)
         impl.forward(query, key, value, cache, metadata(), **extra)
-    # Decode in pieces: bf16, and a float8 cache (one warp a program once programs are many).
-    for cache_dtype, reqs in ((None, [(200, 1), (70, 1)]), (torch.float8_e4m3fn, [(300, 1)] * 1000)):
-        query, key, value, cache, _, metadata = build_paged_batch(reqs, 4, 2, 128, 16, bf, 0, cache_dtype=cache_dtype)
-        impl = TritonImpl(4, 128, 0.125, 2, None, None)
-        impl.decode_pieces, impl.decode_pieces_min_programs, impl.fuse_decode_qk_norm = True, 0, True
-        impl.forward(query, key, value, cache, metadata(), rotary=RotaryEmbedding(128, torch.ones(64)),
-                     qk_norm=(torch.ones(128, dtype=bf), torch.ones(128, dtype=bf), 1e-6, 1e-6, False))
+    # Decode in pieces: a float8 cache with programs enough (one warp a program).
+    query, key, value, cache, _, metadata = build_paged_batch([(300, 1)] * 1000, 4, 2, 128, 16, bf, 0,
+                                                              cache_dtype=torch.float8_e4m3fn)
+    impl = TritonImpl(4, 128, 0.125, 2, None, None)
+    assert impl._uses_pieces(metadata(), query, cache[0])
+    impl.forward(query, key, value, cache, metadata(), rotary=RotaryEmbedding(128, torch.ones(64)))
     for kernel, args, kwargs in launches:
         ptx = _compile(kernel, args, kwargs)
         print(json.dumps({"kernel": kernel.__name__, "pdl": bool(kwargs.get("launch_pdl")),

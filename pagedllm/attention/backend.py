@@ -48,11 +48,6 @@ class AttentionImpl(ABC):
         """
         return False
 
-    def fuses_decode_qk_norm(self, attn_metadata: AttentionMetadata) -> bool:
-        """Whether ``forward(..., rotary=..., qk_norm=...)`` may also receive q and k before their per-head
-        RMSNorm in this step (asked only when ``fuses_decode_rotary`` said yes)."""
-        return False
-
     def takes_written_kv(self, attn_metadata: AttentionMetadata) -> bool:
         """Whether ``forward(..., kv_written=True)`` may be called: the caller has already stored this step's
         keys and values into the cache at ``slot_mapping`` (the cache layout of ``get_kv_cache_shape``), so

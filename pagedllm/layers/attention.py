@@ -41,13 +41,10 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
         rotary=None,  # a RotaryEmbedding still to apply to query and key (only if fuses_decode_rotary)
-        qk_norm: tuple | None = None,  # (q weight, k weight, q eps, k eps, gemma) still to apply before it
         kv_written: bool = False,  # the caller stored key and value into kv_cache already (takes_written_kv)
     ) -> torch.Tensor:  # [T, Hq*D]
         num_tokens = query.shape[0]
         extra = {} if rotary is None else {"rotary": rotary}
-        if qk_norm is not None:
-            extra["qk_norm"] = qk_norm
         if kv_written:
             extra["kv_written"] = True
         out = self.impl.forward(
@@ -63,10 +60,6 @@ class Attention(nn.Module):
     def fuses_decode_rotary(self, attn_metadata: AttentionMetadata, rotary) -> bool:
         """Whether the backend rotates q and k itself in this step (forward's ``rotary``)."""
         return self.impl.fuses_decode_rotary(attn_metadata, rotary)
-
-    def fuses_decode_qk_norm(self, attn_metadata: AttentionMetadata) -> bool:
-        """Whether the backend also applies the per-head q/k RMSNorm itself in this step (forward's ``qk_norm``)."""
-        return self.impl.fuses_decode_qk_norm(attn_metadata)
 
     def takes_written_kv(self, attn_metadata: AttentionMetadata) -> bool:
         """Whether the caller may store this step's K/V into the cache itself and pass ``kv_written``."""

@@ -21,7 +21,7 @@ from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm
+from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, cos_sin_once_per_step, get_rope
 from pagedllm.model_loader.weight_utils import load_named_weights
 
@@ -112,20 +112,11 @@ class LlamaAttention(nn.Module):
             from pagedllm.layers import qk_norm_rotary as fused
 
             use_fused = fused.modules_usable(positions, q, k, self.q_norm, self.k_norm, self.rotary_emb)
-        rotary_in_attention = norms_in_attention = None
+        rotary_in_attention = None
         kv_written = False
-        in_attention = q.is_cuda and self.attn.fuses_decode_rotary(attn_metadata, self.rotary_emb)
-        if in_attention and self.q_norm is not None:
-            in_attention = use_fused and self.attn.fuses_decode_qk_norm(attn_metadata)
-        if in_attention:
-            # A decode step: the attention kernel normalizes (q/k norms) and rotates q and the new key
-            # itself, saving a launch a layer.
+        if self.q_norm is None and q.is_cuda and self.attn.fuses_decode_rotary(attn_metadata, self.rotary_emb):
+            # A decode step: the attention kernel rotates q and the new key itself, saving a launch a layer.
             rotary_in_attention = self.rotary_emb
-            if self.q_norm is not None:
-                norms_in_attention = (
-                    self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.k_norm.eps,
-                    isinstance(self.q_norm, GemmaRMSNorm),
-                )
         elif use_fused:
             cache = None
             if self.attn.takes_written_kv(attn_metadata):
@@ -143,7 +134,7 @@ class LlamaAttention(nn.Module):
                 k = self.k_norm(k.unflatten(-1, (-1, self.head_size)))
             q, k = self.rotary_emb(positions, q, k)
         out = self.attn(
-            q.flatten(1), k.flatten(1), v, kv_cache, attn_metadata, rotary=rotary_in_attention, qk_norm=norms_in_attention,
+            q.flatten(1), k.flatten(1), v, kv_cache, attn_metadata, rotary=rotary_in_attention,
             kv_written=kv_written,
         )
         if output_rows is not None:

@@ -15,14 +15,17 @@ from paged_batches import build_paged_batch  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# Contexts from empty to several pieces of the smallest base length (128 keys); 32-key pieces would cut the
-# 700-key one into more than MAX_PIECES.
+# Contexts from empty to several pieces of the smallest base length (128 keys).
 RAGGED = [(40, 1), (0, 1), (300, 1), (17, 1), (700, 1), (129, 1)]
+# ... and one that 128-key pieces would cut into more than MAX_PIECES: it takes longer pieces.
+RAGGED_LONG = RAGGED + [(decode_pieces.MAX_PIECES * 128 + 50, 1)]
 
 
-def _impl(num_heads, head_size, num_kv_heads, soft_cap=None, piece_len=0):
+def _impl(num_heads, head_size, num_kv_heads, soft_cap=None):
+    """An impl that decodes in pieces over any cache and batch: the kernel's arithmetic does not depend on
+    the cache's dtype, and the engine's rule for taking pieces is tested on its own below."""
     impl = TritonImpl(num_heads, head_size, head_size**-0.5, num_kv_heads, None, soft_cap)
-    impl.decode_pieces, impl.decode_pieces_min_programs, impl.decode_piece_len = True, 0, piece_len
+    impl._uses_pieces = lambda md, query, k_cache: md.max_query_len == 1
     return impl
 
 
@@ -32,23 +35,21 @@ def _counters_at_zero(device) -> bool:
 
 
 @pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_size,dtype,soft_cap,piece_len",
+    "reqs,num_heads,num_kv_heads,head_size,dtype,soft_cap",
     [
-        pytest.param(8, 2, 64, torch.float32, None, 0, id="gqa4-fp32-auto"),
-        pytest.param(4, 4, 128, torch.float16, None, 0, id="mha-d128-fp16"),
-        pytest.param(8, 1, 64, torch.float32, 20.0, 32, id="gqa8-softcap-32-key-pieces"),
-        pytest.param(6, 2, 96, torch.float32, None, 64, id="gqa3-d96"),
+        pytest.param(RAGGED, 8, 2, 64, torch.float32, None, id="gqa4-fp32"),
+        pytest.param(RAGGED, 4, 4, 128, torch.float16, None, id="mha-d128-fp16"),
+        pytest.param(RAGGED_LONG, 8, 1, 64, torch.float32, 20.0, id="gqa8-softcap-past-max-pieces"),
+        pytest.param(RAGGED, 6, 2, 96, torch.float32, None, id="gqa3-d96"),
     ],
 )
-def test_pieces_match_torch_ref(num_heads, num_kv_heads, head_size, dtype, soft_cap, piece_len):
-    # Pieces of 32 keys cut the 700-key context into more than MAX_PIECES: it then takes longer pieces.
-    query, key, value, cache, poisoned, metadata = build_paged_batch(RAGGED, num_heads, num_kv_heads, head_size, 16,
+def test_pieces_match_torch_ref(reqs, num_heads, num_kv_heads, head_size, dtype, soft_cap):
+    query, key, value, cache, poisoned, metadata = build_paged_batch(reqs, num_heads, num_kv_heads, head_size, 16,
                                                                      dtype, 5, device=DEVICE)
     md = metadata()
     expected = torch_ref.TorchRefImpl(num_heads, head_size, head_size**-0.5, num_kv_heads, None, soft_cap).forward(
         query, key, value, cache, md)
-    impl = _impl(num_heads, head_size, num_kv_heads, soft_cap, piece_len)
-    assert impl._uses_pieces(md, query, poisoned[0])
+    impl = _impl(num_heads, head_size, num_kv_heads, soft_cap)
     out = impl.forward(query, key, value, poisoned, metadata())
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.float(), expected.float(), **tol)
@@ -63,7 +64,7 @@ def test_same_bits_in_any_order_and_over_stale_partials():
     # The last piece to arrive folds all of them in piece order: neither the request order nor what the
     # scratch held before may change a bit.
     query, key, value, cache, _, metadata = build_paged_batch(RAGGED, 8, 2, 64, 16, torch.float32, 7, device=DEVICE)
-    impl = _impl(8, 64, 2, piece_len=64)
+    impl = _impl(8, 64, 2)
     first = impl.forward(query, key, value, cache.clone(), metadata())
     md = metadata()
     md.decode_order = torch.argsort(-md.seq_lens.long(), stable=True).to(torch.int32)
@@ -86,30 +87,23 @@ def test_padding_request_reads_nothing_and_writes_zeros():
     out = _impl(4, 64, 2).forward(query, key, value, cache, md)
     assert not out[1].any()
     ref_md = metadata()
-    ref = _impl(4, 64, 2)
-    ref.decode_pieces = False
+    ref = TritonImpl(4, 64, 64**-0.5, 2)
     expected = ref.forward(query, key, value, expected_cache, ref_md)
     for row in (0, 2):
         torch.testing.assert_close(out[row], expected[row], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["fp16", "e4m3"])
-def test_fused_rotary_and_qk_norm_match_the_one_pass_kernel(cache_dtype):
-    # What a Qwen3 decode step hands over: q and k before their norm and rotary embedding.
+def test_fused_rotary_matches_the_one_pass_kernel(cache_dtype):
+    # What a Llama decode step hands over: q and k before their rotary embedding.
     query, key, value, cache, _, metadata = build_paged_batch(RAGGED, 4, 2, 64, 16, torch.float16, 13, device=DEVICE,
                                                               cache_dtype=cache_dtype, kv_on_cache_grid=True)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
     rotary = RotaryEmbedding(64, inv_freq, 1.0).to(DEVICE)
-    gen = torch.Generator().manual_seed(2)
-    q_w = (torch.randn(64, generator=gen) * 0.2 + 1.0).to(DEVICE, torch.float16)
-    k_w = (torch.randn(64, generator=gen) * 0.2 + 1.0).to(DEVICE, torch.float16)
     outs, caches = [], []
-    for pieces in (True, False):
-        impl = _impl(4, 64, 2, piece_len=128)
-        impl.decode_pieces, impl.fuse_decode_qk_norm = pieces, True
+    for impl in (_impl(4, 64, 2), TritonImpl(4, 64, 64**-0.5, 2)):
         c = cache.clone()
-        outs.append(impl.forward(query.clone(), key.clone(), value, c, metadata(), rotary=rotary,
-                                 qk_norm=(q_w, k_w, 1e-6, 1e-6, False)))
+        outs.append(impl.forward(query.clone(), key.clone(), value, c, metadata(), rotary=rotary))
         caches.append(c)
     assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=2e-3, rtol=2e-3)
@@ -132,14 +126,13 @@ def test_engine_rule_and_scratch_accounting():
     assert not impl._uses_pieces(small[5](), small[0], small[3][0])
     assert not impl._uses_pieces(metadata(), query, cache[0].to(torch.float16))
     assert not TritonImpl(4, 64, 0.125, 2, 16)._uses_pieces(metadata(), query, cache[0])
-    chunk = build_paged_batch([(30, 5)], 4, 2, 64, 16, torch.float16, 1, device=DEVICE)
-    impl.decode_pieces_min_programs = 0
+    chunk = build_paged_batch([(30, 5)] * n, 4, 2, 64, 16, torch.float16, 1, device=DEVICE,
+                              cache_dtype=torch.float8_e4m3fn)
     assert not impl._uses_pieces(chunk[5](), chunk[0], chunk[3][0])
     assert TritonBackend.workspace_bytes(257, 16, 8, 128, 1) == decode_pieces.workspace_bytes(257, 16, 8, 128) > 0
     assert TritonBackend.workspace_bytes(257, 16, 8, 128, 2) == 0
     # Reserved at start for the largest batch, the workspace serves every smaller launch as it is.
     TritonBackend.reserve_workspace(query.device, n + 1, 4, 2, 64, 1)
     reserved = decode_pieces._workspaces[query.device]
-    impl.decode_pieces_min_programs = None
     impl.forward(query, key, value, cache, metadata())
     assert decode_pieces._workspaces[query.device] is reserved

@@ -15,7 +15,6 @@ from pagedllm.kernels.attention import attend_tile as at_mod  # noqa: E402
 from pagedllm.kernels.attention import launch_config as lc  # noqa: E402
 from pagedllm.kernels.attention import paged_attention as pa_mod  # noqa: E402
 from pagedllm.kernels.attention import reshape_and_cache as rc_mod  # noqa: E402
-from pagedllm.kernels import qk_norm_rotary as qkr_k  # noqa: E402
 from pagedllm.kernels import rotary as rot_k  # noqa: E402
 from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
 from pagedllm.attention.backends import triton as _BACKEND  # noqa: E402
@@ -33,7 +32,7 @@ def _tol(dtype):
 
 
 def _check(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, window=None, soft_cap=None,
-           num_splits=1, pad=0, seed=0, max_seq_len_bound=None, prompt_per_head=False):
+           num_splits=1, pad=0, seed=0, max_seq_len_bound=None):
     query, key, value, kv_cache, poisoned, metadata = build_paged_batch(
         reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad, device=DEVICE
     )
@@ -45,7 +44,7 @@ def _check(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, windo
     ref = torch_ref.TorchRefImpl(num_heads, head_size, scale, num_kv_heads, window, soft_cap)
     expected = ref.forward(query, key, value, kv_cache, md)
     impl = _BACKEND.TritonImpl(num_heads, head_size, scale, num_kv_heads, window, soft_cap)
-    impl.num_splits, impl.prompt_per_head = num_splits, prompt_per_head
+    impl.num_splits = num_splits
     out = impl.forward(query, key, value, poisoned, md)
 
     torch.testing.assert_close(out.float(), expected.float(), **_tol(dtype))
@@ -86,21 +85,6 @@ def test_triton_matches_torch_ref(reqs, num_heads, num_kv_heads, head_size, bloc
                                   num_splits, pad):
     _check(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, window=window, soft_cap=soft_cap,
            num_splits=num_splits, pad=pad, seed=len(reqs) + head_size)
-
-
-@pytest.mark.parametrize(
-    "reqs,num_heads,num_kv_heads,head_size,dtype,window,soft_cap,num_splits,pad",
-    [
-        pytest.param([(0, 40), (20, 1), (70, 150), (5, 1)], 4, 2, 64, torch.float16, None, None, 1, 2, id="mixed-gqa2"),
-        pytest.param([(30, 9), (45, 1), (0, 70)], 8, 1, 64, torch.float32, 24, None, 1, 0, id="window-gqa8"),
-        pytest.param([(25, 6), (33, 1), (0, 33)], 6, 2, 96, torch.float32, None, 15.0, 3, 1, id="softcap-d96-split"),
-    ],
-)
-def test_prompt_chunks_one_head_a_program(reqs, num_heads, num_kv_heads, head_size, dtype, window, soft_cap,
-                                          num_splits, pad):
-    # Prompt chunks in their own per-query-head launch, single tokens in the grouped one: same results.
-    _check(reqs, num_heads, num_kv_heads, head_size, 16, dtype, window=window, soft_cap=soft_cap,
-           num_splits=num_splits, pad=pad, seed=21, prompt_per_head=True)
 
 
 def test_many_requests_cross_search_block():
@@ -153,33 +137,39 @@ def test_decode_order_changes_nothing(num_splits):
     assert torch.equal(bad[0], outs[0][0][0]) and not torch.equal(bad, outs[0][0])
 
 
-@pytest.mark.parametrize("num_splits,tma", [(1, True), (3, True), (1, False)])
-def test_chunk_keys_from_step_rows_or_cache_are_identical(num_splits, tma):
-    # Prompt tiles read the step's own keys from its key/value rows (by TMA or by pointers); through the
-    # cache they must give the same bits.
+def _through_cache(query, key, value, kv_cache, md, num_splits, window=None, chunk_kv=None):
+    """The step's K/V written by reshape_and_cache, then one paged_attention launch reading every key
+    through the block table (unless ``chunk_kv`` is given)."""
+    cache = kv_cache.clone()
+    rc_mod.reshape_and_cache(key, value, cache[0], cache[1], md.slot_mapping)
+    out = pa_mod.paged_attention(
+        query[: md.num_actual_tokens], cache[0], cache[1], md.block_table, md.seq_lens, md.query_start_loc,
+        num_reqs=md.num_reqs, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, scale=0.125,
+        sliding_window=window, num_splits=num_splits, chunk_kv=chunk_kv,
+    )
+    return out, cache
+
+
+@pytest.mark.parametrize("num_splits,window", [(1, None), (3, None), (1, 24)])
+def test_chunk_keys_from_step_rows_or_cache_are_identical(num_splits, window):
+    # Prompt tiles read the step's own keys from its key/value rows (by TMA, or by pointers under a
+    # sliding window); through the cache they must give the same bits.
     # Two chunks of more than one 64-row tile, a decode and a short chunk (small: the interpreter is slow).
     reqs = [(70, 80), (0, 70), (20, 1), (3, 20)]
     query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, torch.float16, 13, 1,
                                                                  device=DEVICE)
-    descs = at_mod.chunk_descriptors(key, value, key.shape[0], 64, tma)
-    assert (descs[0] is not None) == tma  # the interpreter emulates TMA, and an H200 has it
-    outs = []
-    for from_step in (True, False):
-        impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
-        impl.num_splits, impl.chunk_kv_from_step, impl.chunk_kv_tma = num_splits, from_step, tma
-        outs.append(impl.forward(query, key, value, kv_cache.clone(), metadata()))
-    assert torch.equal(outs[0], outs[1])
-    # The rows are really read: different step keys (cache written from the originals) change the chunk rows only.
+    descs = at_mod.chunk_descriptors(key, value, key.shape[0], 64, window is None)
+    assert (descs[0] is not None) == (window is None)  # the interpreter emulates TMA, and an H200 has it
+    impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, window, None)
+    impl.num_splits = num_splits
+    from_step = impl.forward(query, key, value, kv_cache.clone(), metadata())
     md = metadata()
-    cache = kv_cache.clone()
-    rc_mod.reshape_and_cache(key, value, cache[0], cache[1], md.slot_mapping)
-    moved = pa_mod.paged_attention(
-        query[: md.num_actual_tokens], cache[0], cache[1], md.block_table, md.seq_lens, md.query_start_loc, num_reqs=md.num_reqs,
-        max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, scale=0.125, num_splits=num_splits,
-        chunk_kv=(key + 1.0, value), chunk_tma=tma,
-    )
+    through_cache, _ = _through_cache(query, key, value, kv_cache, md, num_splits, window)
+    assert torch.equal(from_step[: md.num_actual_tokens], through_cache)
+    # The rows are really read: different step keys (cache written from the originals) change the chunk rows only.
+    moved, _ = _through_cache(query, key, value, kv_cache, md, num_splits, window, chunk_kv=(key + 1.0, value))
     n0, n1 = reqs[0][1], reqs[1][1]
-    assert not torch.equal(moved[:n0], outs[0][:n0]) and torch.equal(moved[n0 + n1], outs[0][n0 + n1])
+    assert not torch.equal(moved[:n0], from_step[:n0]) and torch.equal(moved[n0 + n1], from_step[n0 + n1])
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -188,14 +178,14 @@ def test_decode_kv_write_fused_or_separate_is_identical(num_splits):
     reqs = [(33, 1), (0, 1), (70, 1), (16, 1)]
     query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, torch.float32, 11, 1,
                                                                  device=DEVICE)
-    outs = []
-    for fused in (True, False):
-        impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
-        impl.num_splits, impl.fuse_decode_kv_write = num_splits, fused
-        cache = kv_cache.clone()
-        outs.append((impl.forward(query, key, value, cache, metadata()), cache))
-    assert torch.equal(outs[0][0], outs[1][0])
-    assert torch.equal(outs[0][1], outs[1][1])
+    impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
+    impl.num_splits = num_splits
+    cache = kv_cache.clone()
+    fused = impl.forward(query, key, value, cache, metadata())
+    md = metadata()
+    separate, separate_cache = _through_cache(query, key, value, kv_cache, md, num_splits)
+    assert torch.equal(fused[: md.num_actual_tokens], separate)
+    assert torch.equal(cache, separate_cache)
 
 
 @pytest.mark.parametrize("reqs", [[(33, 1), (0, 1), (70, 1), (16, 1)], [(20, 5), (0, 9), (3, 1)]],
@@ -204,7 +194,7 @@ def test_kv_written_by_caller_only_attends(reqs):
     # kv_written=True: the caller stored this step's K/V already (qk_norm_rotary's cache write), so the
     # launch must neither write the cache nor need key/value for the cache; same output as the
     # launch that writes them itself. Decode reads the new token from the cache; a prompt chunk may
-    # still read its own keys from the step's rows (chunk_kv_from_step), which hold the same values.
+    # still read its own keys from the step's rows, which hold the same values.
     query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, torch.float32, 13, 1,
                                                                  device=DEVICE)
     impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
@@ -251,42 +241,6 @@ def test_decode_rotary_in_attention_matches_rotary_kernel_first(dtype, rotary_di
     assert torch.equal(cache, cache_ref)
 
 
-@pytest.mark.parametrize(
-    ("dtype", "gemma", "rotary_dim", "num_splits"),
-    [(torch.float32, False, 64, 1), (torch.float16, True, 64, 4), (torch.float16, False, 32, 1)],
-)
-def test_decode_qk_norm_in_attention_matches_qk_norm_rotary_kernel(dtype, gemma, rotary_dim, num_splits):
-    # Qwen3 / Gemma 3 decode: q and k may arrive before their per-head RMSNorm as well. Against the
-    # q/k-norm + rotary kernel then attention: the same math, summed in another order (a few ulps).
-    reqs = [(33, 1), (0, 1), (70, 1), (16, 1), (130, 1)]
-    query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, dtype, 21, 1, device=DEVICE)
-    md = metadata()
-    gen = torch.Generator().manual_seed(5)
-    q_w = (torch.randn(64, generator=gen) * 0.2 + (0.0 if gemma else 1.0)).to(DEVICE, dtype)
-    k_w = (torch.randn(64, generator=gen) * 0.2 + (0.0 if gemma else 1.0)).to(DEVICE, dtype)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-    rotary = RotaryEmbedding(64, inv_freq, 1.0).to(DEVICE)
-    impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
-    impl.num_splits = num_splits
-    assert not impl.fuses_decode_qk_norm(md)  # off by default
-    impl.fuse_decode_qk_norm = True
-    assert impl.fuses_decode_rotary(md, rotary) and impl.fuses_decode_qk_norm(md)
-
-    n = len(reqs)
-    q_ref, k_ref = query.clone(), key.clone()
-    qkr_k.qk_norm_rotary_(md.seq_lens.long() - 1, q_ref[:n], k_ref[:n], q_w, k_w, 1e-6, 1e-6, rotary.inv_freq, 64,
-                          gemma=gemma)
-    cache_ref = kv_cache.clone()
-    expected = impl.forward(q_ref, k_ref, value, cache_ref, metadata())
-
-    cache = kv_cache.clone()
-    out = impl.forward(query.clone(), key.clone(), value, cache, metadata(), rotary=rotary,
-                       qk_norm=(q_w, k_w, 1e-6, 1e-6, gemma))
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(out.float(), expected.float(), **tol)
-    torch.testing.assert_close(cache.float(), cache_ref.float(), **tol)
-
-
 @pytest.mark.parametrize("pad", [0, 5])
 def test_mixed_graph_padding_is_exact(pad):
     # What a mixed-batch CUDA graph launches: the batch padded to a token bucket, one padding request
@@ -331,9 +285,6 @@ def test_rotary_is_not_fused_outside_pure_decode():
     rotary = RotaryEmbedding(64, torch.ones(32)).to(DEVICE)
     impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
     assert not impl.fuses_decode_rotary(metadata(), rotary)
-    impl.fuse_decode_kv_write = False
-    _, _, _, _, _, decode_md = build_paged_batch([(10, 1)], 4, 2, 64, 16, torch.float32, 1, device=DEVICE)
-    assert not impl.fuses_decode_rotary(decode_md(), rotary)
 
 
 def test_choose_num_splits():

@@ -105,11 +105,9 @@ def test_fp32_gpu_greedy_with_float8_cache_matches_cpu_torch_ref(tiny_path):
 
 
 @pytest.mark.parametrize("model", ["qwen3", "gemma3"])
-def test_fp32_gpu_greedy_with_qk_norm_in_decode_attention(model, tmp_path, monkeypatch):
-    # The opt-in fusion of the per-head q/k RMSNorm into the decode attention kernel, against the CPU path.
-    from pagedllm.attention.backends.triton import TritonImpl
-
-    monkeypatch.setattr(TritonImpl, "fuse_decode_qk_norm", True)
+def test_fp32_gpu_greedy_with_qk_norm_and_kv_write_in_one_launch(model, tmp_path):
+    # Models with per-head q/k norms run them with the rotary embedding and the K/V store in one launch
+    # (kernels/qk_norm_rotary.py) before attention only reads the cache: the CPU path's tokens.
     _assert_fp32_gpu_matches_cpu(make_tiny_model(model, tmp_path / model), seed=6)
 
 
@@ -124,15 +122,6 @@ def _assert_fp32_gpu_matches_cpu(path, seed: int) -> None:
     got = [o.outputs[0].token_ids for o in _generate(gpu, prompts, max_tokens)]
     _free(gpu)
     assert got == ref
-
-
-def test_fp32_gpu_greedy_with_kv_written_by_attention(tiny_path, monkeypatch):
-    # The default stores Qwen3's keys and values in the q/k norm + rotary launch; the attention launch
-    # writing them (as for models without q/k norms) must give the CPU path's tokens too.
-    from pagedllm.attention.backends.triton import TritonImpl
-
-    monkeypatch.setattr(TritonImpl, "kv_written_by_caller", False)
-    _assert_fp32_gpu_matches_cpu(tiny_path, seed=8)
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen3"])

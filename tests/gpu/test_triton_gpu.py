@@ -57,7 +57,7 @@ def _build(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pa
 
 
 def _compare(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, window=None, soft_cap=None,
-             num_splits=None, pad=0, seed=0, cache_dtype=None, fp16_dots=False):
+             num_splits=None, pad=0, seed=0, cache_dtype=None):
     from pagedllm.attention.backends.torch_ref import TorchRefImpl
     from pagedllm.attention.backends.triton import TritonImpl
 
@@ -69,7 +69,7 @@ def _compare(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, win
         query, key, value, ref_cache, md
     )
     impl = TritonImpl(num_heads, head_size, scale, num_kv_heads, window, soft_cap)
-    impl.num_splits, impl.float8_fp16_dots = num_splits, fp16_dots
+    impl.num_splits = num_splits
     out = impl.forward(query, key, value, kv_cache, md)
     torch.cuda.synchronize()
     # Bytes: float8 has no torch.equal; every write must round (and saturate) exactly as torch_ref's.
@@ -103,15 +103,15 @@ def test_few_long_decodes(dtype, num_splits):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("num_splits,fp16_dots", [(None, False), (1, False), (8, False), (None, True), (8, True)])
-def test_float8_cache(cache_dtype, num_splits, fp16_dots):
-    # bf16 activations over a float8 cache: a mixed batch (separate write, prompt keys through the cache),
-    # then pure decode (fused write), split or not; values rounded on the GPU as torch rounds them.
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_float8_cache(cache_dtype, num_splits):
+    # bf16 activations over a float8 cache (products in float16): a mixed batch (separate write, prompt keys
+    # through the cache), then pure decode (fused write), split or not; values rounded on the GPU as torch
+    # rounds them.
     reqs = _mixed_reqs(7, 20, 3000, [(0, 512), (1000, 256), (37, 3)])
-    _compare(reqs, 32, 8, 128, 16, torch.bfloat16, num_splits=num_splits, pad=5, seed=11, cache_dtype=cache_dtype,
-             fp16_dots=fp16_dots)
+    _compare(reqs, 32, 8, 128, 16, torch.bfloat16, num_splits=num_splits, pad=5, seed=11, cache_dtype=cache_dtype)
     _compare([(8000, 1), (300, 1), (2500, 1)], 32, 8, 128, 16, torch.bfloat16, num_splits=num_splits, seed=12,
-             cache_dtype=cache_dtype, fp16_dots=fp16_dots)
+             cache_dtype=cache_dtype)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
@@ -124,7 +124,7 @@ def test_float8_cache_many_decodes(cache_dtype):
     assert default_config(128, 4, 1, num_reqs=n, num_kv_heads=8, num_sms=sms, cache_bytes=1).num_warps == 1
     gen = torch.Generator().manual_seed(5)
     reqs = [(int(c), 1) for c in torch.randint(1, 900, (n,), generator=gen)]
-    _compare(reqs, 32, 8, 128, 16, torch.bfloat16, seed=14, cache_dtype=cache_dtype, fp16_dots=True)
+    _compare(reqs, 32, 8, 128, 16, torch.bfloat16, seed=14, cache_dtype=cache_dtype)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
@@ -209,7 +209,7 @@ def test_cuda_graph_replay():
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_decode_pieces_on_a_ragged_batch(cache_dtype):
     # Contexts cut into even pieces (decode_pieces.py) on a batch big enough for the engine to choose them:
     # torch_ref's outputs and cache bytes; the same bits whatever the request order and across replays of
@@ -224,10 +224,7 @@ def test_decode_pieces_on_a_ragged_batch(cache_dtype):
     ref_cache = kv_cache.clone()
     expected = TorchRefImpl(16, 128, 128**-0.5, 8).forward(query, key, value, ref_cache, md)
     impl = TritonImpl(16, 128, 128**-0.5, 8)
-    impl.decode_pieces = True
-    # The engine's rule takes pieces where a float8 batch launches one-warp programs; bf16 is forced.
-    assert impl._uses_pieces(md, query, kv_cache[0]) == (cache_dtype is not None)
-    impl.decode_pieces_min_programs = 0
+    assert impl._uses_pieces(md, query, kv_cache[0])
     cache = kv_cache.clone()
     out = impl.forward(query, key, value, cache, md)
     torch.cuda.synchronize()
@@ -253,8 +250,8 @@ def test_decode_pieces_on_a_ragged_batch(cache_dtype):
 def test_decode_loads_before_its_wait_only_what_the_qk_norm_launch_leaves_alone():
     # Qwen3's decode layer: the q/k norm + rotary launch rewrites q and stores the new K/V, then decode
     # attention reads the cache. Under PDL, attention reads lengths and asks L2 for its first tile before
-    # waiting (TritonImpl.decode_early_loads): replays of one graph of both launches, with new queries and
-    # keys each time, give the bits of the launch that waits first, and torch_ref's values.
+    # waiting: replays of one graph of both launches, with new queries and keys each time, give
+    # torch_ref's values and cache every time.
     from pagedllm.attention.backends.torch_ref import TorchRefImpl
     from pagedllm.attention.backends.triton import TritonImpl
     from pagedllm.layers import qk_norm_rotary
@@ -277,28 +274,21 @@ def test_decode_loads_before_its_wait_only_what_the_qk_norm_launch_leaves_alone(
         qk_norm_rotary.apply_(positions, q, k, norm_q, norm_k, rope, write)
         return impl.forward(q, k, value, cache, md, kv_written=True)
 
-    outs = {}
-    for early in (True, False):
-        impl = TritonImpl(16, 128, 128**-0.5, 8)
-        impl.decode_early_loads = early
-        cache = kv_cache.clone()
-        layer(impl, cache)  # compile outside the capture
+    impl = TritonImpl(16, 128, 128**-0.5, 8)
+    cache = kv_cache.clone()
+    layer(impl, cache)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(impl, cache)
+    for i in range(3):
+        q_in.copy_(torch.randn(q_in.shape, generator=torch.Generator(device=DEVICE).manual_seed(i), device=DEVICE))
+        k_in.copy_(torch.randn(k_in.shape, generator=torch.Generator(device=DEVICE).manual_seed(9 + i), device=DEVICE))
+        graph.replay()
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = layer(impl, cache)
-        outs[early] = []
-        for i in range(3):
-            q_in.copy_(torch.randn(q_in.shape, generator=torch.Generator(device=DEVICE).manual_seed(i), device=DEVICE))
-            k_in.copy_(torch.randn(k_in.shape, generator=torch.Generator(device=DEVICE).manual_seed(9 + i), device=DEVICE))
-            graph.replay()
-            torch.cuda.synchronize()
-            outs[early].append((out.clone(), cache.clone()))
-    for (a, ca), (b, cb) in zip(outs[True], outs[False]):
-        assert torch.equal(a, b) and torch.equal(ca, cb)
-    q, k = q_in.clone(), k_in.clone()
-    qk_norm_rotary.apply_(positions, q, k, norm_q, norm_k, rope)
-    ref_cache = kv_cache.clone()
-    expected = TorchRefImpl(16, 128, 128**-0.5, 8).forward(q, k, value, ref_cache, md)
-    torch.testing.assert_close(outs[True][-1][0].float(), expected.float(), atol=2e-2, rtol=2e-2)
-    assert torch.equal(outs[True][-1][1], ref_cache)
+        q, k = q_in.clone(), k_in.clone()
+        qk_norm_rotary.apply_(positions, q, k, norm_q, norm_k, rope)
+        ref_cache = kv_cache.clone()
+        expected = TorchRefImpl(16, 128, 128**-0.5, 8).forward(q, k, value, ref_cache, md)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+        assert torch.equal(cache, ref_cache)

@@ -12,40 +12,25 @@ from pagedllm.kernels.attention.reshape_and_cache import reshape_and_cache
 from pagedllm.attention.metadata import AttentionMetadata
 
 
+# Float8 decode runs in even pieces from two (request, KV head) pairs an SM (decode_pieces.py): H200,
+# workload 1 over a float8 cache 1.06-1.07x (29,737 and 30,252 against 28,153 and 28,194 tok/s), and
+# from 264 pairs 29,501 against 29,135 tok/s from 792 (where the one-pass launch turns to one-warp
+# programs). 16-bit caches never do: workload 1 over a bf16 cache ran at 0.81x with pieces, its
+# bandwidth-bound programs already speeding up when their neighbours finish.
+_PIECES_MIN_PROGRAMS_PER_SM = 2
+
+
 class TritonImpl(AttentionImpl):
-    """Same contract as the torch_ref backend; rows past ``num_actual_tokens`` come back as zeros."""
+    """Same contract as the torch_ref backend; rows past ``num_actual_tokens`` come back as zeros.
+
+    Pure-decode steps store the new K/V inside the attention launch (or take them as written by the
+    caller's q/k norm + rotary launch, ``takes_written_kv``) and take requests longest context first when
+    the metadata gives that order. Other steps read the step's own keys from its key/value rows instead
+    of through the block table: the same values, and prompt attention 10-15% faster on an H200.
+    """
 
     # None lets the kernel's heuristic pick; tests and benchmarks pin 1 or a partition count per instance.
     num_splits: int | None = None
-    # Pure-decode steps store the new K/V inside the attention launch instead of a separate one.
-    fuse_decode_kv_write: bool = True
-    # ... and may apply the per-head q/k RMSNorm there too (Qwen3, Gemma 3); off until measured on a GPU.
-    fuse_decode_qk_norm: bool = False
-    # A layer that runs its own q/k norm and rotary launch (Qwen3, Gemma 3) may store the K/V there
-    # instead (``takes_written_kv``), in every kind of step.
-    kv_written_by_caller: bool = True
-    # Pure-decode launches take requests longest context first when the metadata gives that order.
-    use_decode_order: bool = True
-    # ... and under PDL read each request's length and ask L2 for its first tile before the wait.
-    decode_early_loads: bool = True
-    # Other launches read the step's own keys from its key/value rows instead of through the block
-    # table: the same values, and prompt attention 10-15% faster on an H200 (with TMA, below).
-    chunk_kv_from_step: bool = True
-    # ... fetched by TMA where the GPU has it (Hopper and later).
-    chunk_kv_tma: bool = True
-    # Prompt chunks in a launch of their own, one query head a program (see paged_attention); off until
-    # measured in the engine on a GPU.
-    prompt_per_head: bool = False
-    # Over a float8 cache with bfloat16 activations, products in float16: float8 widens to float16 in one
-    # instruction per pair, to bfloat16 only through float32 (decode attention 9-27% faster on an H200).
-    float8_fp16_dots: bool = True
-    # Pure-decode launches over a float8 cache cut contexts into even pieces taken by persistent one-warp
-    # programs (decode_pieces.py): workload 1 with a float8 cache 5-7% faster on an H200.
-    decode_pieces: bool = True
-    decode_piece_len: int = pieces_kernel.PIECE_LEN
-    # ... for batches of at least this many (request, KV head) pairs; None: two per SM. Set, it also
-    # applies to 16-bit caches (tests, benchmarks).
-    decode_pieces_min_programs: int | None = None
 
     def forward(
         self,
@@ -55,12 +40,9 @@ class TritonImpl(AttentionImpl):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
         rotary=None,  # a RotaryEmbedding when fuses_decode_rotary said yes
-        qk_norm: tuple[torch.Tensor, torch.Tensor, float, float, bool] | None = None,
         kv_written: bool = False,  # the cache already holds this step's K/V (takes_written_kv said yes)
     ) -> torch.Tensor:  # [T_padded, Hq, D]
-        """``rotary``: query and key arrive unrotated and the kernel rotates them (see fuses_decode_rotary).
-        ``qk_norm`` = (q weight [D], k weight [D], q eps, k eps, gemma style): they also arrive before their
-        per-head RMSNorm (see fuses_decode_qk_norm)."""
+        """``rotary``: query and key arrive unrotated and the kernel rotates them (see fuses_decode_rotary)."""
         md = attn_metadata
         num_tokens = md.num_actual_tokens
         k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -69,17 +51,15 @@ class TritonImpl(AttentionImpl):
             if not self.fuses_decode_rotary(md, rotary):
                 raise ValueError("the rotary embedding is fused only into pure-decode steps with the cache write")
             rope = (rotary.inv_freq, rotary.attention_scaling)
-        if qk_norm is not None and (rotary is None or not self.fuses_decode_qk_norm(md)):
-            raise ValueError("the q/k norm is fused only together with the rotary embedding, in pure-decode steps")
         if kv_written and rotary is not None:
             raise ValueError("rotary embedding in the attention launch needs the cache write there too")
         chunk_kv = None
-        if md.max_query_len == 1 and self.fuse_decode_kv_write and not kv_written:
+        if md.max_query_len == 1 and not kv_written:
             new_kv = (key, value, md.slot_mapping)
         else:
             if not kv_written:
                 reshape_and_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache, md.slot_mapping[:num_tokens])
-            if md.max_query_len > 1 and self.chunk_kv_from_step and key.dtype == k_cache.dtype:
+            if md.max_query_len > 1 and key.dtype == k_cache.dtype:
                 chunk_kv = (key, value)
 
         out = torch.empty_like(query)
@@ -90,7 +70,7 @@ class TritonImpl(AttentionImpl):
         if query.stride(-1) != 1:
             query = query.contiguous()
         if self._uses_pieces(md, query, k_cache):
-            self._decode_in_pieces(query, k_cache, v_cache, md, out[:num_tokens], new_kv, rope, qk_norm)
+            self._decode_in_pieces(query, k_cache, v_cache, md, out[:num_tokens], new_kv, rope)
             return out
         paged_attention(
             query,
@@ -109,58 +89,44 @@ class TritonImpl(AttentionImpl):
             num_splits=self.num_splits,
             new_kv=new_kv,
             rope=rope,
-            qk_norm=qk_norm,
-            decode_order=md.decode_order if md.max_query_len == 1 and self.use_decode_order else None,
+            decode_order=md.decode_order if md.max_query_len == 1 else None,
             chunk_kv=chunk_kv,
-            chunk_tma=self.chunk_kv_tma,
-            prompt_per_head=self.prompt_per_head,
-            float8_fp16_dots=self.float8_fp16_dots,
-            early_loads=self.decode_early_loads,
         )
         return out
 
-
     def _uses_pieces(self, md: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        if not self.decode_pieces or md.max_query_len != 1 or self.sliding_window is not None:
+        if md.max_query_len != 1 or self.sliding_window is not None or k_cache.element_size() != 1:
             return False
-        programs = md.num_reqs * k_cache.shape[2]
-        if self.decode_pieces_min_programs is not None:
-            return programs >= self.decode_pieces_min_programs
         # One-warp programs over a float8 cache are latency-bound: a program on a long context cannot
         # speed up when others finish, so a ragged batch leaves slots idle unless its work is cut evenly.
-        # 16-bit launches are bandwidth-bound, and pieces gained them nothing on an H200.
-        return (k_cache.element_size() == 1 and triton.next_power_of_2(self.head_size) <= 128
-                and programs >= 2 * device_sm_count(query.device))
+        programs = md.num_reqs * k_cache.shape[2]
+        return (triton.next_power_of_2(self.head_size) <= 128
+                and programs >= _PIECES_MIN_PROGRAMS_PER_SM * device_sm_count(query.device))
 
-    def _decode_in_pieces(self, query, k_cache, v_cache, md, out, new_kv, rope, qk_norm) -> torch.Tensor:
+    def _decode_in_pieces(self, query, k_cache, v_cache, md, out, new_kv, rope) -> torch.Tensor:
         num_reqs, num_kv_heads = md.num_reqs, k_cache.shape[2]
         cfg = pieces_config(self.head_size, self.num_heads // num_kv_heads)
         programs = pieces_programs(device_sm_count(query.device), num_kv_heads, cfg.num_warps)
-        order = md.decode_order if self.use_decode_order else None
+        order = md.decode_order
         # The piece boundaries depend on the step's batch alone: one launch serves every layer.
-        key = ("decode_pieces", cfg.tile_n, self.decode_piece_len, order is not None)
+        key = ("decode_pieces", cfg.tile_n, order is not None)
         ends = md.step_cache.get(key)
         if ends is None:
-            ends = md.step_cache[key] = pieces_kernel.piece_ends(md.seq_lens, order, num_reqs, cfg.tile_n,
-                                                                 programs, self.decode_piece_len)
-        fp16_dots = self.float8_fp16_dots and k_cache.element_size() == 1 and query.dtype == torch.bfloat16
+            ends = md.step_cache[key] = pieces_kernel.piece_ends(md.seq_lens, order, num_reqs, cfg.tile_n, programs)
         return pieces_kernel.decode_pieces_attention(
             query, k_cache, v_cache, md.block_table, md.seq_lens, ends, out,
             num_reqs=num_reqs, scale=self.scale, block_m=cfg.block_m, tile_n=cfg.tile_n, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, programs_per_head=programs, soft_cap=self.logits_soft_cap,
-            decode_order=order, new_kv=new_kv, rope=rope, qk_norm=qk_norm, fp16_dots=fp16_dots,
+            decode_order=order, new_kv=new_kv, rope=rope,
         )
 
     def fuses_decode_rotary(self, md: AttentionMetadata, rotary) -> bool:
-        # A pure-decode step whose cache write is fused, and a neox-style rotary embedding: the kernel
+        # A pure-decode step (whose cache write is fused) and a neox-style rotary embedding: the kernel
         # rotates q and the new key in registers, saving the rotary launch of every layer.
-        return md.max_query_len == 1 and self.fuse_decode_kv_write and rotary.is_neox_style
-
-    def fuses_decode_qk_norm(self, md: AttentionMetadata) -> bool:
-        return md.max_query_len == 1 and self.fuse_decode_kv_write and self.fuse_decode_qk_norm
+        return md.max_query_len == 1 and rotary.is_neox_style
 
     def takes_written_kv(self, md: AttentionMetadata) -> bool:
-        return self.kv_written_by_caller
+        return True
 
 
 class TritonBackend(AttentionBackend):
@@ -173,7 +139,7 @@ class TritonBackend(AttentionBackend):
     @staticmethod
     def workspace_bytes(max_reqs: int, num_heads: int, num_kv_heads: int, head_size: int, cache_bytes: int) -> int:
         # Decode pieces keep their partial outputs and counters (float8 caches only, see _uses_pieces).
-        if not TritonImpl.decode_pieces or cache_bytes != 1:
+        if cache_bytes != 1:
             return 0
         return pieces_kernel.workspace_bytes(max_reqs, num_heads, num_kv_heads, head_size)
 
@@ -181,5 +147,5 @@ class TritonBackend(AttentionBackend):
     def reserve_workspace(device: torch.device, max_reqs: int, num_heads: int, num_kv_heads: int, head_size: int,
                           cache_bytes: int) -> None:
         # At its largest once, so that warm-up passes of growing batches do not each leave one behind.
-        if TritonImpl.decode_pieces and cache_bytes == 1:
+        if cache_bytes == 1:
             pieces_kernel.reserve(device, max_reqs, num_heads, num_kv_heads, head_size)

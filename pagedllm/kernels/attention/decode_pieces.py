@@ -2,8 +2,8 @@
 
 A pure-decode launch with one program per (request, KV head) runs as long as its longest context
 whenever the programs fit in one wave, and a ragged batch then leaves most slots idle for most of the
-launch. Here every request's context is cut into pieces of one length per step (longer only past
-``max_pieces`` pieces; by default chosen on the device from the step's total context), the pieces are
+launch. Here every request's context is cut into pieces of one length per step (chosen on the device
+from the step's total context; longer only past ``max_pieces`` pieces), the pieces are
 numbered longest request first, and each program takes the next piece from a counter until none is
 left, so every slot stays busy until the last piece starts. Only a request's last piece is shorter.
 
@@ -23,10 +23,10 @@ from pagedllm.kernels.attention.decode_qk import store_new_token, transform_head
 from pagedllm.kernels.attention.paged_attention import kernel_strides
 from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
 
-# A piece's length in keys; 0: chosen per step on the device (see _piece_ends_kernel).
-PIECE_LEN = 0
 MAX_PIECES = 16
-# The per-step choice: about PIECES_PER_PROGRAM pieces for each program, in [_MIN_LEN, _MAX_LEN] keys.
+# A piece's length, chosen per step on the device (_piece_ends_kernel): about PIECES_PER_PROGRAM pieces
+# for each program, in [_MIN_LEN, _MAX_LEN] keys. On an H200 it beat every fixed length in the same
+# call (the best fixed one moved from 256 keys at 24 requests to 512 at 96-256).
 PIECES_PER_PROGRAM = 2
 _MIN_LEN = 128
 _MAX_LEN = 2048
@@ -47,8 +47,7 @@ def _piece_ends_kernel(
     order_ptr,  # [B] int32 request at each position (ORDERED only)
     ends_ptr,  # [B + 1] int32 out: pieces of positions 0..i together, then the base piece length in tiles
     num_reqs,
-    target,  # pieces wanted per KV head, when PIECE_LEN is 0
-    PIECE_LEN: tl.constexpr,
+    target,  # pieces wanted per KV head
     MAX_PIECES: tl.constexpr,
     TILE_N: tl.constexpr,
     MIN_LEN: tl.constexpr,
@@ -65,13 +64,10 @@ def _piece_ends_kernel(
     else:
         req = pos
     seq_len = tl.load(seq_lens_ptr + req, mask=valid, other=0)
-    if PIECE_LEN == 0:
-        # Long enough that per-piece costs stay small, short enough that a small batch still gives every
-        # program something to do: the step's keys over the pieces wanted, in whole tiles.
-        base_tiles = tl.cdiv(tl.cdiv(tl.sum(seq_len, axis=0), target), TILE_N)
-        base_tiles = tl.minimum(tl.maximum(base_tiles, MIN_LEN // TILE_N), MAX_LEN // TILE_N)
-    else:
-        base_tiles = PIECE_LEN // TILE_N
+    # Long enough that per-piece costs stay small, short enough that a small batch still gives every
+    # program something to do: the step's keys over the pieces wanted, in whole tiles.
+    base_tiles = tl.cdiv(tl.cdiv(tl.sum(seq_len, axis=0), target), TILE_N)
+    base_tiles = tl.minimum(tl.maximum(base_tiles, MIN_LEN // TILE_N), MAX_LEN // TILE_N)
     # At least one piece, so that a padding request (length 0) still writes its zeros.
     count = tl.maximum(tl.cdiv(seq_len, _piece_len(seq_len, base_tiles, MAX_PIECES, TILE_N)), 1)
     count = tl.where(valid, count, 0)
@@ -99,10 +95,6 @@ def _decode_pieces_kernel(
     slot_mapping_ptr,  # [B] int64 cache slot of each new token, < 0 for padding (WRITE_KV only)
     inv_freq_ptr,  # [R/2] float32 (ROPE only)
     rope_scaling,
-    qw_ptr,  # [D] q_norm weight (QK_NORM only)
-    kw_ptr,  # [D] k_norm weight (QK_NORM only)
-    q_eps,
-    k_eps,
     num_reqs,
     num_q_heads,
     scale,
@@ -127,10 +119,8 @@ def _decode_pieces_kernel(
     WRITE_KV: tl.constexpr,
     ROPE: tl.constexpr,
     ROT_HALF: tl.constexpr,
-    QK_NORM: tl.constexpr,
-    GEMMA_NORM: tl.constexpr,
     EXACT: tl.constexpr,
-    FP16_DOTS: tl.constexpr,
+    FP16_DOTS: tl.constexpr,  # (float8 cache, bf16 query) both products in float16 (paged_attention.py)
     MAX_PIECES: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
@@ -171,9 +161,9 @@ def _decode_pieces_kernel(
         q_rows = q_ptr + req.to(tl.int64) * stride_qt + row_head[:, None] * stride_qh  # [BLOCK_M, 1]
         q_mask = row_valid[:, None] & dim_valid[None, :]
         q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_SIZE_P2]
-        if ROPE or QK_NORM:
-            q = transform_heads(q, q_rows, q_mask, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, qw_ptr,
-                                q_eps, HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
+        if ROPE:
+            q = transform_heads(q, q_rows, q_mask, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, ROT_HALF,
+                                ROPE, EXACT)
         if FP16_DOTS:
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         if WRITE_KV:
@@ -182,8 +172,8 @@ def _decode_pieces_kernel(
             if (slot >= 0) & (kv_lo <= seq_len - 1) & (seq_len - 1 < kv_hi):
                 store_new_token(req.to(tl.int64), slot, kv_head, dims, dim_valid, seq_len - 1, new_k_ptr, new_v_ptr,
                                 k_cache_ptr, v_cache_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_kb,
-                                stride_kp, stride_kh, inv_freq_ptr, rope_scaling, kw_ptr, k_eps, HEAD_SIZE,
-                                HEAD_SIZE_P2, BLOCK_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
+                                stride_kp, stride_kh, inv_freq_ptr, rope_scaling, HEAD_SIZE_P2, BLOCK_SIZE, ROT_HALF,
+                                ROPE, EXACT)
             tl.debug_barrier()
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -307,18 +297,16 @@ def piece_ends(
     num_reqs: int,
     tile_n: int,
     programs_per_head: int,
-    piece_len: int = PIECE_LEN,
     max_pieces: int = MAX_PIECES,
 ) -> torch.Tensor:  # [B + 1] int32
     """Pieces of the requests at positions 0..i together, positions taken in ``decode_order``, then the
-    step's base piece length in tiles (``piece_len``, or with 0 about PIECES_PER_PROGRAM pieces a program). It
-    depends on the step's batch alone, so one launch serves every layer of a step."""
-    assert piece_len % tile_n == 0
+    step's base piece length in tiles (about PIECES_PER_PROGRAM pieces a program). It depends on the
+    step's batch alone, so one launch serves every layer of a step."""
     ends = torch.empty(num_reqs + 1, dtype=torch.int32, device=seq_lens.device)
     _piece_ends_kernel[(1,)](
         seq_lens, decode_order if decode_order is not None else seq_lens, ends, num_reqs,
         PIECES_PER_PROGRAM * programs_per_head,
-        PIECE_LEN=piece_len, MAX_PIECES=max_pieces, TILE_N=tile_n, MIN_LEN=max(_MIN_LEN, tile_n),
+        MAX_PIECES=max_pieces, TILE_N=tile_n, MIN_LEN=max(_MIN_LEN, tile_n),
         MAX_LEN=_MAX_LEN, REQS_P2=max(16, triton.next_power_of_2(num_reqs)),
         ORDERED=decode_order is not None, num_warps=4, **pdl_launch_args(seq_lens),
     )
@@ -345,8 +333,6 @@ def decode_pieces_attention(
     decode_order: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     rope: tuple[torch.Tensor, float] | None = None,
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float, bool] | None = None,
-    fp16_dots: bool = False,
     max_pieces: int = MAX_PIECES,
 ) -> torch.Tensor:  # [B, Hq, D]
     """One decode token per request over its paged context, in pieces (module docstring). Arguments mean
@@ -361,7 +347,7 @@ def decode_pieces_attention(
     else:
         new_k = new_v = query
         slot_mapping = seq_lens
-    transform_args, transform_consts = transform_launch_args(query, seq_lens, head_size, rope, qk_norm)
+    transform_args, transform_consts = transform_launch_args(query, seq_lens, head_size, rope)
     _decode_pieces_kernel[(programs_per_head, num_kv_heads)](
         out, ws.part_acc, ws.part_ml, ws.grab, ws.done, ws.arrive,
         query, k_cache, v_cache, block_table, seq_lens,
@@ -382,7 +368,7 @@ def decode_pieces_attention(
         ORDERED=decode_order is not None,
         WRITE_KV=new_kv is not None,
         **transform_consts,
-        FP16_DOTS=fp16_dots,
+        FP16_DOTS=k_cache.element_size() == 1 and query.dtype == torch.bfloat16,
         MAX_PIECES=max_pieces,
         num_warps=num_warps,
         num_stages=num_stages,

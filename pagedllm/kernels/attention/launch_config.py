@@ -75,13 +75,6 @@ def default_config(
     return KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=4, num_stages=2)
 
 
-def per_head_config(grouped: KernelConfig, max_query_len: int) -> KernelConfig:
-    """Tile shape of the per-query-head prompt launch (rows are tokens): up to 64 tokens, and the grouped
-    launch's key tile, so that both read the same TMA blocks. Not yet tuned on a GPU."""
-    block_m = max(16, min(64, triton.next_power_of_2(max_query_len)))
-    return KernelConfig(block_m=block_m, tile_n=grouped.tile_n, num_warps=4, num_stages=grouped.num_stages)
-
-
 def choose_num_splits(
     num_reqs: int,
     max_query_len: int,

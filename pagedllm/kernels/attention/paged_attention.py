@@ -7,7 +7,7 @@ import triton.language as tl
 
 from pagedllm.kernels.attention.attend_tile import _attend_ranges, chunk_descriptors
 from pagedllm.kernels.attention.launch_config import (
-    KernelConfig, choose_num_splits, default_config, device_sm_count, per_head_config,
+    KernelConfig, choose_num_splits, default_config, device_sm_count,
 )
 from pagedllm.kernels.attention.decode_qk import store_new_token, transform_heads, transform_launch_args
 from pagedllm.kernels.attention.split_reduce import _reduce_splits_kernel
@@ -76,10 +76,6 @@ def _paged_attention_kernel(
     v_desc,  # (CHUNK_TMA) the same for new_v
     inv_freq_ptr,  # [R/2] float32 rotary inverse frequencies (ROPE only)
     rope_scaling,  # cos/sin factor (ROPE only)
-    qw_ptr,  # [D] q_norm weight (QK_NORM only)
-    kw_ptr,  # [D] k_norm weight (QK_NORM only)
-    q_eps,
-    k_eps,
     num_reqs,
     num_q_heads,
     num_splits,  # partitions of each request's context (IS_SPLIT only)
@@ -111,30 +107,18 @@ def _paged_attention_kernel(
     CHUNK_TMA: tl.constexpr,  # (CHUNK_KV) ... through k_desc/v_desc
     ROPE: tl.constexpr,  # (WRITE_KV) q and the new k arrive unrotated: rotate them here (neox)
     ROT_HALF: tl.constexpr,  # rotary channels / 2 (ROPE only)
-    QK_NORM: tl.constexpr,  # (WRITE_KV) q and the new k arrive before their per-head RMSNorm: apply it here
-    GEMMA_NORM: tl.constexpr,  # that norm's weight is an offset from 1
-    EXACT: tl.constexpr,  # (ROPE) kernel_math.exact_rounding
+    EXACT: tl.constexpr,  # (ROPE) numerics.exact_rounding
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
-    PER_HEAD: tl.constexpr = False,  # (not DECODE_ONLY) rows are BLOCK_M tokens of one query head
     FP16_DOTS: tl.constexpr = False,  # (float8 cache, bf16 query) both products in float16, not bfloat16
-    ROWS: tl.constexpr = 0,  # (not DECODE_ONLY) serve all requests (0), only prompt chunks (1), only single tokens (2)
     EARLY_LOADS: tl.constexpr = False,  # (DECODE_ONLY, USE_GDC) read the step's inputs before the PDL wait
     LINES: tl.constexpr = 1,  # (EARLY_LOADS) 128-byte lines of one cached head ...
     LINE_ELEMS: tl.constexpr = 64,  # ... of this many elements each
 ):
     if not EARLY_LOADS:
         wait_for_previous_kernel(USE_GDC, False)
-    if PER_HEAD:
-        BLOCK_Q: tl.constexpr = BLOCK_M
-    else:
-        BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
     pid = tl.program_id(0)
-    # The query head with PER_HEAD, else the KV head whose group fills the rows.
-    head_slot = tl.program_id(1)
-    if PER_HEAD:
-        kv_head = head_slot // GROUP
-    else:
-        kv_head = head_slot
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     if DECODE_ONLY:
@@ -151,28 +135,18 @@ def _paged_attention_kernel(
         q_start = tl.load(query_start_loc_ptr + req)
         q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
         q_tok0 = (pid - (q_start // BLOCK_Q + req)) * BLOCK_Q
-        # Surplus slots of the host-sized grid, and requests the other launch of a split pair serves.
+        # Surplus slots of the host-sized grid.
         if q_tok0 >= q_len:
-            return
-        if ROWS == 1 and q_len == 1:
-            return
-        if ROWS == 2 and q_len > 1:
             return
     seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len
 
     # Row r is query token q_tok0 + r // GROUP_P2 under head kv_head * GROUP + r % GROUP_P2: the whole
     # group shares one KV head, so each K/V tile is loaded once and feeds every head of the group.
-    # With PER_HEAD, row r is token q_tok0 + r under query head head_slot.
     rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    if PER_HEAD:
-        row_tok = q_tok0 + rows
-        row_head = head_slot + rows * 0
-        row_valid = row_tok < q_len
-    else:
-        row_tok = q_tok0 + rows // GROUP_P2  # [BLOCK_M] token index within the request
-        row_head = kv_head * GROUP + rows % GROUP_P2  # [BLOCK_M] query head
-        row_valid = (row_tok < q_len) & (rows % GROUP_P2 < GROUP)  # [BLOCK_M]
+    row_tok = q_tok0 + rows // GROUP_P2  # [BLOCK_M] token index within the request
+    row_head = kv_head * GROUP + rows % GROUP_P2  # [BLOCK_M] query head
+    row_valid = (row_tok < q_len) & (rows % GROUP_P2 < GROUP)  # [BLOCK_M]
     q_pos = ctx_len + row_tok  # [BLOCK_M] position in the sequence
     dims = tl.arange(0, HEAD_SIZE_P2)  # [HEAD_SIZE_P2]
     dim_valid = dims < HEAD_SIZE
@@ -206,10 +180,10 @@ def _paged_attention_kernel(
     q_rows = q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh  # [BLOCK_M, 1]
     q_mask = row_valid[:, None] & dim_valid[None, :]
     q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_SIZE_P2]
-    if ROPE or QK_NORM:
-        # Decode: the token sits at seq_len - 1. Every program of the request transforms its own copy of q.
-        q = transform_heads(q, q_rows, q_mask, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, qw_ptr, q_eps,
-                            HEAD_SIZE, ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
+    if ROPE:
+        # Decode: the token sits at seq_len - 1. Every program of the request rotates its own copy of q.
+        q = transform_heads(q, q_rows, q_mask, dims, dim_valid, seq_len - 1, inv_freq_ptr, rope_scaling, ROT_HALF, ROPE,
+                            EXACT)
 
     if FP16_DOTS:
         # Float8 widens to float16 in one instruction per pair, to bfloat16 only through float32: with
@@ -224,8 +198,7 @@ def _paged_attention_kernel(
         if (slot >= 0) & (kv_lo <= seq_len - 1) & (seq_len - 1 < kv_hi):
             store_new_token(q_start, slot, kv_head, dims, dim_valid, seq_len - 1, new_k_ptr, new_v_ptr, k_cache_ptr,
                             v_cache_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_kb, stride_kp,
-                            stride_kh, inv_freq_ptr, rope_scaling, kw_ptr, k_eps, HEAD_SIZE, HEAD_SIZE_P2, BLOCK_SIZE,
-                            ROT_HALF, ROPE, QK_NORM, GEMMA_NORM, EXACT)
+                            stride_kh, inv_freq_ptr, rope_scaling, HEAD_SIZE_P2, BLOCK_SIZE, ROT_HALF, ROPE, EXACT)
         tl.debug_barrier()
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
@@ -314,14 +287,8 @@ def paged_attention(
     config: KernelConfig | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     rope: tuple[torch.Tensor, float] | None = None,
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float, bool] | None = None,
     decode_order: torch.Tensor | None = None,  # [B] int32, a permutation of the requests
     chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    chunk_tma: bool = True,
-    prompt_per_head: bool = False,
-    config_per_head: KernelConfig | None = None,
-    float8_fp16_dots: bool = False,
-    early_loads: bool = True,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of every query token over its request's paged context (cached prefix + causal self).
 
@@ -332,20 +299,16 @@ def paged_attention(
     batch must have written them already (``reshape_and_cache``), and passing them is an error.
     ``rope`` = (inv_freq [R/2] float32, scaling), with ``new_kv`` only: q and the new keys come
     unrotated and the kernel applies the neox rotary embedding at each request's last position.
-    ``qk_norm`` = (q weight [D], k weight [D], q eps, k eps, gemma style), with ``new_kv`` only: q and
-    the new keys come before their per-head RMSNorm (applied before the rotary embedding).
     ``decode_order``: in a pure-decode batch, the order in which programs take the requests (longest
     context first balances a ragged batch); the results do not depend on it.
     ``chunk_kv`` = (key [T, Hkv, D], value [T, Hkv, D]) in the cache's dtype, outside pure-decode batches:
     this step's keys, already written to the cache. Tiles of the step's own tokens then read them
-    from these rows rather than through the block table; the values, hence the results, are the same.
-    ``chunk_tma``: fetch those rows with TMA where the device and the tensors allow (attend_tile.py).
-    ``prompt_per_head``: outside pure decode, serve prompt chunks in a launch of its own whose programs
-    each take BLOCK_M tokens of one query head (``config_per_head``, else ``per_head_config``); single
-    tokens keep the grouped launch.
-    ``float8_fp16_dots``: over a float8 cache with a bfloat16 query, take both products in float16.
-    ``early_loads``: a pure-decode launch under PDL reads its request, length and first tile's lines
-    before waiting on the previous kernel (the q/k norm launch writes none of them).
+    from these rows rather than through the block table, by TMA where the device and the tensors allow
+    (attend_tile.py); the values, hence the results, are the same.
+    Over a float8 cache with a bfloat16 query both products are taken in float16: float8 widens to
+    float16 in one instruction per pair, to bfloat16 only through float32 (decode 9-27% faster on an H200).
+    A pure-decode launch under PDL reads its request, length and first tile's lines before waiting on
+    the previous kernel (the q/k norm launch writes none of them).
     """
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -399,72 +362,59 @@ def paged_attention(
         new_k = new_v = query
         slot_mapping = seq_lens
     assert rope is None or new_kv is not None, "the rotary embedding is fused only with the decode cache write"
-    assert qk_norm is None or new_kv is not None, "the q/k norm is fused only with the decode cache write"
-    transform_args, transform_consts = transform_launch_args(query, seq_lens, head_size, rope, qk_norm)
+    transform_args, transform_consts = transform_launch_args(query, seq_lens, head_size, rope)
     k_desc = v_desc = None
     if chunk_kv is not None:
         # Not under a sliding window: Triton 3.6's TMA variant of the windowed kernel crashes ptxas (sm_90a).
-        k_desc, v_desc = chunk_descriptors(new_k, new_v, num_tokens, cfg.tile_n, chunk_tma and sliding_window is None)
+        k_desc, v_desc = chunk_descriptors(new_k, new_v, num_tokens, cfg.tile_n, sliding_window is None)
     pdl = pdl_launch_args(query)
     # fp32 inputs would otherwise go through TF32 tensor cores and miss fp32 parity.
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    fp16_dots = float8_fp16_dots and k_cache.element_size() == 1 and query.dtype == torch.bfloat16
+    fp16_dots = k_cache.element_size() == 1 and query.dtype == torch.bfloat16
     ordered = decode_only and decode_order is not None
     if ordered:
         assert decode_order.dtype == torch.int32 and decode_order.shape[0] >= num_reqs
-    def launch(grid: tuple[int, int, int], cfg: KernelConfig, per_head: bool = False, rows: int = 0) -> None:
-        _paged_attention_kernel[grid](
-            out, part_acc, part_ml,
-            query, k_cache, v_cache,
-            block_table, seq_lens, query_start_loc,
-            decode_order if ordered else seq_lens,
-            new_k, new_v, slot_mapping,
-            k_desc, v_desc,
-            *transform_args,
-            num_reqs, num_q_heads, num_splits,
-            scale,
-            soft_cap if soft_cap is not None else 1.0,
-            sliding_window if sliding_window is not None else 0,
-            *kernel_strides(query, out, k_cache, v_cache, block_table, new_k, new_v),
-            HEAD_SIZE=head_size,
-            HEAD_SIZE_P2=head_size_p2,
-            GROUP=group,
-            GROUP_P2=group_p2,
-            BLOCK_M=cfg.block_m,
-            TILE_N=cfg.tile_n,
-            BLOCK_SIZE=block_size,
-            USE_WINDOW=sliding_window is not None,
-            USE_SOFT_CAP=soft_cap is not None,
-            IS_SPLIT=is_split,
-            DOT_PRECISION=dot_precision,
-            SEARCH_BLOCK=_SEARCH_BLOCK,
-            DECODE_ONLY=decode_only,
-            ORDERED=ordered,
-            WRITE_KV=new_kv is not None,
-            CHUNK_KV=chunk_kv is not None,
-            CHUNK_TMA=k_desc is not None,
-            **transform_consts,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}),
-            PER_HEAD=per_head,
-            ROWS=rows,
-            FP16_DOTS=fp16_dots,
-            EARLY_LOADS=early_loads and decode_only and bool(pdl.get("launch_pdl")),
-            LINES=max(1, head_size_p2 * k_cache.element_size() // 128),
-            LINE_ELEMS=128 // k_cache.element_size(),
-            **pdl,
-        )
-
-    if decode_only or not prompt_per_head:
-        launch((num_reqs if decode_only else num_tokens // block_q + num_reqs, num_kv_heads, num_splits), cfg)
-    else:
-        # Prompt chunks: BLOCK_M tokens of one query head a program; the step's single tokens (decodes)
-        # keep the grouped rows, which read each KV tile once for the whole group.
-        head_cfg = config_per_head or per_head_config(cfg, max_query_len)
-        assert head_cfg.tile_n == cfg.tile_n  # the TMA descriptors' block
-        launch((num_tokens // head_cfg.block_m + num_reqs, num_q_heads, num_splits), head_cfg, True, 1)
-        launch((num_tokens // block_q + num_reqs, num_kv_heads, num_splits), cfg, False, 2)
+    grid = (num_reqs if decode_only else num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        out, part_acc, part_ml,
+        query, k_cache, v_cache,
+        block_table, seq_lens, query_start_loc,
+        decode_order if ordered else seq_lens,
+        new_k, new_v, slot_mapping,
+        k_desc, v_desc,
+        *transform_args,
+        num_reqs, num_q_heads, num_splits,
+        scale,
+        soft_cap if soft_cap is not None else 1.0,
+        sliding_window if sliding_window is not None else 0,
+        *kernel_strides(query, out, k_cache, v_cache, block_table, new_k, new_v),
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_P2=head_size_p2,
+        GROUP=group,
+        GROUP_P2=group_p2,
+        BLOCK_M=cfg.block_m,
+        TILE_N=cfg.tile_n,
+        BLOCK_SIZE=block_size,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFT_CAP=soft_cap is not None,
+        IS_SPLIT=is_split,
+        DOT_PRECISION=dot_precision,
+        SEARCH_BLOCK=_SEARCH_BLOCK,
+        DECODE_ONLY=decode_only,
+        ORDERED=ordered,
+        WRITE_KV=new_kv is not None,
+        CHUNK_KV=chunk_kv is not None,
+        CHUNK_TMA=k_desc is not None,
+        **transform_consts,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}),
+        FP16_DOTS=fp16_dots,
+        EARLY_LOADS=decode_only and bool(pdl.get("launch_pdl")),
+        LINES=max(1, head_size_p2 * k_cache.element_size() // 128),
+        LINE_ELEMS=128 // k_cache.element_size(),
+        **pdl,
+    )
     if is_split:
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
             out, part_acc, part_ml,
