@@ -1,67 +1,26 @@
 """torch_ref (the kernels' oracle) checked against naive dense causal attention over shuffled block tables."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from paged_batches import build_paged_batch, sequence_slots
 
 from pagedllm.attention.backends.torch_ref import TorchRefImpl
-from pagedllm.attention.metadata import AttentionMetadata
 
 
 def _build(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad=0):
-    """A paged batch plus the dense per-request K/V it encodes.
-
-    ``reqs`` holds (cached context length, new query length) per request. Physical blocks are a random
-    permutation, so any bug that assumes contiguous blocks shows up.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in reqs]
-    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_req) + 2
-    perm = torch.randperm(num_blocks, generator=gen)
-    block_table = torch.zeros(len(reqs), max(blocks_per_req) + 1, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks_per_req):
-        block_table[i, :n] = perm[used : used + n]
-        used += n
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    kv_cache = rnd(2, num_blocks, block_size, num_kv_heads, head_size)
-    dense_k = [rnd(s, num_kv_heads, head_size) for s in seq_lens]
-    dense_v = [rnd(s, num_kv_heads, head_size) for s in seq_lens]
-    queries, keys, values, slots, qsl = [], [], [], [], [0]
-    for i, (ctx, q_len) in enumerate(reqs):
-        pos = torch.arange(seq_lens[i])
-        slot = block_table[i, pos // block_size].long() * block_size + pos % block_size
-        # The cached prefix is already in place; the new tokens arrive through forward().
-        kv_cache[0].view(-1, num_kv_heads, head_size)[slot[:ctx]] = dense_k[i][:ctx]
-        kv_cache[1].view(-1, num_kv_heads, head_size)[slot[:ctx]] = dense_v[i][:ctx]
-        queries.append(rnd(q_len, num_heads, head_size))
-        keys.append(dense_k[i][ctx:])
-        values.append(dense_v[i][ctx:])
-        slots.append(slot[ctx:])
-        qsl.append(qsl[-1] + q_len)
-    num_tokens = qsl[-1]
-    query = torch.cat(queries + [rnd(pad, num_heads, head_size)])
-    key = torch.cat(keys + [rnd(pad, num_kv_heads, head_size)])
-    value = torch.cat(values + [rnd(pad, num_kv_heads, head_size)])
-    slot_mapping = torch.cat(slots + [torch.full((pad,), -1, dtype=torch.long)])
-    md = AttentionMetadata(
-        num_actual_tokens=num_tokens,
-        num_reqs=len(reqs),
-        max_query_len=max(q for _, q in reqs),
-        max_seq_len=max(seq_lens),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=block_table,
-        slot_mapping=slot_mapping,
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
+    """A paged batch (``reqs``: cached context, new tokens per request) plus the dense per-request K/V
+    it encodes: the cached prefix read from the cache's slots, then the new keys and values."""
+    query, key, value, kv_cache, _, metadata = build_paged_batch(
+        reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad
     )
+    md = metadata()
+    qsl = md.query_start_loc_cpu
+    dense_k, dense_v = [], []
+    for i, (ctx, _) in enumerate(reqs):
+        cached = sequence_slots(md, i, block_size)[:ctx]
+        dense_k.append(torch.cat([kv_cache[0].view(-1, num_kv_heads, head_size)[cached], key[qsl[i] : qsl[i + 1]]]))
+        dense_v.append(torch.cat([kv_cache[1].view(-1, num_kv_heads, head_size)[cached], value[qsl[i] : qsl[i + 1]]]))
     return query, key, value, kv_cache, md, dense_k, dense_v
 
 
@@ -112,8 +71,7 @@ def test_torch_ref_matches_dense(reqs, num_heads, num_kv_heads, head_size, block
         expected = _dense_attention(query[qsl[i] : qsl[i + 1]], dense_k[i], dense_v[i], scale, window, soft_cap)
         torch.testing.assert_close(out[qsl[i] : qsl[i + 1]].double(), expected, atol=tol, rtol=tol)
         # The paged cache now holds the request's whole sequence, in block-table order.
-        pos = torch.arange(md.seq_lens_cpu[i])
-        slot = md.block_table[i, pos // block_size].long() * block_size + pos % block_size
+        slot = sequence_slots(md, i, block_size)
         assert torch.equal(kv_cache[0].view(-1, num_kv_heads, head_size)[slot], dense_k[i])
         assert torch.equal(kv_cache[1].view(-1, num_kv_heads, head_size)[slot], dense_v[i])
     assert torch.count_nonzero(out[md.num_actual_tokens :]) == 0, "padding rows must stay zero"

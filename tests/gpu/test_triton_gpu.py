@@ -1,10 +1,9 @@
 """Triton attention on a real GPU: bf16/fp16 parity with torch_ref on realistic shapes, and CUDA-graph safety."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from paged_batches import build_paged_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -12,48 +11,11 @@ DEVICE = torch.device("cuda")
 
 
 def _build(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad=0, cache_dtype=None):
-    """A paged mixed batch with shuffled blocks; ``reqs`` is (cached context, new tokens) per request."""
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    seq_lens = [c + q for c, q in reqs]
-    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_req) + 8
-    perm = torch.randperm(num_blocks, generator=gen, device=DEVICE).to(torch.int32)
-    block_table = torch.zeros(len(reqs), max(blocks_per_req), dtype=torch.int32, device=DEVICE)
-    used = 0
-    slots, qsl = [], [0]
-    for i, n in enumerate(blocks_per_req):
-        block_table[i, :n] = perm[used : used + n]
-        used += n
-        ctx, q_len = reqs[i]
-        pos = torch.arange(ctx, seq_lens[i], device=DEVICE)
-        slots.append(block_table[i, pos // block_size].long() * block_size + pos % block_size)
-        qsl.append(qsl[-1] + q_len)
-    num_tokens = qsl[-1]
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen, device=DEVICE, dtype=torch.float32).to(dtype)
-
-    kv_cache = rnd(2, num_blocks, block_size, num_kv_heads, head_size).to(cache_dtype or dtype)
-    query = rnd(num_tokens + pad, num_heads, head_size)
-    key = rnd(num_tokens + pad, num_kv_heads, head_size)
-    value = rnd(num_tokens + pad, num_kv_heads, head_size)
-    slots.append(torch.full((pad,), -1, dtype=torch.long, device=DEVICE))
-
-    from pagedllm.attention.metadata import AttentionMetadata
-
-    md = AttentionMetadata(
-        num_actual_tokens=num_tokens,
-        num_reqs=len(reqs),
-        max_query_len=max(q for _, q in reqs),
-        max_seq_len=max(seq_lens),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_table=block_table,
-        slot_mapping=torch.cat(slots),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
+    """A paged mixed batch with shuffled blocks on the GPU; ``reqs`` is (cached context, new tokens) per request."""
+    query, key, value, kv_cache, _, metadata = build_paged_batch(
+        reqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed, pad, DEVICE, cache_dtype
     )
-    return query, key, value, kv_cache, md
+    return query, key, value, kv_cache, metadata()
 
 
 def _compare(reqs, num_heads, num_kv_heads, head_size, block_size, dtype, *, window=None, soft_cap=None,

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from paged_batches import scattered_block_tables, step_metadata
 from tiny_models import TINY_KINDS, make_tiny_model, tiny_config
 
 from pagedllm.attention.metadata import AttentionMetadata
@@ -40,38 +41,13 @@ class PagedBatcher:
     def __init__(self, total_lens: list[int], num_blocks: int, seed: int = 0, device: str = "cpu") -> None:
         self.device = torch.device(device)
         g = torch.Generator().manual_seed(seed)
-        free = torch.randperm(num_blocks, generator=g).tolist()
-        self.tables = []
-        for n in total_lens:
-            need = -(-n // BLOCK_SIZE)
-            self.tables.append([free.pop() for _ in range(need)])
+        self.tables, _ = scattered_block_tables(total_lens, BLOCK_SIZE, g, num_blocks)
         self.lens = [0] * len(total_lens)
 
     def step(self, query_lens: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
-        positions, slots, qsl, seq_lens = [], [], [0], []
-        for i, q in enumerate(query_lens):
-            start = self.lens[i]
-            for p in range(start, start + q):
-                positions.append(p)
-                slots.append(self.tables[i][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
-            self.lens[i] = start + q
-            qsl.append(qsl[-1] + q)
-            seq_lens.append(self.lens[i])
-        width = max(len(t) for t in self.tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32)
-        md = AttentionMetadata(
-            num_actual_tokens=qsl[-1],
-            num_reqs=len(query_lens),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            block_table=table.to(self.device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-        )
-        return torch.tensor(positions, dtype=torch.int64, device=self.device), md
+        positions, md = step_metadata(self.tables, self.lens, query_lens, BLOCK_SIZE, self.device)
+        self.lens = [n + q for n, q in zip(self.lens, query_lens)]
+        return positions, md
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_batches import scattered_block_tables, step_metadata
 from tiny_models import make_tiny_model, tiny_config
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.registry import get_attn_backend
 from pagedllm.config import LoadConfig, ModelConfig
 from pagedllm.model_loader.loader import get_model
@@ -61,33 +61,6 @@ def multimodal_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def _metadata(
-    block_tables: list[list[int]], starts: list[int], query_lens: list[int]
-) -> tuple[torch.Tensor, AttentionMetadata]:  # positions [T] int64, metadata
-    """One step of requests that already have ``starts`` tokens in their (scattered) blocks."""
-    positions, slots, qsl, seq_lens = [], [], [0], []
-    for table, start, q in zip(block_tables, starts, query_lens):
-        for p in range(start, start + q):
-            positions.append(p)
-            slots.append(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
-        qsl.append(qsl[-1] + q)
-        seq_lens.append(start + q)
-    width = max(len(t) for t in block_tables)
-    md = AttentionMetadata(
-        num_actual_tokens=qsl[-1],
-        num_reqs=len(query_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-    )
-    return torch.tensor(positions, dtype=torch.int64), md
-
-
 def test_paged_forward_matches_hf(tiny_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -108,13 +81,12 @@ def test_paged_forward_matches_hf(tiny_dir):
     with torch.no_grad():
         expected = [hf(s[None]).logits[0] for s in seqs]  # [n, vocab] per request
     num_blocks = 12
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [[free.pop() for _ in range(-(-len(s) // BLOCK_SIZE))] for s in seqs]
+    tables, _ = scattered_block_tables([len(s) for s in seqs], BLOCK_SIZE, g, num_blocks)
     shape = (2, num_blocks, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_size)
     kv_caches = [torch.zeros(shape) for _ in range(model_config.num_layers)]
 
     for starts, query_lens in [([0, 0, 0], step1), (step1, step2)]:
-        positions, md = _metadata(tables, starts, query_lens)
+        positions, md = step_metadata(tables, starts, query_lens, BLOCK_SIZE)
         ids = torch.cat([s[a : a + q] for s, a, q in zip(seqs, starts, query_lens)])
         with torch.no_grad():
             logits = model.compute_logits(model(ids, positions, kv_caches, md))
