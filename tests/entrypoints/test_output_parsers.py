@@ -163,3 +163,37 @@ def test_chat_choice_without_calls_keeps_its_finish_reason():
     message = reader.message("Just thinking</think>The answer is 4.")
     assert (message.reasoning_content, message.content, message.tool_calls) == ("Just thinking", "The answer is 4.", None)
     assert reader.finish_reason("stop") == "stop"
+
+
+# ---- the shipped templates write calls in the format their family's parser reads --------------------
+CALLS = [{"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}},
+         {"id": "call-2", "type": "function", "function": {"name": "now", "arguments": {"exact": True, "zone": None}}}]
+TEMPLATE_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("family,parser,start,end", [
+    ("gemma3", "pythonic", "<start_of_turn>model\n", "<end_of_turn>"),
+    ("llama3", "llama3_json", "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+])
+def test_shipped_templates_render_tools_calls_and_results(family, parser, start, end):
+    from pagedllm.chat_templates import load_template
+    from pagedllm.entrypoints.openai.chat_render import render_chat
+
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": CALLS},
+        {"role": "tool", "tool_call_id": "call-1", "content": "snow"},
+        {"role": "tool", "tool_call_id": "call-2", "content": "noon"},
+    ]
+    text = render_chat(load_template(family), conversation, {"bos_token": "<bos>"}, tools=TEMPLATE_TOOLS)
+    # The tools are described once, before the user's question.
+    described = '"parameters": {"type": "object"}'
+    assert text.count(described) == 1 and text.index(described) < text.index("Weather in Oslo?")
+    written = text.split(start)[1].split(end)[0]
+    calls = get_tool_parser(parser).extract(written).calls
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in CALLS]
+    assert "snow" in text and "noon" in text and text.endswith(start)
+    # Without tools, the templates render as before (tests/engine/test_chat_templates.py pins that format).
+    assert "You may call functions" not in render_chat(load_template(family), conversation[:2], {"bos_token": ""})
