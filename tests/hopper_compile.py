@@ -86,13 +86,13 @@ def main() -> None:
                             scale=torch.ones(1024))
     # Swapped tiles (weight rows as the left operand), as 17-64 rows over a deep float8 weight take them.
     skinny_gemm.skinny_gemm(torch.zeros(16, 4096, dtype=bf), torch.zeros(1024, 4096, dtype=torch.float8_e4m3fn),
-                            scale=torch.ones(1024), config=skinny_gemm.default_config(32, 1024, 4096, float8=True))
+                            scale=torch.ones(1024), config=skinny_gemm.default_config(32, 1024, 4096))
     rmsnorm.rms_norm(torch.zeros(2, 1024, dtype=bf), torch.ones(1024, dtype=bf), 1e-6, torch.zeros(2, 1024, dtype=bf),
                      quantize=True)
     activation.act_and_mul(torch.zeros(2, 2048, dtype=bf), "silu", quantize=True)
-    skinny_gemm.skinny_gemm(torch.zeros(16, 1024, dtype=bf), torch.zeros(1024, 1024, dtype=bf))
     split = skinny_gemm.GemmConfig(32, 32, 128, 4, 3, 4)  # the in-launch sum of a K split
-    skinny_gemm.skinny_gemm(torch.zeros(16, 1024, dtype=bf), torch.zeros(1024, 1024, dtype=bf), config=split)
+    skinny_gemm.skinny_gemm(torch.zeros(16, 1024, dtype=bf), torch.zeros(1024, 1024, dtype=torch.float8_e4m3fn),
+                            config=split, scale=torch.ones(1024))
     rmsnorm.rms_norm(torch.zeros(1, 1024, dtype=bf), torch.ones(1024, dtype=bf), 1e-6, torch.zeros(1, 1024, dtype=bf))
     activation.act_and_mul(torch.zeros(1, 2048, dtype=bf), "silu")
     argmax_triton.argmax_rows_triton(torch.zeros(2, 151936, dtype=bf))

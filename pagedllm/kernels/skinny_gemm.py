@@ -1,22 +1,18 @@
-"""Triton product ``y = x @ W^T`` for a few to a few hundred tokens: small output tiles so that narrow layers fill the GPU.
+"""Triton product ``y = (x @ W^T) * scale`` of 2-64 tokens and a float8 weight with row scales (``--quantization fp8``).
 
-A decode batch of a small model multiplies 16-256 rows by weights of a few thousand outputs. cuBLAS
-answers with 128-wide tiles: an output of 1024 features then keeps 8-32 of 132 SMs busy and the product
-is latency-bound. Here the tile is chosen per shape (``GemmConfig``) down to 16 x 32, and the input
-dimension can be split over ``split_k`` programs per tile. A split tile is summed in the same launch:
-each program stores its float32 partial, and the last of a tile to arrive (counted with an atomic)
-adds the partials in split order, so the result does not depend on which program finished last.
-Opt in with ``PAGEDLLM_TRITON_GEMM=1`` (bf16/fp16 on CUDA); everything else stays on cuBLAS.
-A float8 weight with row scales (``--quantization fp8``) is widened to the activation's type in the
-tile (exactly: every e4m3 value is a bf16 and an fp16 value) and each output column scaled at the end:
-half the weight bytes, with the 16-bit activation kept, as the one-token GEMV does. That path is on by
-default for 2-64 rows (``quantization/fp8.py`` says which products). Swapped tiles
+The weight tile is widened to the activation's type (exactly: every e4m3 value is a bf16 and an fp16
+value) and each output column scaled at the end: half the weight bytes, with the 16-bit activation
+kept, as the one-token GEMV does (``quantization/fp8.py`` says which products come here). The tile is
+chosen per shape (``GemmConfig``) down to 16 x 32, and the input dimension can be split over
+``split_k`` programs per tile. A split tile is summed in the same launch: each program stores its
+float32 partial, and the last of a tile to arrive (counted with an atomic) adds the partials in split
+order, so the result does not depend on which program finished last. Swapped tiles
 (``GemmConfig.swap_ab``) put the weight rows on the tensor cores' 64-row side, so that a handful of
-tokens wastes none of it.
+tokens wastes none of it. Products of 16-bit weights stay on cuBLAS: through these tiles workload 1
+ran at 0.912x on an H200 (docs/performance.md).
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -26,11 +22,9 @@ import triton.language as tl
 from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-# Rows above this go to cuBLAS, whose large tiles are the right ones there.
-MAX_ROWS = 256
 EARLY_LAUNCH_MAX_ROWS = 16
-# Up to this many rows a float8 weight gets its own tile (``default_config``).
-FLOAT8_ROWS = 64
+# Rows above this quantize their tokens for cuBLAS's float8 product instead (quantization/fp8.py).
+MAX_ROWS = 64
 # Per device, shared by every split launch (one stream runs them one after another): float32 partials
 # and one arrival counter per output tile, zero between launches (the last program of a tile resets it).
 WORKSPACE_FLOATS = 4 << 20
@@ -52,10 +46,8 @@ class GemmConfig(NamedTuple):
 
 
 @triton.jit
-def _store_tile(acc, b_ptr, s_ptr, y_ptr, rows, cols, row_in, stride_ym, HAS_BIAS: tl.constexpr,
-                HAS_SCALE: tl.constexpr):
-    if HAS_SCALE:
-        acc *= tl.load(s_ptr + cols)[None, :]
+def _store_tile(acc, b_ptr, s_ptr, y_ptr, rows, cols, row_in, stride_ym, HAS_BIAS: tl.constexpr):
+    acc *= tl.load(s_ptr + cols)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -76,9 +68,9 @@ def _mma(w, x, acc, SWAP_AB: tl.constexpr):
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K], last dim contiguous
-    w_ptr,  # [N, K], last dim contiguous
+    w_ptr,  # [N, K] float8, last dim contiguous
     b_ptr,  # [N] (read only when HAS_BIAS)
-    s_ptr,  # [N] float32 row scales of a float8 weight (read only when HAS_SCALE)
+    s_ptr,  # [N] float32 row scales of the weight
     y_ptr,  # [M, N] contiguous
     part_ptr,  # [SPLIT_K, grid_m * BLOCK_M, N] float32 partials (read only when SPLIT_K > 1)
     count_ptr,  # [grid_m * grid_n] int32 arrivals per output tile, zero on entry and on exit
@@ -88,7 +80,6 @@ def _skinny_gemm_kernel(
     stride_wn,
     stride_ym,
     HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -116,7 +107,7 @@ def _skinny_gemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # No kernel writes the weights: under PDL the first weight tile loads while the previous kernel
     # (which writes x) finishes; with EARLY_LAUNCH the next product launches and does the same at once.
-    w = tl.load(w_ptrs).to(dt)  # a float8 weight widens exactly
+    w = tl.load(w_ptrs).to(dt)  # float8 widens exactly
     wait_for_previous_kernel(USE_GDC, EARLY_LAUNCH)
     acc = _mma(w, tl.load(x_ptrs, mask=x_in, other=0.0), acc, SWAP_AB)
     for k0 in range(BLOCK_K, k_len, BLOCK_K):
@@ -126,7 +117,7 @@ def _skinny_gemm_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if SPLIT_K == 1:
-        _store_tile(acc, b_ptr, s_ptr, y_ptr, rows, cols, row_in, stride_ym, HAS_BIAS, HAS_SCALE)
+        _store_tile(acc, b_ptr, s_ptr, y_ptr, rows, cols, row_in, stride_ym, HAS_BIAS)
     else:
         n = tl.num_programs(1) * BLOCK_N
         rows_padded = tl.num_programs(0) * BLOCK_M
@@ -142,33 +133,29 @@ def _skinny_gemm_kernel(
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(part_tile + s * rows_padded * n, cache_modifier=".cg")
-            _store_tile(total, b_ptr, s_ptr, y_ptr, rows, cols, row_in, stride_ym, HAS_BIAS, HAS_SCALE)
+            _store_tile(total, b_ptr, s_ptr, y_ptr, rows, cols, row_in, stride_ym, HAS_BIAS)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
-def enabled() -> bool:
-    return os.environ.get("PAGEDLLM_TRITON_GEMM", "0") == "1"
+def default_config(m: int, n: int, k: int) -> GemmConfig | None:
+    """A tile for an [m, k] x [n, k]^T product, or None past MAX_ROWS or when no tile divides the weight.
 
-
-def default_config(m: int, n: int, k: int, float8: bool = False) -> GemmConfig | None:
-    """A tile for an [m, k] x [n, k]^T product, or None when no tile divides the weight.
-
-    A float8 weight (``--quantization fp8`` decode) is a weight read. Over an input of >= 4096 and 17-64
+    A product of a few tokens is a weight read. Over an input of >= 4096 and 17-64
     rows it takes swapped tiles (64 weight rows, 128 deep, split 4 ways below 256 column tiles, else 2):
     at 32 rows all of Llama-3-8B's products (its bf16 LM head included) then took 3.92 ms, against 4.55 ms
     with the quantizer plus cuBLAS's float8 product and 4.22 ms with cuBLAS on bf16 weights. Otherwise
     16 x 32 tiles, 512 deep over an input of <= 1024, else 256 deep with the input split 4 ways below 64
     column tiles and 2 ways below 512. Each is the best of H200 sweeps (``linear_shapes.py --fp8 --fp8-sweep``); at 4 rows the
-    8B's products (its bf16 LM head included) take 3.2 ms, against 6.3 ms with the 16-bit tiles below,
+    8B's products (its bf16 LM head included) take 3.2 ms, against 6.3 ms with the general tiles below,
     5.0 ms for the quantizer plus cuBLAS's float8 product, and 4.0 ms for cuBLAS on bf16 weights.
 
-    Rows: the smallest tensor-core tile holding them, up to 64. Columns: narrow enough that the
-    grid has about two programs per SM. K steps of 64 or 128 with a 3-stage pipeline. A deep input
-    (K >= 2048) is split 8 ways at <= 16 rows, 4 at <= 64 and 2 above: on an H200 that made Qwen3-0.6B's
-    o and down products 16-20% faster than cuBLAS at 16 rows (``linear_shapes.py --sweep``), while
-    splitting K = 1024 never paid.
+    Weights those tiles do not divide (an input that is no multiple of 256) take general ones, never
+    split: rows, the smallest tensor-core tile holding them; columns, narrow enough that the grid has
+    about two programs per SM; K steps of 32-128 with a 3-stage pipeline.
     """
-    if float8 and m <= FLOAT8_ROWS and n % 32 == 0 and k % 256 == 0:
+    if m > MAX_ROWS:
+        return None
+    if n % 32 == 0 and k % 256 == 0:
         if m > 16 and k >= 4096 and n % 64 == 0:
             split = 4 if n // 64 < 256 else 2
             cfg = GemmConfig(min(64, triton.next_power_of_2(m)), 64, 128, 4, 3, split, swap_ab=True)
@@ -182,7 +169,7 @@ def default_config(m: int, n: int, k: int, float8: bool = False) -> GemmConfig |
             split //= 2
         return GemmConfig(16, 32, 256, 4, 3, split)
     block_k = next((b for b in (128, 64, 32) if k % b == 0), None)
-    if block_k is None or m > MAX_ROWS:
+    if block_k is None:
         return None
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     row_blocks = triton.cdiv(m, block_m)
@@ -191,13 +178,7 @@ def default_config(m: int, n: int, k: int, float8: bool = False) -> GemmConfig |
         block_n = next((b for b in (32, 64, 128) if n % b == 0), None)
     if block_n is None:
         return None
-    cfg = GemmConfig(block_m, block_n, block_k, 4, 3)
-    if k >= 2048:
-        split = 8 if m <= 16 else 4 if m <= 64 else 2
-        while split > 1 and (k % (block_k * split) or not workspace_fits(cfg._replace(split_k=split), m, n)):
-            split //= 2
-        cfg = cfg._replace(split_k=split)
-    return cfg
+    return GemmConfig(block_m, block_n, block_k, 4, 3)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -206,10 +187,10 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.is_cuda
         and 1 < x.shape[0] <= MAX_ROWS
         and x.dtype in SUPPORTED_DTYPES
-        and weight.dtype in (x.dtype, torch.float8_e4m3fn)
+        and weight.dtype == torch.float8_e4m3fn
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
-        and default_config(x.shape[0], weight.shape[0], weight.shape[1], weight.dtype == torch.float8_e4m3fn) is not None
+        and default_config(x.shape[0], weight.shape[0], weight.shape[1]) is not None
     )
 
 
@@ -233,26 +214,26 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def skinny_gemm(
     x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [N, K]
+    weight: torch.Tensor,  # [N, K] float8 e4m3
     bias: torch.Tensor | None = None,  # [N]
     config: GemmConfig | None = None,
-    scale: torch.Tensor | None = None,  # [N] float32 row scales of a float8 weight
+    *,
+    scale: torch.Tensor,  # [N] float32 row scales of the weight
     early_launch: bool | None = None,  # None: the rule below
 ) -> torch.Tensor:  # [M, N]
     m, k = x.shape
     n = weight.shape[0]
-    assert (scale is not None) == (weight.dtype == torch.float8_e4m3fn), "a float8 weight needs its row scales"
-    cfg = config or default_config(m, n, k, weight.dtype == torch.float8_e4m3fn)
+    assert weight.dtype == torch.float8_e4m3fn and scale.shape == (n,), "a float8 weight and its row scales"
+    cfg = config or default_config(m, n, k)
     assert cfg is not None and n % cfg.block_n == 0 and k % (cfg.block_k * cfg.split_k) == 0, (m, n, k, cfg)
     assert workspace_fits(cfg, m, n), (m, n, cfg)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     parts, counts = _workspace(x.device) if cfg.split_k > 1 else (y, y)
     grid = (triton.cdiv(m, cfg.block_m), n // cfg.block_n, cfg.split_k)
     _skinny_gemm_kernel[grid](
-        x, weight, bias if bias is not None else y, scale if scale is not None else y, y, parts, counts,
+        x, weight, bias if bias is not None else y, scale, y, parts, counts,
         m, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None,
-        HAS_SCALE=scale is not None,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

@@ -62,11 +62,6 @@ class UnquantizedLinearMethod(LinearMethodBase):
             if gemv.usable(x, layer.weight):
                 # One token (batch-1 decode): one bandwidth-bound launch instead of cuBLAS's split-K pair.
                 return gemv.gemv(x, layer.weight, bias)
-        elif x.is_cuda:
-            from pagedllm.kernels import skinny_gemm
-
-            if skinny_gemm.enabled() and skinny_gemm.usable(x, layer.weight):
-                return skinny_gemm.skinny_gemm(x, layer.weight, bias)  # [T, N]: small tiles (opt-in)
         return F.linear(x, layer.weight, bias)
 
 

@@ -95,8 +95,7 @@ def test_fused_input_quantization_changes_no_bit(tmp_path, kind: str) -> None:
 
 
 @pytest.mark.parametrize("m", [2, 7, 16])
-def test_skinny_float8_product_keeps_the_16_bit_activation(m: int, monkeypatch) -> None:
-    monkeypatch.setenv("PAGEDLLM_TRITON_GEMM", "1")
+def test_skinny_float8_product_keeps_the_16_bit_activation(m: int) -> None:
     layer = _Layer(6144, 4096, torch.bfloat16)
     x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     y = Fp8LinearMethod().apply(layer, x, None)

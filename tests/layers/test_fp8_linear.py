@@ -184,7 +184,7 @@ def test_skinny_gemm_reads_float8_weights_with_row_scales(m: int, n: int, k: int
     b = torch.randn(n, generator=gen).half() if bias else None
     cfg = sg.GemmConfig(16, 32, 64, 4, 2, split) if split else None
     if split is None:
-        assert sg.default_config(m, n, k, float8=True) == (
+        assert sg.default_config(m, n, k) == (
             sg.GemmConfig(16, 32, 512, 4, 3) if k <= 1024 else sg.GemmConfig(16, 32, 256, 4, 3, 4))
     y = sg.skinny_gemm(x.to(DEVICE), w_q.to(DEVICE), None if b is None else b.to(DEVICE), config=cfg,
                        scale=w_s.reshape(-1).to(DEVICE))
@@ -212,20 +212,16 @@ def test_swapped_tiles_read_float8_weights_as_the_left_operand(m: int, cfg: tupl
     torch.testing.assert_close(y.float().cpu(), ref, atol=4e-3, rtol=2e-3)
 
 
-def test_weight_only_rows_follow_the_skinny_switches(monkeypatch) -> None:
+def test_weight_only_rows_by_rows_and_shape() -> None:
+    from pagedllm.kernels import skinny_gemm as sg
     from pagedllm.layers.quantization.fp8 import NARROW_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS, weight_only_rows
 
-    monkeypatch.delenv("PAGEDLLM_TRITON_GEMM", raising=False)
-    monkeypatch.delenv("PAGEDLLM_FP8_SKINNY", raising=False)
+    assert NARROW_MAX_ROWS <= sg.MAX_ROWS  # every product that keeps the 16-bit rows has a skinny tile
     assert weight_only_rows(1) and weight_only_rows(WEIGHT_ONLY_MAX_ROWS) and not weight_only_rows(WEIGHT_ONLY_MAX_ROWS + 1)
     # Past WEIGHT_ONLY_MAX_ROWS only products with no more outputs than inputs keep the 16-bit rows.
     narrow, wide = (4096, 14336), (28672, 4096)
     assert weight_only_rows(NARROW_MAX_ROWS, narrow) and weight_only_rows(NARROW_MAX_ROWS, (4096, 4096))
     assert not weight_only_rows(NARROW_MAX_ROWS, wide) and not weight_only_rows(NARROW_MAX_ROWS + 1, narrow)
-    monkeypatch.setenv("PAGEDLLM_FP8_SKINNY", "0")  # off: only the one-token GEMV keeps the 16-bit activation
-    assert weight_only_rows(1) and not weight_only_rows(2) and not weight_only_rows(2, narrow)
-    monkeypatch.setenv("PAGEDLLM_TRITON_GEMM", "1")  # the skinny GEMM for every product takes them anyway
-    assert weight_only_rows(WEIGHT_ONLY_MAX_ROWS) and not weight_only_rows(WEIGHT_ONLY_MAX_ROWS + 1)
 
 
 def test_float8_tiles_by_rows_and_depth() -> None:
@@ -233,11 +229,11 @@ def test_float8_tiles_by_rows_and_depth() -> None:
     >= 4096 at 17-64 rows, split while the partials fit the workspace."""
     from pagedllm.kernels import skinny_gemm as sg
 
-    assert sg.default_config(8, 4096, 14336, float8=True) == sg.GemmConfig(16, 32, 256, 4, 3, 2)
-    assert sg.default_config(32, 1024, 3072, float8=True) == sg.GemmConfig(16, 32, 256, 4, 3, 4)
-    assert sg.default_config(24, 4096, 4096, float8=True) == sg.GemmConfig(32, 64, 128, 4, 3, 4, swap_ab=True)
-    assert sg.default_config(64, 28672, 4096, float8=True) == sg.GemmConfig(64, 64, 128, 4, 3, 2, swap_ab=True)
-    assert sg.default_config(65, 4096, 4096, float8=True) != sg.default_config(64, 4096, 4096, float8=True)
+    assert sg.default_config(8, 4096, 14336) == sg.GemmConfig(16, 32, 256, 4, 3, 2)
+    assert sg.default_config(32, 1024, 3072) == sg.GemmConfig(16, 32, 256, 4, 3, 4)
+    assert sg.default_config(24, 4096, 4096) == sg.GemmConfig(32, 64, 128, 4, 3, 4, swap_ab=True)
+    assert sg.default_config(64, 28672, 4096) == sg.GemmConfig(64, 64, 128, 4, 3, 2, swap_ab=True)
+    assert sg.default_config(65, 4096, 4096) is None  # past MAX_ROWS: the tokens are quantized for cuBLAS
     for m, n, k in [(17, 6144, 4096), (33, 4096, 14336), (64, 128256, 4096)]:
-        cfg = sg.default_config(m, n, k, float8=True)
+        cfg = sg.default_config(m, n, k)
         assert cfg.swap_ab and sg.workspace_fits(cfg, m, n) and k % (cfg.block_k * cfg.split_k) == 0

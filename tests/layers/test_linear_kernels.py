@@ -1,4 +1,4 @@
-"""The Triton GEMV (one token) and skinny GEMM (a few to 256 tokens) against torch's product, interpreted on CPU in fp16."""
+"""The Triton GEMV (one token) and the skinny GEMM (2-64 tokens, float8 weights) against torch's product, interpreted on CPU in fp16."""
 from __future__ import annotations
 
 
@@ -11,6 +11,7 @@ triton = pytest.importorskip("triton", reason="triton is not importable; the GEM
 
 from pagedllm.kernels import gemv as gemv_k  # noqa: E402
 from pagedllm.kernels import skinny_gemm as sg_k  # noqa: E402
+from pagedllm.layers.quantization.fp8 import quantize_rows_ref  # noqa: E402
 
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
@@ -63,19 +64,28 @@ def test_config_covers_model_shapes_and_refuses_odd_ones() -> None:
     assert not gemv_k.usable(x, torch.zeros(64, 512, dtype=torch.float16))  # two tokens: not a GEMV
 
 
-@pytest.mark.parametrize("m", [2, 5, 16, 33, 70])
+def _float8_weight(n: int, k: int, gen: torch.Generator, std: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float8 weight [n, k] on DEVICE and its float32 row scales [n]."""
+    w_q, w_s = quantize_rows_ref(torch.randn(n, k, generator=gen) * std)
+    return w_q.to(DEVICE), w_s.reshape(-1).to(DEVICE)
+
+
+def _reference(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return (x.float() @ w_q.float().T) * w_s[None, :] + (b.float() if b is not None else 0.0)
+
+
+@pytest.mark.parametrize("m", [2, 5, 16, 33])
 @pytest.mark.parametrize(("n", "k", "bias"), [(64, 256, False), (96, 128, True)])
 def test_skinny_gemm_matches_fp32_product(m: int, n: int, k: int, bias: bool) -> None:
+    # 64 x 256 takes the float8 tiles; K = 128 is too shallow for them and takes the general ones.
     gen = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=gen).to(DEVICE, torch.float16)
-    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEVICE, torch.float16)
+    w, s = _float8_weight(n, k, gen, k**-0.5)
     b = torch.randn(n, generator=gen).to(DEVICE, torch.float16) if bias else None
-    cfg = sg_k.default_config(m, n, k)
-    assert cfg is not None
-    y = sg_k.skinny_gemm(x, w, b)
-    ref = x.float() @ w.float().T + (b.float() if bias else 0.0)
+    assert sg_k.default_config(m, n, k) is not None
+    y = sg_k.skinny_gemm(x, w, b, scale=s)
     assert y.shape == (m, n) and y.dtype == torch.float16
-    torch.testing.assert_close(y.float(), ref, atol=4e-3, rtol=0)
+    torch.testing.assert_close(y.float(), _reference(x, w, s, b), atol=4e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("config", [sg_k.GemmConfig(16, 32, 32, 4, 2), sg_k.GemmConfig(32, 64, 64, 4, 3),
@@ -84,56 +94,53 @@ def test_skinny_gemm_matches_fp32_product(m: int, n: int, k: int, bias: bool) ->
 def test_skinny_gemm_tiles_agree(config) -> None:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(40, 256, generator=gen).to(DEVICE, torch.float16)
-    w = (torch.randn(128, 256, generator=gen) * 0.06).to(DEVICE, torch.float16)
-    torch.testing.assert_close(sg_k.skinny_gemm(x, w, config=config).float(), (x.float() @ w.float().T),
-                               atol=4e-3, rtol=0)
+    w, s = _float8_weight(128, 256, gen, 0.06)
+    torch.testing.assert_close(sg_k.skinny_gemm(x, w, config=config, scale=s).float(), _reference(x, w, s),
+                               atol=4e-3, rtol=2e-3)
 
 
 def test_skinny_gemm_configs_and_limits() -> None:
-    assert sg_k.default_config(300, 1024, 1024) is None  # past MAX_ROWS: cuBLAS
+    assert sg_k.default_config(sg_k.MAX_ROWS + 1, 1024, 1024) is None  # past MAX_ROWS: cuBLAS
     assert sg_k.default_config(64, 1024, 100) is None  # no K step divides 100
-    for m, n, k in [(256, 1024, 2048), (64, 4096, 1024), (16, 6144, 1024), (128, 1024, 3072)]:
+    for m, n, k in [(64, 1024, 2048), (64, 4096, 1152), (16, 6144, 1024), (33, 1000 - 8, 3072)]:
         cfg = sg_k.default_config(m, n, k)
         assert cfg is not None and n % cfg.block_n == 0 and k % cfg.block_k == 0 and cfg.block_m >= 16
     x = torch.zeros(1, 256, dtype=torch.float16)
-    assert not sg_k.usable(x, torch.zeros(64, 256, dtype=torch.float16))  # one token: the GEMV's case
+    assert not sg_k.usable(x, torch.zeros(64, 256, dtype=torch.float8_e4m3fn))  # one token: the GEMV's case
+    x = torch.zeros(8, 256, dtype=torch.float16)
+    assert not sg_k.usable(x, torch.zeros(64, 256, dtype=torch.float16))  # a 16-bit weight: cuBLAS
 
 
 @pytest.mark.parametrize(("m", "n", "k", "split", "bias"), [(5, 64, 256, 2, False), (40, 96, 512, 4, True), (16, 32, 1024, 8, True)])
 def test_split_k_matches_fp32_product(m: int, n: int, k: int, split: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k, generator=gen).to(DEVICE, torch.float16)
-    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEVICE, torch.float16)
+    w, s = _float8_weight(n, k, gen, k**-0.5)
     b = torch.randn(n, generator=gen).to(DEVICE, torch.float16) if bias else None
     cfg = sg_k.GemmConfig(16 if m <= 16 else 32, 32, 64, 4, 2, split)
-    y = sg_k.skinny_gemm(x, w, b, config=cfg)
-    ref = x.float() @ w.float().T + (b.float() if bias else 0.0)
-    torch.testing.assert_close(y.float(), ref, atol=4e-3, rtol=0)
+    y = sg_k.skinny_gemm(x, w, b, config=cfg, scale=s)
+    torch.testing.assert_close(y.float(), _reference(x, w, s, b), atol=4e-3, rtol=2e-3)
 
 
 def test_split_k_sums_in_split_order_whoever_arrives_last() -> None:
     """The same bits on every call, whatever partials the workspace held before, and the tile counters
     back at zero after each launch (a stale count would make the wrong program sum the tile)."""
-    m, n, k = (200, 1024, 2048) if _ON_GPU else (33, 64, 512)
+    m, n, k = (64, 1024, 2048) if _ON_GPU else (33, 64, 512)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(m, k, generator=gen).to(DEVICE, torch.float16)
-    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEVICE, torch.float16)
+    w, s = _float8_weight(n, k, gen, k**-0.5)
     cfg = sg_k.GemmConfig(32, 32, 64, 4, 2, 4)
-    first = sg_k.skinny_gemm(x, w, config=cfg)
+    first = sg_k.skinny_gemm(x, w, config=cfg, scale=s)
     parts, counts = sg_k._workspace(x.device)
     for _ in range(20 if _ON_GPU else 2):
         parts.fill_(float("nan"))
-        assert torch.equal(sg_k.skinny_gemm(x, w, config=cfg), first)
+        assert torch.equal(sg_k.skinny_gemm(x, w, config=cfg, scale=s), first)
         assert int(counts.abs().sum()) == 0
-    ref = x.float() @ w.float().T
-    torch.testing.assert_close(first.float(), ref, atol=4e-3, rtol=0)
+    torch.testing.assert_close(first.float(), _reference(x, w, s), atol=4e-3, rtol=2e-3)
 
 
-def test_default_config_splits_only_deep_inputs() -> None:
-    # Qwen3-0.6B: o (1024 x 2048) and down (1024 x 3072) split; qkv and gate_up (K = 1024) do not.
-    assert [sg_k.default_config(m, 1024, 3072).split_k for m in (2, 16, 17, 64, 65, 256)] == [8, 8, 4, 4, 2, 2]
-    assert sg_k.default_config(16, 1024, 2048).split_k == 8
-    assert sg_k.default_config(16, 4096, 1024).split_k == 1 and sg_k.default_config(256, 6144, 1024).split_k == 1
-    # Partials that would overflow the shared workspace split less (256 rows x 28672 outputs x 2 > 4M floats).
-    cfg = sg_k.default_config(256, 28672, 4096)
-    assert cfg.split_k == 1 and sg_k.workspace_fits(cfg, 256, 28672)
+def test_general_tiles_for_inputs_the_float8_tiles_do_not_divide() -> None:
+    # K not a multiple of 256: the general tiles, the deepest K step dividing it, never split.
+    assert sg_k.default_config(16, 1024, 3200) == sg_k.GemmConfig(16, 32, 128, 4, 3)
+    assert sg_k.default_config(64, 4096, 1120) == sg_k.GemmConfig(64, 32, 32, 4, 3)
+    assert sg_k.default_config(16, 1024, 3072).block_k == 256  # a multiple of 256: the float8 tiles

@@ -17,7 +17,6 @@ The embedding and the LM head stay in the model's dtype, as in vLLM.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import nn
@@ -67,16 +66,9 @@ def float8_products(device_index: int) -> bool:
 # activation, as the one-token GEMV does: a few tokens make a product a weight read, which float8 halves,
 # while cuBLAS's float8 kernels are slower there than its 16-bit ones. Up to NARROW_MAX_ROWS tokens the
 # products with no more outputs than inputs (attention's output and the MLP's down projection) still
-# do; wider ones win on cuBLAS there (H200, ``linear_shapes.py --fp8 --fp8-sweep``). PAGEDLLM_FP8_SKINNY=0
-# turns this off (the tokens are then quantized for torch._scaled_mm), unless PAGEDLLM_TRITON_GEMM=1.
+# do; wider ones win on cuBLAS there (H200, ``linear_shapes.py --fp8 --fp8-sweep``).
 WEIGHT_ONLY_MAX_ROWS = 32
 NARROW_MAX_ROWS = 64
-
-
-def _skinny_on() -> bool:
-    from pagedllm.kernels import skinny_gemm
-
-    return skinny_gemm.enabled() or os.environ.get("PAGEDLLM_FP8_SKINNY", "1") != "0"
 
 
 def weight_only_rows(m: int, shape: tuple[int, int] | None = None) -> bool:
@@ -84,8 +76,6 @@ def weight_only_rows(m: int, shape: tuple[int, int] | None = None) -> bool:
     ``shape``: the weight's (outputs, inputs), where known."""
     if m == 1:
         return True
-    if not _skinny_on():
-        return False
     return m <= WEIGHT_ONLY_MAX_ROWS or (m <= NARROW_MAX_ROWS and shape is not None and shape[0] <= shape[1])
 
 
