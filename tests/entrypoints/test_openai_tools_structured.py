@@ -186,12 +186,30 @@ def test_tool_result_round_trip_renders_in_the_prompt(client, server):
     assert json.dumps(json.loads(call.function.arguments), ensure_ascii=False) in text
 
 
-def test_auto_tool_choice_reads_free_text_with_the_server_parser(client):
-    # A random model writes no <tool_call>: the answer is content, and the tools reached the template.
+def test_auto_tool_choice_reads_free_text_with_the_server_parser(client, server):
+    # A random model writes no <tool_call>: no calls, and the tools reached the template.
     out = client.chat.completions.create(messages=MESSAGES, tools=TOOLS,
                                          **_kwargs(max_tokens=8, temperature=0, extra_body=None))
     assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason in ("stop", "length")
-    assert out.usage.prompt_tokens > 150  # the tools' schemas are in the prompt
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES, "tools": TOOLS}, timeout=30)
+    without = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}, timeout=30).json()["count"]
+    assert out.usage.prompt_tokens == r.json()["count"] > without + 100  # the tools' schemas are in the prompt
+
+
+def test_auto_tool_choice_parses_hermes_calls_whole_and_streamed(client):
+    # The output is forced (guided_choice) to what a Qwen model writes when it calls a tool.
+    written = ('Let me check. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC", "exact": true}}\n'
+               '</tool_call>')
+    kw = _kwargs(extra_body={"guided_choice": [written], **NO_THINKING})
+    out = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, tool_choice="auto", **kw).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in out.message.tool_calls] == [
+        ("get_time", {"zone": "UTC", "exact": True})]
+    chunks = list(client.chat.completions.create(messages=MESSAGES, tools=TOOLS, stream=True, **kw))
+    calls, finishes = _streamed_calls(chunks)
+    assert finishes == ["tool_calls"] and [c["name"] for c in calls] == ["get_time"]
+    assert json.loads(calls[0]["arguments"]) == {"zone": "UTC", "exact": True}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == "Let me check."
 
 
 # ---- reasoning ---------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def build_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
 ) -> Any:
-    from pagedllm import __version__
+    from pagedllm.version import __version__
     from pagedllm.entrypoints.openai import protocol as p
     from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
     from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -150,7 +150,8 @@ def build_app(
         if completion.tokenizer is None:
             raise bad_request("this server runs without a tokenizer (--skip-tokenizer-init)")
         if req.messages is not None:
-            ids = (await chat.render(req.messages, req.chat_template, req.add_generation_prompt)).token_ids
+            tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools] if req.tools else None
+            ids = (await chat.render(req.messages, req.chat_template, req.add_generation_prompt, tools=tools)).token_ids
         elif req.prompt is not None:
             ids = await run_blocking(completion.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         else:

@@ -315,6 +315,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template: Optional[_Template] = None
+    tools: Optional[list[ChatTool]] = None  # rendered with messages, as a chat request's are
 
 
 class TokenizeResponse(_Response):
