@@ -127,14 +127,12 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     parser.add_argument("--kv-dtype", choices=("auto", "fp8", "fp8_e5m2"), default="auto",
                         help="decode section: the KV cache's element type (auto: bf16, as the activations)")
-    parser.add_argument("--fp16-dots", action="store_true",
-                        help="decode section, float8 cache: products in float16 (float8_fp16_dots)")
     parser.add_argument("--configs", default="",
                         help="decode section: also time these launch shapes, TILE:WARPS:STAGES[:MAXREGS],...")
-    parser.add_argument("--pieces-kv", default="auto,fp8", help="pieces section: cache dtypes")
+    parser.add_argument("--pieces-kv", default="fp8,fp8_e5m2", help="pieces section: float8 cache dtypes")
     parser.add_argument("--pieces-batches", default="64,128,160,192,256", help="pieces section: batch sizes")
-    parser.add_argument("--pieces-shapes", default="256:16,512:16,256:8,128:16",
-                        help="pieces section: PIECE_LEN:WARPS_PER_SM launches to time (PIECE_LEN 0: chosen per step)")
+    parser.add_argument("--pieces-warps", default="8,16",
+                        help="pieces section: one-warp programs an SM of the launches to time (the engine's: 8)")
     parser.add_argument("--pieces-extras", action="store_true",
                         help="pieces section: fuse the cache write and rotary embedding, as the engine does")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_bench.json"))
@@ -175,8 +173,6 @@ def main() -> None:
         cfg = default_config(d, hq // hkv, 1, max_seq_len=ctx, num_reqs=batch, num_kv_heads=hkv, num_sms=sms,
                              split=splits > 1, cache_bytes=torch.finfo(cache_dtype).bits // 8)
         kw = {"num_splits": splits} if forced else {}
-        if args.fp16_dots:
-            kw["float8_fp16_dots"] = True
         ms = time_attention(*tensors, 1, ctx, **kw)
         eager = time_attention_eager(*tensors, 1, ctx, **kw)
         bw = nbytes / (ms * 1e-3) / 1e12
@@ -297,7 +293,7 @@ def intercept_section(results, hq, hkv, d, bs, dtype) -> None:
     For 256 requests: one plain launch timed after an L2 flush that leaves dirty lines (a memset) and
     after one that leaves clean lines (a read); then 8 launches back to back in one graph over 8
     caches, as consecutive layers run, plain and with what the engine fuses into decode: the new
-    token's cache write, the rotary embedding of q and k, and Qwen3's per-head q/k RMSNorm.
+    token's cache write and the rotary embedding of q and k.
     """
     print("\n== intercept: one decode launch vs 8 layers back to back (256 requests)")
     results["intercept"] = []
@@ -309,7 +305,6 @@ def intercept_section(results, hq, hkv, d, bs, dtype) -> None:
         new_k = torch.randn(256, hkv, d, generator=gen, device="cuda").to(dtype)
         new_v = torch.randn(256, hkv, d, generator=gen, device="cuda").to(dtype)
         inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
-        norm_w = torch.ones(d, device="cuda", dtype=dtype)
 
         def fns(extra: str):
             out = []
@@ -321,8 +316,6 @@ def intercept_section(results, hq, hkv, d, bs, dtype) -> None:
                     kw["new_kv"] = (new_k, new_v, slots)
                 if "rope" in extra:
                     kw["rope"] = (inv_freq, 1.0)
-                if "norm" in extra:
-                    kw["qk_norm"] = (norm_w, norm_w, 1e-6, 1e-6, False)
                 out.append(attention_fn(*t, 1, ctx, **kw))
             return out
 
@@ -332,7 +325,7 @@ def intercept_section(results, hq, hkv, d, bs, dtype) -> None:
                "one_clean_flush_us": gpu_time_ms(plain[0], flush_mode="read") * 1e3}
         line = (f"ctx {ctx:5d}: bytes at 4.5 TB/s {nbytes / 4.5e6:6.1f} us | one: dirty flush "
                 f"{row['one_dirty_flush_us']:6.1f}, clean {row['one_clean_flush_us']:6.1f} | 8 in a row, each:")
-        for name in ("plain", "write", "write+rope", "write+rope+norm"):
+        for name in ("plain", "write", "write+rope"):
             group = plain if name == "plain" else fns(name)
             row[f"eight_{name}_us_each"] = gpu_time_ms(lambda: [f() for f in group]) / 8 * 1e3
             line += f" {name} {row[f'eight_{name}_us_each']:6.1f}"
@@ -345,7 +338,8 @@ def intercept_section(results, hq, hkv, d, bs, dtype) -> None:
 def pieces_section(results, args, hq, hkv, d, bs, dtype, copy_bw: float) -> None:
     """Ragged decode batches (contexts U[100, 2048], workload 1 mid-run) in one program per (request, KV
     head), longest first (the default launch), against the same batch cut into even pieces that
-    persistent programs take in turn (``decode_pieces.py``), for a bf16 and a float8 cache."""
+    persistent programs take in turn (``decode_pieces.py``), for float8 caches (a bf16 cache never takes them:
+    workload 1 ran at 0.81x with them)."""
     import random
 
     from pagedllm.kernels.attention import decode_pieces as dp
@@ -364,7 +358,6 @@ def pieces_section(results, args, hq, hkv, d, bs, dtype, copy_bw: float) -> None
             query, kv_cache, block_table, lens, qsl = tensors
             nbytes = kv_read_bytes(seq_lens, hkv, d, cache_dtype)
             order = torch.argsort(-lens.long(), stable=True).to(torch.int32)
-            fp16 = cache_dtype.itemsize == 1
             extras = {}
             if args.pieces_extras:
                 # What the engine fuses into decode: the new token's cache write and the rotary embedding.
@@ -375,23 +368,22 @@ def pieces_section(results, args, hq, hkv, d, bs, dtype, copy_bw: float) -> None
                 inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
                 extras = {"new_kv": (new_k, new_v, slots), "rope": (inv_freq, 1.0)}
             row = {"kv": kv_dtype, "batch": batch, "default_us": time_attention(
-                *tensors, 1, max(seq_lens), decode_order=order, float8_fp16_dots=fp16, **extras) * 1e3}
+                *tensors, 1, max(seq_lens), decode_order=order, **extras) * 1e3}
             cfg = pieces_config(d, hq // hkv)
             out = torch.empty_like(query)
             line = f"{kv_dtype:5s} batch {batch:4d}: default {row['default_us']:7.1f} us"
-            for piece_len, warps_per_sm in ((int(v) for v in s.split(":")) for s in args.pieces_shapes.split(",")):
+            for warps_per_sm in (int(v) for v in args.pieces_warps.split(",")):
                 programs = pieces_programs(sms, hkv, cfg.num_warps, warps_per_sm)
-                ends = dp.piece_ends(lens, order, batch, cfg.tile_n, programs, piece_len)
+                ends = dp.piece_ends(lens, order, batch, cfg.tile_n, programs)
 
                 def fn(ends=ends, programs=programs):
                     dp.decode_pieces_attention(
                         query, kv_cache[0], kv_cache[1], block_table, lens, ends, out, num_reqs=batch,
                         scale=d**-0.5, block_m=cfg.block_m, tile_n=cfg.tile_n, num_warps=cfg.num_warps,
-                        num_stages=cfg.num_stages, programs_per_head=programs, decode_order=order, fp16_dots=fp16,
-                        **extras)
+                        num_stages=cfg.num_stages, programs_per_head=programs, decode_order=order, **extras)
 
                 us = gpu_time_ms(fn) * 1e3
-                name = f"pieces{piece_len or 'auto'}_w{warps_per_sm}"
+                name = f"pieces_w{warps_per_sm}"
                 row[name] = us
                 line += f" | {name} {us:7.1f} ({row['default_us'] / us:4.2f}x)"
             row["piece_ends_us"] = gpu_time_ms(lambda: dp.piece_ends(lens, order, batch, cfg.tile_n, 132)) * 1e3
@@ -415,7 +407,6 @@ def prefill_section(results, args, hq, hkv, d, bs, dtype) -> None:
     _, kv_cache, block_table = tensors[:3]
     rows = [kv_cache[i][block_table[0].long()].flatten(0, 1)[:n].contiguous() for i in range(2)]
     ms_rows = time_attention(*tensors, n, n, chunk_kv=tuple(rows))
-    ms_head = time_attention(*tensors, n, n, chunk_kv=tuple(rows), prompt_per_head=True)
     q = torch.randn(1, hq, n, d, device="cuda", dtype=dtype)
     k = torch.randn(1, hkv, n, d, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
@@ -424,20 +415,16 @@ def prefill_section(results, args, hq, hkv, d, bs, dtype) -> None:
     )
     print(f"triton paged (default {default_config(d, hq // hkv, n)}) {ms * 1e3:8.1f} us {tflops(ms):6.1f} TFLOP/s"
           f" | keys from the step's rows {ms_rows * 1e3:8.1f} us {tflops(ms_rows):6.1f} TFLOP/s"
-          f" | + one query head a program {ms_head * 1e3:8.1f} us {tflops(ms_head):6.1f} TFLOP/s"
           f" | torch SDPA {sdpa * 1e3:8.1f} us {tflops(sdpa):6.1f} TFLOP/s", flush=True)
-    results["prefill"] = {"tokens": n, "us": ms * 1e3, "rows_us": ms_rows * 1e3, "per_head_us": ms_head * 1e3,
+    results["prefill"] = {"tokens": n, "us": ms * 1e3, "rows_us": ms_rows * 1e3,
                           "sdpa_us": sdpa * 1e3}
     if args.sweep:
-        def sweep(label: str, shapes, default_ms: float, **kw) -> dict:
+        def sweep(label: str, shapes, default_ms: float) -> dict:
             best = (default_ms, "default")
             for block_m, tile_n, warps, stages in shapes:
                 cfg = KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
-                if label:  # the per-head launch: the grouped launch lends it only its key tile
-                    kw["config_per_head"] = cfg
-                    cfg = KernelConfig(block_m=64, tile_n=tile_n, num_warps=4, num_stages=2)
                 try:
-                    t = time_attention(*tensors, n, n, config=cfg, chunk_kv=tuple(rows), **kw)
+                    t = time_attention(*tensors, n, n, config=cfg, chunk_kv=tuple(rows))
                 except Exception as exc:  # out of shared memory or registers
                     print(f"   {label}bm {block_m} tn {tile_n} w {warps} s {stages}: {type(exc).__name__}")
                     continue
@@ -448,9 +435,6 @@ def prefill_section(results, args, hq, hkv, d, bs, dtype) -> None:
 
         results["prefill"]["best"] = sweep("", itertools.product((32, 64, 128, 256), (32, 64, 128), (4, 8), (2, 3)),
                                            ms_rows)
-        results["prefill"]["per_head_best"] = sweep(
-            "per head ", itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3, 4)), ms_head, prompt_per_head=True
-        )
     tensors = None
 
 

@@ -36,14 +36,8 @@ def main() -> None:
     ap.add_argument("--latency", default="", help="comma-separated BATCH:IN:OUT, timed end to end (TTFT, TPOT)")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--quantization", default=None, help="e.g. fp8: float8 weights (the engine option)")
-    ap.add_argument("--attn-kv-write", action="store_true",
-                    help="the attention launch stores the new K/V (TritonImpl.kv_written_by_caller off)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    if args.attn_kv_write:
-        from pagedllm.attention.backends.triton import TritonImpl
-
-        TritonImpl.kv_written_by_caller = False
     os.makedirs(args.out, exist_ok=True)
     llm = make_llm(MODELS[args.model], smoke=False, quantization=args.quantization)
     results: dict = {}

@@ -1,4 +1,4 @@
-"""Times the linear layers of the benchmark model shapes on CUDA: cuBLAS, cuBLASLt, the Triton GEMV and skinny GEMM.
+"""Times the linear layers of the benchmark model shapes on CUDA: cuBLAS, cuBLASLt, the Triton GEMV, and the float8 products.
 
 For each (model, tokens) case every distinct weight shape of the model is timed as the model runs it:
 one product per layer, each layer with its own weight (so the 60 MB L2 holds none of them), all
@@ -9,7 +9,8 @@ and above it the row quantizer plus ``torch._scaled_mm`` (``fp8``), and the two 
 the skinny GEMM on the float8 weight with the 16-bit activation kept (``fp8_skinny``, its default tile);
 ``--fp8-sweep`` sweeps its tiles up to 64 rows, the swapped ones included (``--only-swapped``: those alone;
 ``--light-tiles``: 16-row tiles of fewer registers and less shared memory instead).
-Usage: ``python benchmarks/linear_shapes.py [--json PATH] [--fp8] [--sweep]``.
+Usage: ``python benchmarks/linear_shapes.py [--json PATH] [--fp8] [--sweep]``. (A sweep of the skinny GEMM's
+tiles over 16-bit weights, which lost to cuBLAS, is in git history.)
 """
 from __future__ import annotations
 
@@ -103,10 +104,10 @@ def time_fp8(x: torch.Tensor, weights: list[torch.Tensor], sweep: bool, only_swa
     from pagedllm.layers.quantization.fp8 import NARROW_MAX_ROWS
 
     # Up to 64 rows, whether or not the engine's rule (quantization/fp8.py) sends this product there.
-    if x.shape[0] <= NARROW_MAX_ROWS and sg.default_config(x.shape[0], n, k, float8=True) is not None:
+    if x.shape[0] <= NARROW_MAX_ROWS and sg.default_config(x.shape[0], n, k) is not None:
         out["fp8_skinny"] = graph_time_us(lambda: [sg.skinny_gemm(x, q, scale=s) for q, s, _ in qw])
         if sweep:
-            best = (out["fp8_skinny"], str(sg.default_config(x.shape[0], n, k, float8=True)), None)
+            best = (out["fp8_skinny"], str(sg.default_config(x.shape[0], n, k)), None)
             best_swapped = (float("inf"), "", None)
             for cfg, early in fp8_skinny_candidates(x.shape[0], n, k, only_swapped, light):
                 try:
@@ -150,14 +151,14 @@ def time_fp8_producers(tokens: int, hidden: int, intermediate: int) -> dict:
 
 
 def gemv_candidates(n: int, k: int) -> list:
-    """GEMV tiles to sweep: 2-16 rows by 512-2048 columns, 4 or 8 warps, 16 products folded or none."""
+    """GEMV tiles to sweep: 2-16 rows by 512-2048 columns, 4 or 8 warps."""
     from pagedllm.kernels.gemv import GemvConfig
 
     out = []
-    for bn, bk, warps, fold in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8), (1, 16)):
+    for bn, bk, warps in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8)):
         if n % bn or k % bk or bn * bk // (32 * warps) > 256 or (warps == 8 and bn < 8):
             continue
-        out.append(GemvConfig(bn, bk, warps, fold))
+        out.append(GemvConfig(bn, bk, warps))
     return out
 
 
@@ -210,28 +211,11 @@ def swapped_candidates(m: int, n: int, k: int) -> list:
     return out
 
 
-def skinny_candidates(tokens: int, n: int, k: int, only_swapped: bool = False) -> list:
-    """Skinny-GEMM launch shapes to sweep: row tiles near the token count, 32-128 columns, K split 1-8 ways."""
-    from pagedllm.kernels import skinny_gemm as sg
-
-    rows = min(64, max(16, 1 << (tokens - 1).bit_length()))
-    row_tiles = {rows} | ({32} if tokens == 64 else set()) | ({128} if tokens >= 128 else set())
-    out = []
-    for bm, bn, split in itertools.product(sorted(row_tiles), (32, 64, 128), (1, 2, 4, 8)):
-        bk = 128 if k // split >= 128 else 64
-        warps = 8 if bm * bn >= 128 * 128 else 4
-        cfg = sg.GemmConfig(bm, bn, bk, warps, 3, split)
-        if n % bn or k % (bk * split) or not sg.workspace_fits(cfg, tokens, n):
-            continue
-        out.append(cfg)
-    return ([] if only_swapped else out) + swapped_candidates(tokens, n, k)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "linear_shapes.json"))
     ap.add_argument("--sweep", action="store_true",
-                    help="also sweep the GEMV tile configs at batch 1, and the skinny GEMM's tiles and K splits above it")
+                    help="also sweep the GEMV tile configs at batch 1 (and with --fp8 the float8 launches)")
     ap.add_argument("--hot", action="store_true",
                     help="also time cuBLAS with one weight for every layer, so it is read from L2 after the first")
     ap.add_argument("--cases", default="", help="MODEL:TOKENS,... to time instead of all cases")
@@ -239,7 +223,7 @@ def main() -> None:
                     help="also time torch's TunableOp: each shape tuned eagerly over the BLAS algorithms, then replayed")
     ap.add_argument("--fp8", action="store_true", help="also time the float8 products of quantization='fp8'")
     ap.add_argument("--fp8-sweep", action="store_true",
-                    help="with --fp8, sweep the float8 GEMV's and skinny GEMM's launches (not the 16-bit ones)")
+                    help="with --fp8, sweep the float8 GEMV's and skinny GEMM's launches (not the 16-bit GEMV's)")
     ap.add_argument("--only-swapped", action="store_true", help="sweep only the swapped skinny tiles (swap_ab)")
     ap.add_argument("--light-tiles", action="store_true",
                     help="with --fp8-sweep, sweep float8 skinny tiles of fewer registers and less shared memory instead")
@@ -247,7 +231,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("linear_shapes: no CUDA device; nothing to time")
         return
-    from pagedllm.kernels import skinny_gemm as sg
     from pagedllm.kernels.gemv import default_config, gemv
 
     bw = copy_tbps()
@@ -295,21 +278,7 @@ def main() -> None:
             if args.fp8 and name != "lm_head":
                 res.update(time_fp8(x, weights, sweep=args.sweep or args.fp8_sweep, only_swapped=args.only_swapped,
                                     light=args.light_tiles))
-            if 1 < tokens <= sg.MAX_ROWS and sg.default_config(tokens, n, k) is not None:
-                res["triton"] = graph_time_us(lambda: [sg.skinny_gemm(x, w) for w in weights])
-                err = (sg.skinny_gemm(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max().item()
-                res["triton_max_abs_diff"] = err
-                if args.sweep and name != "lm_head":
-                    best = (res["triton"], str(sg.default_config(tokens, n, k)))
-                    for cfg in skinny_candidates(tokens, n, k, args.only_swapped):
-                        try:
-                            t = graph_time_us(lambda: [sg.skinny_gemm(x, w, config=cfg) for w in weights], reps=5)
-                        except Exception as exc:  # noqa: BLE001 - a tile that does not fit is skipped
-                            print(f"   {cfg}: {type(exc).__name__}")
-                            continue
-                        best = min(best, (t, str(cfg)))
-                    res["best"] = best
-            libs = [key for key in ("cublas", "cublaslt", "tunable", "cublas_l2_hot", "gemv", "triton", "fp8", "fp8_gemv",
+            libs = [key for key in ("cublas", "cublaslt", "tunable", "cublas_l2_hot", "gemv", "fp8", "fp8_gemv",
                                 "fp8_skinny")
                     if key in res]
             if tokens == 1:
@@ -332,12 +301,12 @@ def main() -> None:
         sel = [r for r in rows if r["model"] == model and r["tokens"] == tokens and "cublas" in r]
         summary[f"{model} T={tokens}"] = {
             key: sum(r.get(key, r["cublas"]) for r in sel)
-            for key in ("cublas", "cublaslt", "tunable", "gemv", "triton", "fp8", "fp8_gemv", "fp8_skinny")
+            for key in ("cublas", "cublaslt", "tunable", "gemv", "fp8", "fp8_gemv", "fp8_skinny")
         }
         if any("best" in r for r in sel):
             summary[f"{model} T={tokens}"]["best"] = sum(min(r["best"][0], r["cublas"]) if "best" in r else r["cublas"]
                                                          for r in sel)
-    print("\nper forward pass, all linears (us; gemv and triton fall back to cuBLAS where they do not apply):")
+    print("\nper forward pass, all linears (us; the Triton kernels fall back to cuBLAS where they do not apply):")
     for key, val in summary.items():
         print(f"  {key:20s} " + "  ".join(f"{k} {v:8.1f}" for k, v in val.items()))
     try:

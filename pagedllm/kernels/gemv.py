@@ -4,8 +4,8 @@ At one token a linear layer is a weight read: the time is the weight's bytes ove
 answers the narrow shapes (an output of a few thousand rows over a long input) with split-K, which adds a
 second, reduction kernel per product and its launch gap. Here each program owns ``BLOCK_N`` output rows,
 walks the whole input dimension in ``BLOCK_K`` steps, and reduces once at the end: one launch, no partial
-sums in memory, and a fixed summation order (run-to-run identical). Each thread first sums its ``fold``
-neighbouring products of a step in registers, so that its float32 accumulator holds ``BLOCK_K / fold``
+sums in memory, and a fixed summation order (run-to-run identical). Each thread first sums its ``FOLD``
+neighbouring products of a step in registers, so that its float32 accumulator holds ``BLOCK_K / FOLD``
 columns, not ``BLOCK_K``: the registers saved keep more programs, and so more weight bytes, in flight.
 A float8 weight with one scale per output row (``--quantization fp8``) is read as is and each row's sum is
 multiplied by its scale: half the bytes, and the 16-bit activation is not quantized.
@@ -21,22 +21,21 @@ import triton.language as tl
 from pagedllm.kernels.launch import pdl_launch_args
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# Products a thread sums before its accumulator. Against an element-wise accumulator, Llama-3-8B's batch-1
+# step on an H200 went from 2.92 to 2.67 ms with float8 weights and from 4.17 to 4.09 ms in bf16.
+FOLD = 16
 
 
 class GemvConfig(NamedTuple):
     block_n: int
-    block_k: int
+    block_k: int  # a multiple of FOLD
     num_warps: int
-    fold: int = 16  # products a thread sums before its accumulator (1: an element-wise accumulator)
 
 
 @triton.jit
 def _fold_add(acc, prod, FOLD: tl.constexpr):
     """acc [N, K / FOLD] + prod [N, K] summed over each FOLD neighbouring columns (one thread's own)."""
-    if FOLD == 1:
-        acc += prod
-    else:
-        acc += tl.sum(tl.reshape(prod, [prod.shape[0], prod.shape[1] // FOLD, FOLD]), axis=2)
+    acc += tl.sum(tl.reshape(prod, [prod.shape[0], prod.shape[1] // FOLD, FOLD]), axis=2)
     return acc
 
 
@@ -53,7 +52,7 @@ def _gemv_kernel(
     HAS_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    FOLD: tl.constexpr,  # GemvConfig.fold
+    FOLD: tl.constexpr,
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]; N % BLOCK_N == 0 (host checks)
@@ -128,7 +127,7 @@ def gemv(
     assert (scale is not None) == (weight.dtype == torch.float8_e4m3fn), "a float8 weight needs its row scales"
     cfg = config or default_config(n, k, weight.dtype == torch.float8_e4m3fn)
     assert cfg is not None and n % cfg.block_n == 0 and k % cfg.block_k == 0, (n, k, cfg)
-    assert cfg.block_k % cfg.fold == 0, cfg
+    assert cfg.block_k % FOLD == 0, cfg
     x = x.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(n // cfg.block_n,)](
@@ -138,7 +137,7 @@ def gemv(
         HAS_SCALE=scale is not None,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        FOLD=cfg.fold,
+        FOLD=FOLD,
         num_warps=cfg.num_warps,
         **pdl_launch_args(x),
     )

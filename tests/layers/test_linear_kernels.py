@@ -36,8 +36,8 @@ def test_gemv_matches_fp32_product(n: int, k: int, bias: bool, dtype: torch.dtyp
     torch.testing.assert_close(y.float(), ref, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("config", [gemv_k.GemvConfig(4, 128, 4, fold=1), gemv_k.GemvConfig(16, 256, 8),
-                                    gemv_k.GemvConfig(2, 512, 4, fold=4)])
+@pytest.mark.parametrize("config", [gemv_k.GemvConfig(4, 128, 4), gemv_k.GemvConfig(16, 256, 8),
+                                    gemv_k.GemvConfig(2, 512, 4)])
 def test_gemv_tile_shapes_agree(config: gemv_k.GemvConfig) -> None:
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(1, 1024, generator=gen).to(DEVICE, torch.float16)
@@ -51,7 +51,7 @@ def test_config_covers_model_shapes_and_refuses_odd_ones() -> None:
                  (1024, 3072), (6144, 1024)]:
         for float8 in (False, True):
             cfg = gemv_k.default_config(n, k, float8)
-            assert cfg is not None and n % cfg.block_n == 0 and k % cfg.block_k == 0 and cfg.block_k % cfg.fold == 0
+            assert cfg is not None and n % cfg.block_n == 0 and k % cfg.block_k == 0 and cfg.block_k % gemv_k.FOLD == 0
     # Float8 rows carry half the bytes a column: taller or wider tiles than 16-bit ones (the H200 tile sweep).
     assert gemv_k.default_config(4096, 4096) == gemv_k.GemvConfig(2, 2048, 4)
     assert gemv_k.default_config(28672, 4096, float8=True) == gemv_k.GemvConfig(16, 512, 4)
