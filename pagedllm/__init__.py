@@ -2,9 +2,7 @@
 from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output.params import StructuredOutputsParams
-
-__version__ = "0.1.0"
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.version import __version__
 
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.core.config import CacheConfig, SchedulerConfig
 from pagedllm.graph_config import GraphConfig
 
-if TYPE_CHECKING:  # the core imports this module and stays free of torch
+if TYPE_CHECKING:
     import torch
 
 _DTYPE_NAMES = {
@@ -107,31 +108,6 @@ class ModelConfig:
         """Bytes of K and V across all layers for one token, in ``cache_dtype`` (default: the model's dtype)."""
         elem = (cache_dtype or self.dtype).itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * elem
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    prefix_hash_algo: str = "sha256"
-    cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    # Schedule step N+1 while the device runs step N (the runner feeds step N's sampled ids, still on
-    # the device, as step N+1's inputs); outputs then arrive one step later.
-    async_scheduling: bool = False
-    # (Asynchronous mode, serving) Schedule step N+1 shortly before the device finishes step N instead of
-    # as soon as N is launched, so a request that arrives meanwhile joins N+1 rather than N+2.
-    submit_just_in_time: bool = False
 
 
 @dataclass(frozen=True)

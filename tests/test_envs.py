@@ -45,17 +45,48 @@ def test_readme_lists_exactly_the_variables_envs_defines() -> None:
     assert set(envs.DOCS) == {name for name in vars(envs) if NAME.fullmatch(name)}
 
 
+def _is_environ(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "environ"
+            or isinstance(node, ast.Name) and node.id == "environ")
+
+
+def _pagedllm_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of each read of a PAGEDLLM_* variable: ``os.environ.get(name)``, ``os.getenv(name)``,
+    ``os.environ[name]``, ``name in os.environ``. Setting one for a child process is not a read."""
+    def named(node: ast.AST) -> str | None:
+        ok = isinstance(node, ast.Constant) and isinstance(node.value, str) and NAME.fullmatch(node.value)
+        return node.value if ok else None
+
+    found = []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Call) and node.args and isinstance(node.func, (ast.Attribute, ast.Name)):
+            attr = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+            if attr == "getenv" or attr == "get" and isinstance(node.func, ast.Attribute) and _is_environ(node.func.value):
+                key = named(node.args[0])
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_environ(node.value):
+            key = named(node.slice)
+        elif isinstance(node, ast.Compare) and any(_is_environ(c) for c in node.comparators):
+            key = named(node.left)
+        if key:
+            found.append((node.lineno, key))
+    return found
+
+
+def test_the_read_finder_sees_every_form() -> None:
+    src = ("import os\nfrom os import environ, getenv\n"
+           "a = os.environ.get('PAGEDLLM_A')\nb = os.getenv('PAGEDLLM_B')\nc = os.environ['PAGEDLLM_C']\n"
+           "d = 'PAGEDLLM_D' in os.environ\ne = environ.get('PAGEDLLM_E', '1')\nf = getenv('PAGEDLLM_F')\n"
+           "env = {'PAGEDLLM_G': '0'}\nos.environ['PAGEDLLM_H'] = '1'\nhelp = 'PAGEDLLM_I=0 turns it off'\n")
+    assert [name for _, name in _pagedllm_reads(ast.parse(src))] == [f"PAGEDLLM_{c}" for c in "ABCDEF"]
+
+
 def test_no_module_but_envs_reads_a_pagedllm_variable() -> None:
-    # A variable's name as a whole string constant is how os.environ / os.getenv would be asked for it;
-    # docstrings and help texts that mention one are longer strings.
     offenders = []
     for path in _sources():
         rel = path.relative_to(ROOT).as_posix()
-        if rel == "pagedllm/envs.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), rel)):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and NAME.fullmatch(node.value):
-                offenders.append(f"{rel}:{node.lineno}: {node.value}")
+        if rel != "pagedllm/envs.py":
+            offenders += [f"{rel}:{line}: {name}" for line, name in _pagedllm_reads(ast.parse(path.read_text(), rel))]
     assert not offenders, "read these through pagedllm.envs:\n" + "\n".join(offenders)
 
 

@@ -5,7 +5,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler_output import (

@@ -8,7 +8,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
-from pagedllm.engine.tokenizer import get_tokenizer
+from pagedllm.model_loader.tokenizer import get_tokenizer
 from pagedllm.engine_args import EngineArgs
 from pagedllm.executor.base import Executor, UniProcExecutor
 from pagedllm.outputs import RequestOutput

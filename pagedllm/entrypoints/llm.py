@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
-from pagedllm.engine.tokenizer import chat_prompt_ids
+from pagedllm.model_loader.tokenizer import chat_prompt_ids
 from pagedllm.engine_args import EngineArgs
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams

@@ -7,32 +7,23 @@ the rotary row permutation of llama Q/K projections, and the ``+ 1`` folded into
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import ModelConfig
 from pagedllm.model_loader.gguf_dequant import SUPPORTED_TYPES, dequantize, type_name
-from pagedllm.model_loader.gguf_tokenizer import gguf_tokenizer  # noqa: F401  (the engine imports it from here)
+from pagedllm.model_loader.gguf_reader import ARCHITECTURES, open_gguf
 from pagedllm.model_loader.loader import BaseModelLoader, build_model, check_all_loaded, finalize_model
 
 logger = logging.getLogger(__name__)
 
-# general.architecture -> (HF model_type, HF architectures entry). Gemma 3 GGUFs hold only the text model.
-ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
-}
 # llama.cpp interleaves the rotary halves of these architectures' Q/K rows (its non-NeoX rope).
 _QK_PERMUTED = frozenset({"llama"})
 # llama.cpp stores these architectures' RMSNorm weights as ``1 + w`` (their norms scale by 1 + w).
@@ -48,41 +39,6 @@ _HF_BLOCK = (
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
     "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
 )
-
-
-def _fast_reader_class() -> type:
-    """gguf.GGUFReader, made several times faster at parsing metadata when its internals allow.
-
-    The reader slices its ``np.memmap`` once per value; memmap's Python-level ``__getitem__`` and
-    ``__array_finalize__`` then dominate a 262k-token vocabulary (11 s -> 3.5 s for Gemma 3). Slicing a
-    plain ndarray view of the same mapping gives the same values (and tensor views) without that cost.
-    """
-    from gguf import GGUFReader
-
-    params = list(inspect.signature(GGUFReader._get).parameters) if hasattr(GGUFReader, "_get") else []
-    if params != ["self", "offset", "dtype", "count", "override_order"]:
-        return GGUFReader  # a gguf-py whose internals differ: keep its own, slower, parsing
-
-    class _FastGGUFReader(GGUFReader):
-        def _get(self, offset, dtype, count=1, override_order=None):
-            plain = self.__dict__.get("_plain_data")
-            if plain is None:
-                plain = self._plain_data = self.data.view(np.ndarray)
-            count = int(count)
-            arr = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
-            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
-
-    return _FastGGUFReader
-
-
-def open_gguf(path: str | os.PathLike) -> Any:
-    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped: tensor bytes are read when touched)."""
-    from gguf import GGUFEndian
-
-    reader = _fast_reader_class()(os.fspath(path))
-    if reader.endianess != GGUFEndian.LITTLE:
-        raise ValueError(f"{path} is a big-endian GGUF; only little-endian files are supported")
-    return reader
 
 
 def _value(reader: Any, key: str, default: Any = None) -> Any:

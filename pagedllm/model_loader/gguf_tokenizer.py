@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pagedllm.model_loader.gguf_reader import open_gguf
+
 logger = logging.getLogger(__name__)
 
 _CACHE_FORMAT = "1"  # bump when the built tokenizer changes, to retire older cache entries
@@ -115,8 +117,6 @@ def _gemma_tokenizer(reader: Any) -> Any:
 
 def build_gguf_tokenizer(path: str | os.PathLike, reader: Any = None) -> Any:
     """The tokenizer of a GGUF file, built from its metadata (no cache)."""
-    from pagedllm.model_loader.gguf_loader import open_gguf
-
     path = os.path.abspath(os.fspath(path))
     reader = reader if reader is not None else open_gguf(path)
     arch = _scalar(reader, "general.architecture")

@@ -23,7 +23,7 @@ from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, cos_sin_once_per_step, get_rope
-from pagedllm.model_loader.weight_utils import load_named_weights
+from pagedllm.models.weights import load_named_weights
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,2 @@
-"""Structured outputs: constraints (JSON schema, regex, choice, grammar) enforced by a token bitmask."""
-from pagedllm.structured_output.params import StructuredOutputsParams
-
-__all__ = ["StructuredOutputsParams"]
+"""Structured outputs: constraints (JSON schema, regex, choice, grammar) enforced by a token bitmask; the
+request-side parameters are ``pagedllm.sampling_params.StructuredOutputsParams``."""

@@ -18,7 +18,7 @@ from typing import Any
 import xgrammar as xgr
 
 from pagedllm.structured_output.grammar import build_grammar, clean_error
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm")
 

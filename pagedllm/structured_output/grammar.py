@@ -12,7 +12,7 @@ import re
 
 import xgrammar as xgr
 
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 # Bounds on a constraint's text: a larger schema or grammar takes long to convert and compile, and no
 # real output format needs one this size.

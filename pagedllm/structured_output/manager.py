@@ -59,7 +59,7 @@ class StructuredOutputManager:
 
     def _load_tokenizer(self) -> Any | None:
         if self.tokenizer is None:
-            from pagedllm.engine.tokenizer import get_tokenizer
+            from pagedllm.model_loader.tokenizer import get_tokenizer
 
             self.tokenizer = get_tokenizer(self.model_config)
         return self.tokenizer

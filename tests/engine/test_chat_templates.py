@@ -11,7 +11,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from pagedllm.chat_templates import ARCHITECTURE_FAMILIES, FAMILIES, choose_family, load_template
 from pagedllm.config import ModelConfig
-from pagedllm.engine.tokenizer import get_tokenizer
+from pagedllm.model_loader.tokenizer import get_tokenizer
 from pagedllm.models.registry import supported_architectures
 
 CONVERSATION = [

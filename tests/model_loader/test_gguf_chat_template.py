@@ -14,7 +14,7 @@ from transformers import Gemma3TextConfig, Qwen2Config  # noqa: E402
 from pagedllm import LLM, SamplingParams, envs  # noqa: E402
 from pagedllm.chat_templates import load_template  # noqa: E402
 from pagedllm.config import ModelConfig  # noqa: E402
-from pagedllm.engine.tokenizer import get_tokenizer  # noqa: E402
+from pagedllm.model_loader.tokenizer import get_tokenizer  # noqa: E402
 
 OWN_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
 MESSAGES = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a color."}]

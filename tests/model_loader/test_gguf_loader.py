@@ -16,9 +16,9 @@ from pagedllm.model_loader.gguf_loader import (  # noqa: E402
     gguf_hf_config,
     gguf_to_hf_names,
     iter_gguf_weights,
-    open_gguf,
     unpermute_qk,
 )
+from pagedllm.model_loader.gguf_reader import open_gguf  # noqa: E402
 
 # Set by us, not read from the file (architectures) or bookkeeping transformers adds while loading.
 CONFIG_KEYS_NOT_COMPARED = {

@@ -69,7 +69,7 @@ def reference(gguf_path):
     """Prompt ids (HF's GGUF tokenizer) and HF's greedy continuations, from one HF model for the module."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pagedllm.model_loader.gguf_loader import gguf_tokenizer
+    from pagedllm.model_loader.gguf_tokenizer import gguf_tokenizer
 
     folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
     # Parsed once and handed to from_pretrained, which would otherwise parse the 262k-token metadata again.

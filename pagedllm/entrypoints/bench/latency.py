@@ -47,7 +47,7 @@ def measure_latency(
     seed: int = 0,
 ) -> dict:
     """TTFT and TPOT (ms, medians over ``num_iters``) of ``batch_size`` prompts sent together."""
-    from pagedllm import SamplingParams
+    from pagedllm.sampling_params import SamplingParams
 
     config = llm.llm_engine.config
     vocab = config.model_config.vocab_size
@@ -96,7 +96,7 @@ def measure_latency(
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from pagedllm import LLM
+    from pagedllm.entrypoints.llm import LLM
     from pagedllm.entrypoints.bench.plots import plot_latency, require_matplotlib
 
     require_matplotlib(args.plot)

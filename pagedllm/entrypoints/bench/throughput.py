@@ -21,7 +21,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
     from pagedllm.entrypoints.bench.plots import plot_throughput, require_matplotlib
 
     require_matplotlib(args.plot)

@@ -11,8 +11,7 @@ from typing import Any, AsyncIterator
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body, from_value_error, internal_error_body
 from pagedllm.outputs import Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Request fields that map one to one onto SamplingParams fields of the same name.
 _DIRECT_FIELDS = (

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     tool_call_id,
 )
 from pagedllm.entrypoints.openai.tool_parsers.json_calls import JsonCallsParser
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 _EMPTY_OBJECT = {"type": "object", "properties": {}}
 

@@ -16,7 +16,7 @@ def get_tokenizer(model_config: ModelConfig) -> Any | None:
         return None
     path = model_config.tokenizer or model_config.model
     if path.endswith(".gguf"):
-        from pagedllm.model_loader.gguf_loader import gguf_tokenizer
+        from pagedllm.model_loader.gguf_tokenizer import gguf_tokenizer
 
         tokenizer = gguf_tokenizer(path)
     else:
@@ -34,7 +34,7 @@ def get_tokenizer(model_config: ModelConfig) -> Any | None:
 def _architecture_source(model_config: ModelConfig, arch: str) -> str:
     """How the architecture was known, for the log line: a GGUF's general.architecture, or the HF config."""
     if model_config.gguf_file or model_config.model.endswith(".gguf"):
-        from pagedllm.model_loader.gguf_loader import ARCHITECTURES
+        from pagedllm.model_loader.gguf_reader import ARCHITECTURES
 
         gguf_arch = next((k for k, (_, hf_arch) in ARCHITECTURES.items() if hf_arch == arch), None)
         if gguf_arch is not None:
