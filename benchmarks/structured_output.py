@@ -90,7 +90,7 @@ def measure(llm, batch: int, prompt_len: int, max_tokens: int) -> dict:
 
     core = llm.llm_engine.engine_core
     free_steps, _ = _decode_steps(llm, prompts, free, batch)
-    fill, accept = _Timer(core.structured, "fill_bitmask"), _Timer(core.structured, "accept_outputs")
+    fill, accept = _Timer(core.structured, "_fill"), _Timer(core.structured, "accept_outputs")
     apply = _Timer(apply_module, "apply_grammar_bitmask")  # the runner looks it up at each call
     so_steps, _ = _decode_steps(llm, prompts, constrained, batch)
     # Unconstrained again: the spread between the two unconstrained runs is the machine's noise.

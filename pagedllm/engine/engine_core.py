@@ -152,29 +152,23 @@ class EngineCore:
         is dropped, since the request is gone by then.
         """
         submitted: SchedulerOutput | None = None
-        drained: list[EngineCoreOutput] = []
-        if self._in_flight is not None and self.structured.must_wait_for_tokens(self.scheduler.running):
-            # A running constrained request's next bitmask needs the token the step in flight samples
-            # for it, so that step's output is applied before the next one is scheduled: while
-            # constrained requests run, scheduling and input preparation no longer overlap the device's
-            # work (the device idles for them each step, as in synchronous mode).
-            runner_output = self.executor.take_output()
-            self._output_at = time.perf_counter()
-            drained = self._update(self._in_flight, runner_output)
-            self._in_flight = None
-            if self.emit_outputs is not None:
-                self.emit_outputs(drained)
-                drained = []
+        constrained: SchedulerOutput | None = None
         # With an emitter, step N's outputs leave before step N+1's sampling is launched: that launch
         # then runs while the forward pass does, instead of delaying every token's delivery.
         emit = self.emit_outputs if self._in_flight is not None else None
         if self.scheduler.has_unfinished_requests():
             t0 = time.perf_counter()
             submitted = self._submitting = self.scheduler.schedule()
-            self.structured.fill_bitmask(submitted, self.scheduler)
             schedule_s = time.perf_counter() - t0
+            # Structured outputs: a constrained row's bitmask depends on the token step N samples for it,
+            # so this step's sampling waits until step N's output has advanced the matchers (below),
+            # while its forward pass runs; the mask is filled then, on the host, behind that pass.
+            if self.structured.samples_constrained(submitted, self.scheduler):
+                constrained = submitted
             # Submitted even when empty: the runner must still forget finished requests.
-            launch_s = self.executor.submit(submitted, defer_sampling=emit is not None) or 0.0
+            launch_s = self.executor.submit(
+                submitted, defer_sampling=emit is not None or constrained is not None
+            ) or 0.0
             # Only the host work before the device has the step queued: the submit then also waits for
             # step N's results (nearly a whole step) and launches sampling behind the forward pass, and
             # budgeting those would widen the just-in-time margin until it never delays at all.
@@ -191,9 +185,15 @@ class EngineCore:
             if emit is not None:
                 emit(outputs)
                 outputs = []
-        self.executor.launch_sampling()
+        if constrained is not None:
+            # The mask is filled in a thread while this one hands the outputs on and schedules the
+            # next step; the runner launches this step's sampling once it is ready, at the latest at
+            # the next submit (the device, busy with the forward pass, does not wait for either).
+            self.structured.fill_bitmask(constrained, self.scheduler, background=True)
+        else:
+            self.executor.launch_sampling()
         self._in_flight = submitted
-        return drained + outputs
+        return outputs
 
     @staticmethod
     def _decode_batch(so: SchedulerOutput) -> int | None:
@@ -219,6 +219,8 @@ class EngineCore:
         so = self._in_flight
         if not self._jit or so is None or self._output_at is None or self.scheduler.waiting:
             return 0.0
+        if so.grammar_bitmask is not None:
+            return 0.0  # its sampling launches with the next submit (structured outputs): no waiting
         batch = self._decode_batch(so)
         if batch is None or batch > _JIT_MAX_BATCH:
             return 0.0

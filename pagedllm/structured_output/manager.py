@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.request import Request, RequestStatus
@@ -48,6 +48,7 @@ class StructuredOutputManager:
         self._compiler: GrammarCompiler | None = None
         self._waiting: dict[str, _Waiting] = {}
         self._batch_matcher: xgr.BatchGrammarMatcher | None = None
+        self._fill_pool: ThreadPoolExecutor | None = None
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -140,18 +141,25 @@ class StructuredOutputManager:
 
     # ---- each step -------------------------------------------------------------------------------
     @staticmethod
-    def must_wait_for_tokens(running: list[Request]) -> bool:
-        """True when a running constrained request still waits for a sampled token: its next bitmask
-        depends on that token, so (asynchronous scheduling) the step in flight must land first."""
-        return any(r.num_pending_tokens and is_constrained(r) for r in running)
+    def samples_constrained(so: SchedulerOutput, scheduler: Any) -> bool:
+        """Whether a step samples a constrained request (right after ``schedule``)."""
+        for rid in so.num_scheduled_tokens:
+            req = scheduler.requests.get(rid)
+            if req is not None and req.num_pending_tokens and req.grammar_matcher is not None:
+                return True
+        return False
 
-    def fill_bitmask(self, so: SchedulerOutput, scheduler: Any) -> None:
-        """Sets ``so.grammar_rows`` / ``so.grammar_bitmask`` for the constrained requests this step samples."""
+    def fill_bitmask(self, so: SchedulerOutput, scheduler: Any, background: bool = False) -> None:
+        """Sets ``so.grammar_rows`` / ``so.grammar_bitmask`` for the constrained requests this step samples.
+
+        ``background``: the bitmask is a Future, filled in a thread while the caller goes on (the runner
+        waits for it when it launches the step's sampling, before any matcher moves again).
+        """
         matchers, rows = [], {}
         for rid in so.num_scheduled_tokens:
             req = scheduler.requests.get(rid)
-            # After schedule() a request samples this step exactly when it has a pending token, and (with
-            # the step in flight already applied for constrained requests) that token is this step's.
+            # A scheduled request samples this step exactly when it has a pending token; this runs once
+            # the step before has been applied (asynchronous mode), so that token is this step's.
             if req is None or req.num_pending_tokens == 0:
                 continue
             matcher = getattr(req, "grammar_matcher", None)
@@ -161,6 +169,15 @@ class StructuredOutputManager:
             matchers.append(matcher)
         if not matchers:
             return
+        so.grammar_rows = rows
+        if background:
+            if self._fill_pool is None:
+                self._fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-bitmask")
+            so.grammar_bitmask = self._fill_pool.submit(self._fill, matchers)
+        else:
+            so.grammar_bitmask = self._fill(matchers)
+
+    def _fill(self, matchers: list) -> Any:
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
@@ -170,7 +187,7 @@ class StructuredOutputManager:
             if self._batch_matcher is None:
                 self._batch_matcher = xgr.BatchGrammarMatcher()
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
-        so.grammar_rows, so.grammar_bitmask = rows, bitmask
+        return bitmask
 
     def accept_outputs(self, outputs: list[EngineCoreOutput], scheduler: Any) -> list[EngineCoreOutput]:
         """Advances the matchers by the step's tokens; ends requests whose grammar ended or rejected a token."""
@@ -207,3 +224,5 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._compiler is not None:
             self._compiler.shutdown()
+        if self._fill_pool is not None:
+            self._fill_pool.shutdown(wait=False)

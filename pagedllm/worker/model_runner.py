@@ -84,7 +84,7 @@ class ModelRunner:
         self._in_flight: StepInFlight | None = None
         self._done: deque[ModelRunnerOutput] = deque()
         # A submitted step whose sampling is not launched yet: (inputs, device views, hidden, start event,
-        # whether hidden holds one row per request, the step's grammar rows and bitmask).
+        # whether hidden holds one row per request, the step's SchedulerOutput).
         self._deferred: tuple | None = None
         # Device time of each step, for the engine core's just-in-time submission (two timed events a step).
         self.time_steps = device.type == "cuda" and sc.submit_just_in_time
@@ -297,7 +297,7 @@ class ModelRunner:
             # seeds and stop checks read each request's output so far).
             self._done.append(self._resolve(prev))
             self._in_flight = None
-        self._deferred = (b, dev, hidden, start_event, fwd.per_request, so.grammar_rows, so.grammar_bitmask)
+        self._deferred = (b, dev, hidden, start_event, fwd.per_request, so)
         if not defer_sampling:
             self.launch_sampling()
         return launch_s
@@ -307,7 +307,7 @@ class ModelRunner:
         """Launches the sampling of the step whose forward pass ``submit`` left it behind, if any."""
         if self._deferred is None:
             return
-        b, dev, hidden, start_event, per_request, grammar_rows, grammar_bitmask = self._deferred
+        b, dev, hidden, start_event, per_request, so = self._deferred
         self._deferred = None
         prompt_logprobs = self._prompt_logprobs(b, hidden)
         step = StepInFlight(b.req_ids, prompt_logprobs, start_event=start_event)
@@ -323,10 +323,10 @@ class ModelRunner:
             else:
                 last_hidden = hidden.index_select(0, dev.logits_indices)
             logits = self._logits(last_hidden)
-            if grammar_bitmask is not None:
+            if so.grammar_bitmask is not None:  # filled by the engine core up to the sampling launch
                 from pagedllm.structured_output.apply import apply_grammar_bitmask
 
-                apply_grammar_bitmask(logits, [st.req_id for st in states], grammar_rows, grammar_bitmask)
+                apply_grammar_bitmask(logits, [st.req_id for st in states], so.grammar_rows, so.grammar_bitmask)
             if all(st.plain_greedy for st in states):
                 # What the sampler does for an all-greedy batch, minus building its metadata and the
                 # float32 copy of the logits ([S, vocab] in the model dtype; the argmax is the same).
