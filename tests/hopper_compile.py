@@ -65,9 +65,8 @@ def main() -> None:
     from pagedllm.kernels.attention import paged_attention as pa
     from pagedllm.kernels.attention import reshape_and_cache as rc
     from pagedllm.kernels import activation, fp8_quant, gemv, qk_norm_rotary, rmsnorm, rotary, skinny_gemm
-    from pagedllm.layers import qk_norm_rotary as qk_norm_rotary_layer
     from pagedllm.layers.norm import RMSNorm
-    from pagedllm.layers.rotary import RotaryEmbedding
+    from pagedllm.kernels.attention.fused_inputs import Rope
     from pagedllm.kernels.sampling import argmax as argmax_triton
 
     launches: list = []
@@ -100,26 +99,25 @@ def main() -> None:
     q, k = torch.zeros(2, 4 * 64, dtype=bf), torch.zeros(2, 2 * 64, dtype=bf)
     rotary.rotary_neox_(pos, q, k, torch.ones(32), 64)
     norm = RMSNorm(64, params_dtype=bf)
-    qk_norm_rotary_layer.apply_(pos, q, k, norm, norm, RotaryEmbedding(64, torch.ones(32)))
+    qk_norm_rotary.qk_norm_rotary_(pos, q, k, norm.weight, norm.weight, 1e-6, 1e-6, torch.ones(32), 64)
     # ... storing keys and values into a paged cache in the same launch (bf16, and a float8 cache).
     for cache_dtype in (bf, torch.float8_e4m3fn):
         kc = torch.zeros(4, 16, 2, 64, dtype=cache_dtype)
         write = qk_norm_rotary.KVCacheWrite(torch.zeros(2, 2 * 64, dtype=bf), kc, kc.clone(), torch.zeros(2, dtype=torch.int64))
-        qk_norm_rotary_layer.apply_(pos, q, k, norm, norm, RotaryEmbedding(64, torch.ones(32)), write)
+        qk_norm_rotary.qk_norm_rotary_(pos, q, k, norm.weight, norm.weight, 1e-6, 1e-6, torch.ones(32), 64, cache=write)
     # Pure-decode batches (fused write and rotary, split and not) and a mixed one (separate cache write).
     for reqs, splits, rope in (([(200, 1), (70, 1)], 4, True), ([(9, 1), (3, 1)], 1, True),
                                ([(5, 6), (3, 1)], 1, False)):
         query, key, value, cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, bf, 0)
         impl = TritonImpl(4, 64, 0.125, 2, None, None)
         impl.num_splits = splits
-        extra = {"rotary": RotaryEmbedding(64, torch.ones(32))} if rope else {}
-        impl.forward(query, key, value, cache, metadata(), **extra)
+        impl.forward(query, key, value, cache, metadata(), rope=Rope(torch.ones(32), 1.0) if rope else None)
     # Decode in pieces: a float8 cache with programs enough (one warp a program).
     query, key, value, cache, _, metadata = build_paged_batch([(300, 1)] * 1000, 4, 2, 128, 16, bf, 0,
                                                               cache_dtype=torch.float8_e4m3fn)
     impl = TritonImpl(4, 128, 0.125, 2, None, None)
     assert impl._uses_pieces(metadata(), query, cache[0])
-    impl.forward(query, key, value, cache, metadata(), rotary=RotaryEmbedding(128, torch.ones(64)))
+    impl.forward(query, key, value, cache, metadata(), rope=Rope(torch.ones(64), 1.0))
     for kernel, args, kwargs in launches:
         ptx = _compile(kernel, args, kwargs)
         print(json.dumps({"kernel": kernel.__name__, "pdl": bool(kwargs.get("launch_pdl")),

@@ -1,15 +1,52 @@
-"""The attention backend interface: cache layout plus one forward over a mixed, paged batch."""
+"""The attention backend interface: cache layout plus one forward over a mixed, paged batch, given q and k
+with the norms and rotary embedding still to apply (``QKTransform``), so that the backend decides what to fuse."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.attention.fused_inputs import QKNorm, Rope
+
+
+class QKTransform(NamedTuple):
+    """What a layer applies to q and k before attention: per-head RMSNorms, then a rotary embedding.
+
+    A model hands its modules over (``Attention.forward``) and never learns what the backend does with them.
+    ``apply`` runs the modules; ``rope`` and ``norm`` say the same as numbers, for a backend whose kernels
+    apply them. The layer sets those only where they describe exactly what the modules compute
+    (``layers.attention.qk_transform``: the exact module classes, neox-style rotary), so that a backend
+    may rely on them without knowing the module classes.
+    """
+
+    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # (positions, q, k) -> (q, k)
+    q_norm: Callable[[torch.Tensor], torch.Tensor] | None = None  # [T, Hq, D] -> [T, Hq, D]
+    k_norm: Callable[[torch.Tensor], torch.Tensor] | None = None  # [T, Hkv, D] -> [T, Hkv, D]
+    rope: Rope | None = None  # ``rotary`` as numbers
+    norm: QKNorm | None = None  # ``q_norm`` and ``k_norm`` as numbers
+
+    def apply(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor  # [T], [T, Hq, D], [T, Hkv, D]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (query, key), same shapes
+        """The modules in order, as the model's own forward would run them."""
+        if self.q_norm is not None:
+            query = self.q_norm(query)
+        if self.k_norm is not None:
+            key = self.k_norm(key)
+        if self.rotary is not None:
+            query, key = self.rotary(positions, query, key)
+        return query, key
 
 
 class AttentionImpl(ABC):
-    """Attention of one layer. Writes this step's K/V into the paged cache, then attends."""
+    """Attention of one layer. Writes this step's K/V into the paged cache, then attends.
+
+    ``forward`` takes q and k as attention reads them; ``forward_qk`` takes them with the transforms still
+    to apply, and is where a backend decides what to fuse.
+    """
 
     def __init__(
         self,
@@ -40,19 +77,24 @@ class AttentionImpl(ABC):
     ) -> torch.Tensor:  # [T, num_heads, head_size]
         ...
 
-    def fuses_decode_rotary(self, attn_metadata: AttentionMetadata, rotary) -> bool:
-        """Whether ``forward(..., rotary=rotary)`` may receive q and k unrotated for this step.
+    def forward_qk(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        query: torch.Tensor,  # [T, num_heads, head_size], before qk's norm and rotary embedding
+        key: torch.Tensor,  # [T, num_kv_heads, head_size], likewise
+        value: torch.Tensor,  # [T, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        attn_metadata: AttentionMetadata,
+        qk: QKTransform,
+    ) -> torch.Tensor:  # [T, num_heads, head_size]
+        """``forward`` of query and key once ``qk`` is applied to them: what a model layer calls.
 
-        ``rotary`` is a RotaryEmbedding (inv_freq, attention_scaling, is_neox_style). A backend that says
-        yes rotates them itself, at each request's last position; the default backend never does.
+        Here the modules run as they are, then ``forward``. A backend overrides this to apply them inside
+        its own launches (fused with each other, with the cache write or with attention itself) where
+        ``qk.rope`` and ``qk.norm`` describe them; the result must be the modules' up to rounding.
         """
-        return False
-
-    def takes_written_kv(self, attn_metadata: AttentionMetadata) -> bool:
-        """Whether ``forward(..., kv_written=True)`` may be called: the caller has already stored this step's
-        keys and values into the cache at ``slot_mapping`` (the cache layout of ``get_kv_cache_shape``), so
-        the backend only attends."""
-        return False
+        query, key = qk.apply(positions, query, key)
+        return self.forward(query, key, value, kv_cache, attn_metadata)
 
 
 class AttentionBackend(ABC):

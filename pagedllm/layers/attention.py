@@ -1,11 +1,31 @@
-"""The attention layer of a model: reshapes flat projections into heads and hands them to the backend's impl."""
+"""The attention layer of a model: takes its flat q, k, v projections with its q/k norm and rotary modules,
+reshapes them into heads and hands them to the backend's impl, which applies the modules, fused or not."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.backend import AttentionBackend, QKTransform
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.attention.fused_inputs import QKNorm, Rope
+from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
+
+
+def qk_transform(
+    rotary: nn.Module | None, q_norm: nn.Module | None, k_norm: nn.Module | None, head_size: int
+) -> QKTransform:
+    """The modules, and as numbers what of them a kernel computes exactly: a neox-style ``RotaryEmbedding``
+    over heads of ``head_size`` with float32 frequencies, and a pair of ``RMSNorm`` or of ``GemmaRMSNorm`` over
+    ``head_size`` channels. Exact classes only: a subclass may apply its weight or angles otherwise."""
+    rope = norm = None
+    if (type(rotary) is RotaryEmbedding and rotary.is_neox_style and rotary.head_size == head_size
+            and rotary.inv_freq.dtype == torch.float32):
+        rope = Rope(rotary.inv_freq, rotary.attention_scaling)
+    kind = type(q_norm)
+    if kind in (RMSNorm, GemmaRMSNorm) and type(k_norm) is kind and q_norm.hidden_size == k_norm.hidden_size == head_size:
+        norm = QKNorm(q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps, kind is GemmaRMSNorm)
+    return QKTransform(rotary, q_norm, k_norm, rope, norm)
 
 
 class Attention(nn.Module):
@@ -35,35 +55,30 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        query: torch.Tensor,  # [T, Hq*D]
-        key: torch.Tensor,  # [T, Hkv*D]
+        positions: torch.Tensor,  # [T] int64
+        query: torch.Tensor,  # [T, Hq*D], before q_norm and rotary; may be a strided view of a qkv output
+        key: torch.Tensor,  # [T, Hkv*D], before k_norm and rotary; likewise
         value: torch.Tensor,  # [T, Hkv*D]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
-        rotary=None,  # a RotaryEmbedding still to apply to query and key (only if fuses_decode_rotary)
-        kv_written: bool = False,  # the caller stored key and value into kv_cache already (takes_written_kv)
+        rotary: nn.Module | None = None,  # (positions, q, k) -> (q, k), e.g. a RotaryEmbedding
+        q_norm: nn.Module | None = None,  # per-head norm of q ([T, Hq, D]), applied before rotary
+        k_norm: nn.Module | None = None,  # per-head norm of k ([T, Hkv, D]), applied before rotary
     ) -> torch.Tensor:  # [T, Hq*D]
+        """Attention of ``rotary(positions, q_norm(query), k_norm(key))`` and ``value``, whichever modules are
+        given. The backend applies them, in its own launches where it can (``AttentionImpl.forward_qk``);
+        query and key may be rewritten in place."""
         num_tokens = query.shape[0]
-        extra = {} if rotary is None else {"rotary": rotary}
-        if kv_written:
-            extra["kv_written"] = True
-        out = self.impl.forward(
+        out = self.impl.forward_qk(
+            positions,
             query.view(num_tokens, self.num_heads, self.head_size),
             key.view(num_tokens, self.num_kv_heads, self.head_size),
             value.view(num_tokens, self.num_kv_heads, self.head_size),
             kv_cache,
             attn_metadata,
-            **extra,
+            qk_transform(rotary, q_norm, k_norm, self.head_size),
         )
         return out.reshape(num_tokens, self.num_heads * self.head_size)
-
-    def fuses_decode_rotary(self, attn_metadata: AttentionMetadata, rotary) -> bool:
-        """Whether the backend rotates q and k itself in this step (forward's ``rotary``)."""
-        return self.impl.fuses_decode_rotary(attn_metadata, rotary)
-
-    def takes_written_kv(self, attn_metadata: AttentionMetadata) -> bool:
-        """Whether the caller may store this step's K/V into the cache itself and pass ``kv_written``."""
-        return self.impl.takes_written_kv(attn_metadata)
 
     def extra_repr(self) -> str:
         return (

@@ -105,38 +105,8 @@ class LlamaAttention(nn.Module):
         output_rows: torch.Tensor | None = None,  # [R] int64: project only these rows' outputs
     ) -> torch.Tensor:  # [T, H], or [R, H] with output_rows
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))  # views of one [T, q + 2 kv] output
-        use_fused = False
-        if self.q_norm is not None and q.is_cuda:
-            # One Triton launch normalizing and rotating q and k in place in the qkv output, instead of
-            # two norm launches writing copies and a rotary launch over them (kernels/qk_norm_rotary.py).
-            from pagedllm.layers import qk_norm_rotary as fused
-
-            use_fused = fused.modules_usable(positions, q, k, self.q_norm, self.k_norm, self.rotary_emb)
-        rotary_in_attention = None
-        kv_written = False
-        if self.q_norm is None and q.is_cuda and self.attn.fuses_decode_rotary(attn_metadata, self.rotary_emb):
-            # A decode step: the attention kernel rotates q and the new key itself, saving a launch a layer.
-            rotary_in_attention = self.rotary_emb
-        elif use_fused:
-            cache = None
-            if self.attn.takes_written_kv(attn_metadata):
-                # The same launch stores the finished keys and the values into the paged cache, so the
-                # attention launch only reads it (one launch a layer less in prompt steps, and no write
-                # before a barrier in decode).
-                cache = fused.KVCacheWrite(v, kv_cache[0], kv_cache[1], attn_metadata.slot_mapping)
-                if not fused.cache_write_usable(cache, k, self.head_size):
-                    cache = None
-            q, k = fused.apply_(positions, q, k, self.q_norm, self.k_norm, self.rotary_emb, cache)
-            kv_written = cache is not None
-        else:
-            if self.q_norm is not None:
-                q = self.q_norm(q.unflatten(-1, (-1, self.head_size)))
-                k = self.k_norm(k.unflatten(-1, (-1, self.head_size)))
-            q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(
-            q.flatten(1), k.flatten(1), v, kv_cache, attn_metadata, rotary=rotary_in_attention,
-            kv_written=kv_written,
-        )
+        out = self.attn(positions, q, k, v, kv_cache, attn_metadata, rotary=self.rotary_emb, q_norm=self.q_norm,
+                        k_norm=self.k_norm)
         if output_rows is not None:
             out = out.index_select(0, output_rows)
         return self.o_proj(out)

@@ -9,6 +9,7 @@ triton = pytest.importorskip("triton", reason="triton is not importable; the Tri
 from pagedllm.attention.backends import torch_ref  # noqa: E402
 from pagedllm.attention.backends.triton import TritonBackend, TritonImpl  # noqa: E402
 from pagedllm.kernels.attention import decode_pieces  # noqa: E402
+from pagedllm.layers.attention import qk_transform  # noqa: E402
 from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
 from paged_batches import build_paged_batch  # noqa: E402
 
@@ -103,7 +104,10 @@ def test_fused_rotary_matches_the_one_pass_kernel(cache_dtype):
     outs, caches = [], []
     for impl in (_impl(4, 64, 2), TritonImpl(4, 64, 64**-0.5, 2)):
         c = cache.clone()
-        outs.append(impl.forward(query.clone(), key.clone(), value, c, metadata(), rotary=rotary))
+        md = metadata()
+        positions = md.seq_lens.long() - 1
+        outs.append(impl.forward_qk(positions, query.clone(), key.clone(), value, c, md,
+                                    qk_transform(rotary, None, None, 64)))
         caches.append(c)
     assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=2e-3, rtol=2e-3)

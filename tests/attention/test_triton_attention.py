@@ -16,6 +16,8 @@ from pagedllm.kernels.attention import launch_config as lc  # noqa: E402
 from pagedllm.kernels.attention import paged_attention as pa_mod  # noqa: E402
 from pagedllm.kernels.attention import reshape_and_cache as rc_mod  # noqa: E402
 from pagedllm.kernels import rotary as rot_k  # noqa: E402
+from pagedllm.kernels.attention.fused_inputs import Rope  # noqa: E402
+from pagedllm.layers.attention import qk_transform  # noqa: E402
 from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
 from pagedllm.attention.backends import triton as _BACKEND  # noqa: E402
 from paged_batches import build_paged_batch  # noqa: E402
@@ -191,14 +193,13 @@ def test_decode_kv_write_fused_or_separate_is_identical(num_splits):
 @pytest.mark.parametrize("reqs", [[(33, 1), (0, 1), (70, 1), (16, 1)], [(20, 5), (0, 9), (3, 1)]],
                          ids=["decode", "mixed"])
 def test_kv_written_by_caller_only_attends(reqs):
-    # kv_written=True: the caller stored this step's K/V already (qk_norm_rotary's cache write), so the
+    # kv_written=True: this step's K/V are stored already (by the q/k norm + rotary launch), so the
     # launch must neither write the cache nor need key/value for the cache; same output as the
     # launch that writes them itself. Decode reads the new token from the cache; a prompt chunk may
     # still read its own keys from the step's rows, which hold the same values.
     query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, torch.float32, 13, 1,
                                                                  device=DEVICE)
     impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
-    assert impl.takes_written_kv(metadata())
     written_cache = kv_cache.clone()
     expected = impl.forward(query, key, value, written_cache, metadata())
     cache = written_cache.clone()
@@ -208,8 +209,7 @@ def test_kv_written_by_caller_only_attends(reqs):
     assert torch.equal(out, expected)
     assert torch.equal(cache, written_cache)
     with pytest.raises(ValueError, match="rotary"):
-        impl.forward(query, key, value, cache, metadata(), kv_written=True,
-                     rotary=RotaryEmbedding(64, torch.ones(32, device=DEVICE)))
+        impl.forward(query, key, value, cache, metadata(), kv_written=True, rope=Rope(torch.ones(32, device=DEVICE), 1.0))
 
 
 @pytest.mark.parametrize(
@@ -217,8 +217,9 @@ def test_kv_written_by_caller_only_attends(reqs):
     [(torch.float32, 64, 1.0, 1), (torch.float16, 32, 1.25, 4), (torch.float16, 64, 1.0, 1)],
 )
 def test_decode_rotary_in_attention_matches_rotary_kernel_first(dtype, rotary_dim, scaling, num_splits):
-    # A decode step may hand q and k over unrotated; the kernel must produce exactly what the rotary
-    # kernel followed by attention does, outputs and cache alike (partial rotary and scaling included).
+    # A decode step hands q and k over unrotated with the layer's RotaryEmbedding; the attention launch
+    # rotates them in registers and must produce exactly what the rotary kernel followed by attention does,
+    # outputs and cache alike (partial rotary and scaling included).
     reqs = [(33, 1), (0, 1), (70, 1), (16, 1), (130, 1)]
     query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, dtype, 12, 1, device=DEVICE)
     md = metadata()
@@ -226,7 +227,6 @@ def test_decode_rotary_in_attention_matches_rotary_kernel_first(dtype, rotary_di
     rotary = RotaryEmbedding(64, inv_freq, scaling).to(DEVICE)
     impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
     impl.num_splits = num_splits
-    assert impl.fuses_decode_rotary(md, rotary)
 
     n = len(reqs)
     positions = md.seq_lens.long() - 1
@@ -236,9 +236,12 @@ def test_decode_rotary_in_attention_matches_rotary_kernel_first(dtype, rotary_di
     expected = impl.forward(q_ref, k_ref, value, cache_ref, metadata())
 
     cache = kv_cache.clone()
-    out = impl.forward(query.clone(), key.clone(), value, cache, metadata(), rotary=rotary)
+    q, k = query.clone(), key.clone()
+    out = impl.forward_qk(positions, q, k, value, cache, metadata(), qk_transform(rotary, None, None, 64))
     assert torch.equal(out, expected)
     assert torch.equal(cache, cache_ref)
+    # Rotated in the launch, not by the rotary kernel before it (which rotates in place).
+    assert torch.equal(q, query) and torch.equal(k, key)
 
 
 @pytest.mark.parametrize("pad", [0, 5])
@@ -280,11 +283,20 @@ def test_mixed_graph_padding_is_exact(pad):
     assert torch.equal(graph_cache, eager_cache)
 
 
-def test_rotary_is_not_fused_outside_pure_decode():
-    _, _, _, _, _, metadata = build_paged_batch([(10, 3), (5, 1)], 4, 2, 64, 16, torch.float32, 1, device=DEVICE)
-    rotary = RotaryEmbedding(64, torch.ones(32)).to(DEVICE)
+def test_rotary_outside_pure_decode_runs_the_module():
+    # A mixed step: the rotary embedding is the module's (the attention launch rotates decode batches only).
+    reqs = [(10, 3), (5, 1)]
+    query, key, value, kv_cache, _, metadata = build_paged_batch(reqs, 4, 2, 64, 16, torch.float32, 1, device=DEVICE)
+    rotary = RotaryEmbedding(64, 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))).to(DEVICE)
+    positions = torch.cat([torch.arange(c, c + q) for c, q in reqs]).to(DEVICE)
     impl = _BACKEND.TritonImpl(4, 64, 0.125, 2, None, None)
-    assert not impl.fuses_decode_rotary(metadata(), rotary)
+    cache_ref = kv_cache.clone()
+    expected = impl.forward(*rotary(positions, query.clone(), key.clone()), value, cache_ref, metadata())
+    cache = kv_cache.clone()
+    out = impl.forward_qk(positions, query.clone(), key.clone(), value, cache, metadata(),
+                          qk_transform(rotary, None, None, 64))
+    assert torch.equal(out, expected)
+    assert torch.equal(cache, cache_ref)
 
 
 def test_choose_num_splits():

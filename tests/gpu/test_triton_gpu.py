@@ -216,7 +216,8 @@ def test_decode_loads_before_its_wait_only_what_the_qk_norm_launch_leaves_alone(
     # torch_ref's values and cache every time.
     from pagedllm.attention.backends.torch_ref import TorchRefImpl
     from pagedllm.attention.backends.triton import TritonImpl
-    from pagedllm.layers import qk_norm_rotary
+    from pagedllm.kernels import qk_norm_rotary
+    from pagedllm.layers.attention import qk_transform
     from pagedllm.layers.norm import RMSNorm
     from pagedllm.layers.rotary import RotaryEmbedding
 
@@ -229,12 +230,12 @@ def test_decode_loads_before_its_wait_only_what_the_qk_norm_launch_leaves_alone(
     norm_q.weight.normal_(1.0, 0.1, generator=torch.Generator(device=DEVICE).manual_seed(1))
     rope = RotaryEmbedding(128, 1.0 / (1e6 ** (torch.arange(0, 128, 2, device=DEVICE, dtype=torch.float32) / 128)))
     q_in, k_in = query.clone(), key.clone()
+    qk = qk_transform(rope, norm_q, norm_k, 128)
 
     def layer(impl, cache):
+        # The backend's choice for these modules: the q/k norm + rotary launch stores the K/V.
         q, k = query.copy_(q_in), key.copy_(k_in)
-        write = qk_norm_rotary.KVCacheWrite(value, cache[0], cache[1], md.slot_mapping)
-        qk_norm_rotary.apply_(positions, q, k, norm_q, norm_k, rope, write)
-        return impl.forward(q, k, value, cache, md, kv_written=True)
+        return impl.forward_qk(positions, q, k, value, cache, md, qk)
 
     impl = TritonImpl(16, 128, 128**-0.5, 8)
     cache = kv_cache.clone()
@@ -249,7 +250,8 @@ def test_decode_loads_before_its_wait_only_what_the_qk_norm_launch_leaves_alone(
         graph.replay()
         torch.cuda.synchronize()
         q, k = q_in.clone(), k_in.clone()
-        qk_norm_rotary.apply_(positions, q, k, norm_q, norm_k, rope)
+        qk_norm_rotary.qk_norm_rotary_(positions, q, k, norm_q.weight, norm_k.weight, norm_q.eps, norm_k.eps,
+                                       rope.inv_freq, 128)
         ref_cache = kv_cache.clone()
         expected = TorchRefImpl(16, 128, 128**-0.5, 8).forward(q, k, value, ref_cache, md)
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)

@@ -11,7 +11,8 @@ _ON_GPU = torch.cuda.is_available()  # without a GPU, conftest.py runs the kerne
 triton = pytest.importorskip("triton", reason="triton is not importable; the fused kernels cannot be tested")
 
 from pagedllm.kernels import qk_norm_rotary as qkr_k  # noqa: E402
-from pagedllm.layers import qk_norm_rotary as qkr_l  # noqa: E402
+from pagedllm.attention.backends.triton import TritonImpl  # noqa: E402
+from pagedllm.layers.attention import qk_transform  # noqa: E402
 from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm  # noqa: E402
 from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -66,6 +67,22 @@ def _ref(positions, q, k, q_norm, k_norm, rope, head_size):
     return q.to(DEVICE), k.to(DEVICE)
 
 
+def _usable(positions, q, k, q_norm, k_norm, rope) -> bool:
+    """What the Triton backend asks before the fused launch: the modules described as numbers (exact classes
+    only), then the kernel's own conditions on the tensors."""
+    qk = qk_transform(rope, q_norm, k_norm, rope.head_size)
+    return qk.rope is not None and qk.norm is not None and qkr_k.usable(
+        positions, q, k, qk.norm.q_weight, qk.norm.k_weight, qk.rope.inv_freq, rope.head_size, True, qk.norm.gemma)
+
+
+def _apply(positions, q, k, q_norm, k_norm, rope, cache=None):
+    """The fused launch from the modules' numbers, as the Triton backend runs it."""
+    qk = qk_transform(rope, q_norm, k_norm, rope.head_size)
+    norm = qk.norm
+    return qkr_k.qk_norm_rotary_(positions, q, k, norm.q_weight, norm.k_weight, norm.q_eps, norm.k_eps,
+                                 qk.rope.inv_freq, rope.head_size, qk.rope.scaling, gemma=norm.gemma, cache=cache)
+
+
 def _check(dtype, head_size, rotary_dim, hq, hkv, gemma, three_d, scaling=1.0, pos_dtype=torch.int64):
     torch.manual_seed(head_size * 7 + hq * 3 + hkv + int(gemma))
     q_norm, k_norm, rope = _layers(head_size, rotary_dim, dtype, gemma, scaling)
@@ -82,8 +99,8 @@ def _check(dtype, head_size, rotary_dim, hq, hkv, gemma, three_d, scaling=1.0, p
     v_before = qkv[:, (hq + hkv) * head_size :].clone()
     ref_q, ref_k = _ref(positions, q, k, q_norm, k_norm, rope, head_size)
 
-    assert qkr_l.modules_usable(positions, q, k, q_norm, k_norm, rope)
-    got_q, got_k = qkr_l.apply_(positions, q, k, q_norm, k_norm, rope)
+    assert _usable(positions, q, k, q_norm, k_norm, rope)
+    got_q, got_k = _apply(positions, q, k, q_norm, k_norm, rope)
     # In place: the same views, rewritten inside the qkv output; v untouched.
     assert got_q is q and got_k is k
     _assert_matches(got_q if three_d else got_q.unflatten(-1, (-1, head_size)), ref_q)
@@ -121,73 +138,72 @@ def test_not_usable_cases():
     positions = torch.arange(3, device=DEVICE)
     qkv = torch.randn(3, 4 * head_size, dtype=torch.float16, device=DEVICE)
     q, k = qkv[:, : 2 * head_size], qkv[:, 2 * head_size : 3 * head_size]
-    assert qkr_l.modules_usable(positions, q, k, q_norm, k_norm, rope)
+    assert _usable(positions, q, k, q_norm, k_norm, rope)
     # A Llama-style weight of another dtype makes torch type-promote the product.
-    assert not qkr_l.modules_usable(positions, q, k, copy.deepcopy(q_norm).float(), k_norm, rope)
+    assert not _usable(positions, q, k, copy.deepcopy(q_norm).float(), k_norm, rope)
     # A Gemma weight is cast to float32 anyway, so its dtype does not matter.
     g_q, g_k, _ = _layers(head_size, head_size, torch.float32, True)
-    assert qkr_l.modules_usable(positions, q, k, g_q, g_k, rope)
+    assert _usable(positions, q, k, g_q, g_k, rope)
     # Mixed norm classes, GPT-J style rotary, a norm of another width, a strided head dim, float positions.
-    assert not qkr_l.modules_usable(positions, q, k, q_norm, g_k, rope)
+    assert not _usable(positions, q, k, q_norm, g_k, rope)
     gptj = RotaryEmbedding(head_size, rope.inv_freq.cpu(), is_neox_style=False).to(DEVICE)
-    assert not qkr_l.modules_usable(positions, q, k, q_norm, k_norm, gptj)
-    assert not qkr_l.modules_usable(positions, q, k, RMSNorm(32, params_dtype=torch.float16).to(DEVICE), k_norm, rope)
-    assert not qkr_l.modules_usable(positions, q[:, ::2], k[:, ::2], q_norm, k_norm, rope)
-    assert not qkr_l.modules_usable(positions.float(), q, k, q_norm, k_norm, rope)
-    assert not qkr_l.modules_usable(positions[:0], q[:0], k[:0], q_norm, k_norm, rope)
+    assert not _usable(positions, q, k, q_norm, k_norm, gptj)
+    assert not _usable(positions, q, k, RMSNorm(32, params_dtype=torch.float16).to(DEVICE), k_norm, rope)
+    assert not _usable(positions, q[:, ::2], k[:, ::2], q_norm, k_norm, rope)
+    assert not _usable(positions.float(), q, k, q_norm, k_norm, rope)
+    assert not _usable(positions[:0], q[:0], k[:0], q_norm, k_norm, rope)
     # A subclass might apply its weight differently: only the exact classes are recognized.
     sub = type("OtherNorm", (RMSNorm,), {})
-    assert not qkr_l.modules_usable(positions, q, k, sub(head_size, params_dtype=torch.float16).to(DEVICE),
+    assert not _usable(positions, q, k, sub(head_size, params_dtype=torch.float16).to(DEVICE),
                                     sub(head_size, params_dtype=torch.float16).to(DEVICE), rope)
 
 
-@pytest.mark.skipif(not _ON_GPU, reason="LlamaAttention dispatches to the fused kernel on CUDA only")
+@pytest.mark.parametrize("step", ["prompt", "decode"])
 @pytest.mark.parametrize("gemma", [False, True], ids=["llama_w", "gemma_1pw"])
-def test_llama_attention_forward_uses_fused_kernel(gemma, monkeypatch):
-    """LlamaAttention.forward on CUDA: the fused path gives what its unfused torch/Triton path gives."""
-    from pagedllm.attention.registry import get_attn_backend
-    from pagedllm.models.llama import LlamaAttention
+def test_triton_backend_applies_the_layers_modules(gemma, step):
+    """TritonImpl.forward_qk given a layer's q/k norms and rotary embedding (what LlamaAttention hands the
+    Attention layer): the fused launch normalises and rotates q and k in place in the qkv output and stores
+    the keys and values, and attention gives what it gives after the modules; a norm the backend cannot
+    know exactly (a subclass) runs as a module, with the modules' result to the bit."""
+    from paged_batches import step_metadata
 
-    torch.manual_seed(0)
-    dtype, hidden, hq, hkv, d = torch.bfloat16, 256, 8, 2, 128
-    _, _, rope = _layers(d, d, dtype, gemma)
-    layer = LlamaAttention(
-        hidden, hq, hkv, d, rope, get_attn_backend("torch_ref", "cuda"),
-        qk_norm_cls=GemmaRMSNorm if gemma else RMSNorm,
-    ).to(device=DEVICE, dtype=dtype)
-    # Module.to(dtype) casts buffers too; the model loader keeps inv_freq in float32, as here.
-    layer.rotary_emb.inv_freq = layer.rotary_emb.inv_freq.float()
-    for norm in (layer.q_norm, layer.k_norm):
-        norm.weight.data.normal_(0.0 if gemma else 1.0, 0.5)
-    layer.qkv_proj.weight.data.normal_(0.0, hidden**-0.5)
-    captured = []
+    torch.manual_seed(3)
+    dtype, hq, hkv, d, block_size = torch.float32, 4, 2, 64, 16
+    q_norm, k_norm, rope = _layers(d, d, dtype, gemma)
+    starts, lens = ([0, 5], [7, 3]) if step == "prompt" else ([9, 30, 2], [1, 1, 1])
+    tables = [[2 * i, 2 * i + 1, 2 * i + 6] for i in range(len(starts))]
+    positions, md = step_metadata(tables, starts, lens, block_size, DEVICE)
+    tokens = positions.numel()
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, dtype=dtype, device=DEVICE)
+    cache = torch.randn(2, 12, block_size, hkv, d, dtype=dtype, device=DEVICE)
+    impl = TritonImpl(hq, d, d**-0.5, hkv)
 
-    class Capture(torch.nn.Module):  # stands in for attention: records the q and k it is handed
-        def forward(self, q, k, v, kv_cache, md, **fused):
-            assert not any(fused.values()), fused  # nothing left for attention to apply or skip
-            captured.append((q.clone(), k.clone()))
-            return q
+    def heads(t):  # q, k, v as the Attention layer hands them over: [T, H, D] views of the qkv output
+        return (t[:, : hq * d].view(tokens, hq, d), t[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d),
+                t[:, (hq + hkv) * d :].view(tokens, hkv, d))
 
-        def fuses_decode_rotary(self, md, rotary):
-            return False
+    ref_cache = cache.clone()
+    q, k, v = heads(qkv.clone())
+    ref_q, ref_k = rope(positions, q_norm(q), k_norm(k))
+    expected = impl.forward(ref_q, ref_k, v, ref_cache, md)
 
-        def takes_written_kv(self, md):
-            return False
+    got_cache = cache.clone()
+    q, k, v = heads(qkv.clone())
+    out = impl.forward_qk(positions, q, k, v, got_cache, md, qk_transform(rope, q_norm, k_norm, d))
+    _assert_matches(q, ref_q)  # rewritten in place: the fused launch ran
+    _assert_matches(k, ref_k)
+    torch.testing.assert_close(out, expected, **_tol(dtype))
+    torch.testing.assert_close(got_cache, ref_cache, **_tol(dtype))
 
-    monkeypatch.setattr(layer, "attn", Capture())
-    monkeypatch.setattr(layer, "o_proj", torch.nn.Identity())
-    positions = torch.tensor(POSITIONS, device=DEVICE)
-    x = torch.randn(positions.numel(), hidden, dtype=dtype, device=DEVICE)
-    calls = []
-    real_apply = qkr_l.apply_
-    monkeypatch.setattr(qkr_l, "apply_", lambda *a: calls.append(1) or real_apply(*a))
-    layer(positions, x, None, None)
-    assert calls, "the fused kernel was not used"
-    monkeypatch.setattr(qkr_l, "modules_usable", lambda *a: False)
-    layer(positions, x, None, None)
-    (fq, fk), (uq, uk) = captured
-    _assert_matches(fq, uq)
-    _assert_matches(fk, uk)
+    sub = type("OtherNorm", (GemmaRMSNorm if gemma else RMSNorm,), {})
+    other_q, other_k = sub(d, params_dtype=dtype).to(DEVICE), sub(d, params_dtype=dtype).to(DEVICE)
+    other_q.load_state_dict(q_norm.state_dict())
+    other_k.load_state_dict(k_norm.state_dict())
+    got_cache = cache.clone()
+    q, k, v = heads(qkv.clone())
+    out = impl.forward_qk(positions, q, k, v, got_cache, md, qk_transform(rope, other_q, other_k, d))
+    assert torch.equal(q, heads(qkv)[0]), "a module the backend cannot describe runs as a module, out of place"
+    assert torch.equal(out, expected) and torch.equal(got_cache, ref_cache)
 
 
 CACHE_CASES = [
@@ -225,13 +241,13 @@ def test_cache_write_equals_reshape_and_cache(dtype, cache_dtype, head_size, rot
     ref_cache, got_cache = fill.clone(), fill.clone()
 
     (ref_t, q, k, v), (got_t, gq, gk, gv) = views
-    qkr_l.apply_(positions, q, k, q_norm, k_norm, rope)
+    _apply(positions, q, k, q_norm, k_norm, rope)
     flat = lambda x: x if x.dim() == 3 else x.unflatten(-1, (-1, head_size))  # noqa: E731
     reshape_and_cache(flat(k), flat(v), ref_cache[0], ref_cache[1], slots)
 
     write = qkr_k.KVCacheWrite(gv, got_cache[0], got_cache[1], slots)
     assert qkr_k.cache_write_usable(write, gk, head_size)
-    qkr_l.apply_(positions, gq, gk, q_norm, k_norm, rope, write)
+    _apply(positions, gq, gk, q_norm, k_norm, rope, write)
     assert torch.equal(got_t, ref_t), "q, k and v must come out as without the cache write"
     assert torch.equal(got_cache.view(torch.uint8), ref_cache.view(torch.uint8))
     written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=DEVICE)

@@ -4,8 +4,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from pagedllm.attention.backend import AttentionBackend, AttentionImpl
+from pagedllm.attention.backend import AttentionBackend, AttentionImpl, QKTransform
+from pagedllm.kernels import qk_norm_rotary as qk_kernel
 from pagedllm.kernels.attention import decode_pieces as pieces_kernel
+from pagedllm.kernels.attention.fused_inputs import ChunkKV, NewKV, Rope
 from pagedllm.kernels.attention.launch_config import device_sm_count, pieces_config, pieces_programs
 from pagedllm.kernels.attention.paged_attention import paged_attention
 from pagedllm.kernels.attention.reshape_and_cache import reshape_and_cache
@@ -23,10 +25,10 @@ _PIECES_MIN_PROGRAMS_PER_SM = 2
 class TritonImpl(AttentionImpl):
     """Same contract as the torch_ref backend; rows past ``num_actual_tokens`` come back as zeros.
 
-    Pure-decode steps store the new K/V inside the attention launch (or take them as written by the
-    caller's q/k norm + rotary launch, ``takes_written_kv``) and take requests longest context first when
-    the metadata gives that order. Other steps read the step's own keys from its key/value rows instead
-    of through the block table: the same values, and prompt attention 10-15% faster on an H200.
+    Pure-decode steps store the new K/V inside the attention launch (or find them written by the q/k
+    norm + rotary launch, see ``forward_qk``) and take requests longest context first when the metadata
+    gives that order. Other steps read the step's own keys from its key/value rows instead of through the
+    block table: the same values, and prompt attention 10-15% faster on an H200.
     """
 
     # None lets the kernel's heuristic pick; tests and benchmarks pin 1 or a partition count per instance.
@@ -39,28 +41,23 @@ class TritonImpl(AttentionImpl):
         value: torch.Tensor,  # [T_padded, Hkv, D]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
-        rotary=None,  # a RotaryEmbedding when fuses_decode_rotary said yes
-        kv_written: bool = False,  # the cache already holds this step's K/V (takes_written_kv said yes)
+        *,
+        rope: Rope | None = None,  # pure decode only: query and key arrive unrotated, the launch rotates them
+        kv_written: bool = False,  # the cache already holds this step's K/V (the q/k norm + rotary launch)
     ) -> torch.Tensor:  # [T_padded, Hq, D]
-        """``rotary``: query and key arrive unrotated and the kernel rotates them (see fuses_decode_rotary)."""
         md = attn_metadata
         num_tokens = md.num_actual_tokens
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        new_kv = rope = None
-        if rotary is not None:
-            if not self.fuses_decode_rotary(md, rotary):
-                raise ValueError("the rotary embedding is fused only into pure-decode steps with the cache write")
-            rope = (rotary.inv_freq, rotary.attention_scaling)
-        if kv_written and rotary is not None:
-            raise ValueError("rotary embedding in the attention launch needs the cache write there too")
-        chunk_kv = None
+        if rope is not None and (md.max_query_len != 1 or kv_written):
+            raise ValueError("the rotary embedding is fused only into pure-decode launches that store the new K/V")
+        new_kv = chunk_kv = None
         if md.max_query_len == 1 and not kv_written:
-            new_kv = (key, value, md.slot_mapping)
+            new_kv = NewKV(key, value, md.slot_mapping)
         else:
             if not kv_written:
                 reshape_and_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache, md.slot_mapping[:num_tokens])
             if md.max_query_len > 1 and key.dtype == k_cache.dtype:
-                chunk_kv = (key, value)
+                chunk_kv = ChunkKV(key, value)
 
         out = torch.empty_like(query)
         if query.shape[0] > num_tokens:
@@ -94,6 +91,39 @@ class TritonImpl(AttentionImpl):
         )
         return out
 
+    def forward_qk(
+        self,
+        positions: torch.Tensor,  # [T_padded] int64
+        query: torch.Tensor,  # [T_padded, Hq, D]
+        key: torch.Tensor,  # [T_padded, Hkv, D]
+        value: torch.Tensor,  # [T_padded, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        attn_metadata: AttentionMetadata,
+        qk: QKTransform,
+    ) -> torch.Tensor:  # [T_padded, Hq, D]
+        md = attn_metadata
+        if qk.rope is not None and qk.q_norm is None and qk.k_norm is None and md.max_query_len == 1:
+            # Pure decode without q/k norms: the attention launch rotates q and the new key in registers
+            # as it stores the key, saving the rotary launch of every layer.
+            return self.forward(query, key, value, kv_cache, md, rope=qk.rope)
+        rope, norm = qk.rope, qk.norm
+        if rope is not None and norm is not None and qk_kernel.usable(
+            positions, query, key, norm.q_weight, norm.k_weight, rope.inv_freq, self.head_size, True, norm.gemma
+        ):
+            # One launch normalises and rotates q and k in place (instead of two norm launches writing
+            # copies and a rotary launch over them) and stores the finished keys and the values in the
+            # cache, so that attention only reads it: one launch a layer less in prompt steps, and no
+            # write before a barrier in decode.
+            cache = qk_kernel.KVCacheWrite(value, kv_cache[0], kv_cache[1], md.slot_mapping)
+            if not qk_kernel.cache_write_usable(cache, key, self.head_size):
+                cache = None
+            query, key = qk_kernel.qk_norm_rotary_(
+                positions, query, key, norm.q_weight, norm.k_weight, norm.q_eps, norm.k_eps, rope.inv_freq,
+                self.head_size, rope.scaling, gemma=norm.gemma, cache=cache,
+            )
+            return self.forward(query, key, value, kv_cache, md, kv_written=cache is not None)
+        return super().forward_qk(positions, query, key, value, kv_cache, md, qk)
+
     def _uses_pieces(self, md: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         if md.max_query_len != 1 or self.sliding_window is not None or k_cache.element_size() != 1:
             return False
@@ -103,7 +133,8 @@ class TritonImpl(AttentionImpl):
         return (triton.next_power_of_2(self.head_size) <= 128
                 and programs >= _PIECES_MIN_PROGRAMS_PER_SM * device_sm_count(query.device))
 
-    def _decode_in_pieces(self, query, k_cache, v_cache, md, out, new_kv, rope) -> torch.Tensor:
+    def _decode_in_pieces(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                          out: torch.Tensor, new_kv: NewKV | None, rope: Rope | None) -> torch.Tensor:
         num_reqs, num_kv_heads = md.num_reqs, k_cache.shape[2]
         cfg = pieces_config(self.head_size, self.num_heads // num_kv_heads)
         programs = pieces_programs(device_sm_count(query.device), num_kv_heads, cfg.num_warps)
@@ -119,14 +150,6 @@ class TritonImpl(AttentionImpl):
             num_stages=cfg.num_stages, programs_per_head=programs, soft_cap=self.logits_soft_cap,
             decode_order=order, new_kv=new_kv, rope=rope,
         )
-
-    def fuses_decode_rotary(self, md: AttentionMetadata, rotary) -> bool:
-        # A pure-decode step (whose cache write is fused) and a neox-style rotary embedding: the kernel
-        # rotates q and the new key in registers, saving the rotary launch of every layer.
-        return md.max_query_len == 1 and rotary.is_neox_style
-
-    def takes_written_kv(self, md: AttentionMetadata) -> bool:
-        return True
 
 
 class TritonBackend(AttentionBackend):

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from pagedllm.kernels.attention.attend_tile import _attend_ranges
 from pagedllm.kernels.attention.decode_qk import store_new_token, transform_heads, transform_launch_args
+from pagedllm.kernels.attention.fused_inputs import NewKV, Rope
 from pagedllm.kernels.attention.paged_attention import kernel_strides
 from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
 
@@ -331,8 +332,8 @@ def decode_pieces_attention(
     programs_per_head: int,
     soft_cap: float | None = None,
     decode_order: torch.Tensor | None = None,
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    rope: tuple[torch.Tensor, float] | None = None,
+    new_kv: NewKV | None = None,
+    rope: Rope | None = None,
     max_pieces: int = MAX_PIECES,
 ) -> torch.Tensor:  # [B, Hq, D]
     """One decode token per request over its paged context, in pieces (module docstring). Arguments mean
@@ -343,7 +344,7 @@ def decode_pieces_attention(
     assert block_m >= triton.next_power_of_2(group)
     ws = _workspace(query.device, num_reqs, num_q_heads, num_kv_heads, head_size, max_pieces)
     if new_kv is not None:
-        new_k, new_v, slot_mapping = new_kv
+        new_k, new_v, slot_mapping = new_kv.key, new_kv.value, new_kv.slot_mapping
     else:
         new_k = new_v = query
         slot_mapping = seq_lens

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.attention.fused_inputs import Rope
 from pagedllm.kernels.numerics import exact_rounding, rope_combine
 
 
@@ -107,11 +108,13 @@ def store_new_token(
     tl.store(v_cache_ptr + dst, new_v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=dim_valid)
 
 
-def transform_launch_args(query, placeholder, head_size: int, rope) -> tuple[tuple, dict]:
+def transform_launch_args(
+    query: torch.Tensor, placeholder: torch.Tensor, head_size: int, rope: Rope | None
+) -> tuple[tuple, dict]:
     """A launch's (inv_freq, scaling) arguments and its ROPE, ROT_HALF and EXACT constants, from the host's
-    ``rope`` = (inv_freq [R/2] float32, scaling); ``placeholder`` is any tensor, passed where it is off."""
+    ``rope``; ``placeholder`` is any tensor, passed where it is off."""
     if rope is not None:
-        inv_freq, scaling = rope
+        inv_freq, scaling = rope.inv_freq, rope.scaling
         assert inv_freq.dtype == torch.float32 and 2 * inv_freq.numel() <= head_size
     else:
         inv_freq, scaling = placeholder, 1.0

@@ -10,6 +10,7 @@ from pagedllm.kernels.attention.launch_config import (
     KernelConfig, choose_num_splits, default_config, device_sm_count,
 )
 from pagedllm.kernels.attention.decode_qk import store_new_token, transform_heads, transform_launch_args
+from pagedllm.kernels.attention.fused_inputs import ChunkKV, NewKV, Rope
 from pagedllm.kernels.attention.split_reduce import _reduce_splits_kernel
 from pagedllm.kernels.launch import pdl_launch_args, prefetch_to_l2, wait_for_previous_kernel
 
@@ -285,24 +286,23 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, Hq, D]
     num_splits: int | None = None,
     config: KernelConfig | None = None,
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    rope: tuple[torch.Tensor, float] | None = None,
+    new_kv: NewKV | None = None,
+    rope: Rope | None = None,
     decode_order: torch.Tensor | None = None,  # [B] int32, a permutation of the requests
-    chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    chunk_kv: ChunkKV | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of every query token over its request's paged context (cached prefix + causal self).
 
     ``num_splits`` forces the split-KV path (> 1) or the single pass (1); ``None`` lets the heuristic
     decide. Everything the launch needs comes from host ints, so no device-to-host sync happens.
-    ``new_kv`` = (key [T, Hkv, D], value [T, Hkv, D], slot_mapping [T] int64): in a pure-decode batch
-    (``max_query_len == 1``) the kernel stores them into the cache itself before reading it; any other
-    batch must have written them already (``reshape_and_cache``), and passing them is an error.
-    ``rope`` = (inv_freq [R/2] float32, scaling), with ``new_kv`` only: q and the new keys come
-    unrotated and the kernel applies the neox rotary embedding at each request's last position.
+    ``new_kv``: in a pure-decode batch (``max_query_len == 1``) the kernel stores the new keys and values
+    into the cache itself before reading it; any other batch must have written them already
+    (``reshape_and_cache``), and passing them is an error.
+    ``rope``, with ``new_kv`` only: q and the new keys come unrotated and the kernel applies the neox
+    rotary embedding at each request's last position.
     ``decode_order``: in a pure-decode batch, the order in which programs take the requests (longest
     context first balances a ragged batch); the results do not depend on it.
-    ``chunk_kv`` = (key [T, Hkv, D], value [T, Hkv, D]) in the cache's dtype, outside pure-decode batches:
-    this step's keys, already written to the cache. Tiles of the step's own tokens then read them
+    ``chunk_kv``, outside pure-decode batches: this step's keys and values, already written to the cache. Tiles of the step's own tokens then read them
     from these rows rather than through the block table, by TMA where the device and the tensors allow
     (attend_tile.py); the values, hence the results, are the same.
     Over a float8 cache with a bfloat16 query both products are taken in float16: float8 widens to
@@ -350,11 +350,11 @@ def paged_attention(
         assert num_tokens == num_reqs, "a pure-decode batch has one token per request"
     if new_kv is not None:
         assert decode_only, "the cache write is fused only into pure-decode launches"
-        new_k, new_v, slot_mapping = new_kv
+        new_k, new_v, slot_mapping = new_kv.key, new_kv.value, new_kv.slot_mapping
         assert new_k.stride(-1) == 1 and new_v.stride(-1) == 1 and slot_mapping.shape[0] >= num_tokens
     elif chunk_kv is not None:
         assert not decode_only, "pure-decode launches read every key from the cache"
-        new_k, new_v = chunk_kv
+        new_k, new_v = chunk_kv.key, chunk_kv.value
         assert new_k.dtype == k_cache.dtype and new_v.dtype == v_cache.dtype
         assert new_k.stride(-1) == 1 and new_v.stride(-1) == 1 and new_k.shape[0] >= num_tokens
         slot_mapping = seq_lens
