@@ -283,3 +283,42 @@ def test_openapi_lists_the_constraint_and_tool_fields(server):
     body = paths["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["additionalProperties"] is False
     assert {"anyOf": [{"enum": [False]}, {"type": "null"}]} == chat["store"] and "metadata" in chat
+
+
+def test_a_constraint_the_engine_could_not_compile_is_a_400_naming_the_field():
+    """The engine's compile pool ends a request whose constraint passed the front end's check but did not
+    compile, or not in time: the server answers a 400 naming the request's field, not a 500."""
+    import threading
+    import time
+
+    from pagedllm.engine.async_llm import RequestFailedError
+    from pagedllm.entrypoints.openai.structured_request import Constraint, compile_failure, compile_failure_event
+    from pagedllm.structured_output.compiler import GrammarCompiler
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    release = threading.Event()
+    slow = GrammarCompiler(lambda: release.wait(10) and None, vocab_size=10, timeout_s=1.0)
+    params = StructuredOutputsParams(json=WEATHER)
+    try:
+        key, _ = slow.submit(params)
+        slow.expire(now=time.monotonic() + 5)  # past its deadline
+        late = RequestFailedError(str(slow.lookup(key).exception(timeout=5)))
+    finally:
+        release.set()
+        slow.shutdown()
+    no_tokenizer = GrammarCompiler(lambda: None, vocab_size=10)
+    try:
+        key, fut = no_tokenizer.submit(params)
+        unservable = RequestFailedError(str(fut.exception(timeout=10)))
+    finally:
+        no_tokenizer.shutdown()
+
+    fmt = Constraint(params, "response_format.json_schema.schema")
+    err = compile_failure(late, fmt)
+    assert err.status == 400 and err.param == "response_format" and "longer than 1 s" in err.message
+    assert compile_failure(unservable, Constraint(params, "guided_json")).param == "guided_json"
+    event = json.loads(compile_failure_event(late, Constraint(params, "tools")).removeprefix("data: "))
+    assert event["error"]["param"] == "tools" and event["error"]["type"] == "invalid_request_error"
+    # A token the mask let through is the engine's fault: still a 500; and without a constraint, nothing.
+    assert compile_failure(RequestFailedError("the sampled token 7 does not fit structured_outputs"), fmt) is None
+    assert compile_failure(late, None) is None

@@ -26,7 +26,14 @@ from pagedllm.entrypoints.openai.protocol import (
     Usage,
 )
 from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningParser
-from pagedllm.entrypoints.openai.structured_request import name_engine_error, one_constraint, request_constraints
+from pagedllm.entrypoints.openai.structured_request import (
+    Constraint,
+    compile_failure,
+    compile_failure_event,
+    name_engine_error,
+    one_constraint,
+    request_constraints,
+)
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan, plan_tools
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser
 from pagedllm.entrypoints.openai.serving_engine import (
@@ -204,8 +211,8 @@ class OpenAIServingChat(OpenAIServing):
         except OpenAIError as e:
             raise name_engine_error(e, constraint) from None
         if req.stream:
-            return StreamingResult(self._stream(req, request_id, prompt, streams, k, plan, reasoning), streams)
-        return await self._full(req, request_id, prompt, streams, k, plan, reasoning)
+            return StreamingResult(self._stream(req, request_id, prompt, streams, k, plan, reasoning, constraint), streams)
+        return await self._full(req, request_id, prompt, streams, k, plan, reasoning, constraint)
 
     def _logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> list[ChatTokenLogprob]:
         out = []
@@ -236,7 +243,7 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def _full(self, req, request_id: str, prompt: Prompt, streams, k: int | None, plan: ToolPlan,
-                    reasoning: ReasoningParser | None) -> ChatCompletionResponse:
+                    reasoning: ReasoningParser | None, constraint: Constraint | None = None) -> ChatCompletionResponse:
         states = [_ChoiceState() for _ in range(req.n)]
         cached = 0
         try:
@@ -253,7 +260,7 @@ class OpenAIServingChat(OpenAIServing):
         except EngineDeadError as e:
             raise OpenAIError(500, f"The engine died while serving the request: {e}", code="engine_dead") from None
         except RequestFailedError as e:
-            raise request_failed(e) from None
+            raise compile_failure(e, constraint) or request_failed(e) from None
         choices = []
         for i, st in enumerate(states):
             reader = ChoiceReader(plan, reasoning)
@@ -269,7 +276,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
     async def _stream(self, req, request_id: str, prompt: Prompt, streams, k: int | None, plan: ToolPlan,
-                    reasoning: ReasoningParser | None) -> AsyncIterator[str]:
+                    reasoning: ReasoningParser | None, constraint: Constraint | None = None) -> AsyncIterator[str]:
         def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
             return sse_chunk(ChatCompletionStreamResponse(id=request_id, model=self.model_name, choices=choices, usage=usage))
 
@@ -310,5 +317,5 @@ class OpenAIServingChat(OpenAIServing):
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield chunk([], self._usage(prompt, sum(st.num_tokens for st in states), cached))
         except Exception as e:  # noqa: BLE001 - the headers are sent: the error goes in the stream
-            yield stream_failure(e, "/v1/chat/completions (stream)")
+            yield compile_failure_event(e, constraint) or stream_failure(e, "/v1/chat/completions (stream)")
         yield "data: [DONE]\n\n"

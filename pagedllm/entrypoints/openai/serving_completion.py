@@ -15,7 +15,14 @@ from pagedllm.entrypoints.openai.protocol import (
     PromptTokensDetails,
     Usage,
 )
-from pagedllm.entrypoints.openai.structured_request import name_engine_error, one_constraint, request_constraints
+from pagedllm.entrypoints.openai.structured_request import (
+    Constraint,
+    compile_failure,
+    compile_failure_event,
+    name_engine_error,
+    one_constraint,
+    request_constraints,
+)
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     Prompt,
@@ -63,8 +70,8 @@ class OpenAIServingCompletion(OpenAIServing):
         except OpenAIError as e:
             raise name_engine_error(e, constraint) from None
         if req.stream:
-            return StreamingResult(self._stream(req, request_id, prompts, streams), streams)
-        return await self._full(req, request_id, prompts, streams)
+            return StreamingResult(self._stream(req, request_id, prompts, streams, constraint), streams)
+        return await self._full(req, request_id, prompts, streams, constraint)
 
     async def _prompts(self, prompt: Any, n: int) -> list[Prompt]:
         if isinstance(prompt, str):
@@ -112,7 +119,8 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())),
         )
 
-    async def _full(self, req: CompletionRequest, request_id: str, prompts: list[Prompt], streams) -> CompletionResponse:
+    async def _full(self, req: CompletionRequest, request_id: str, prompts: list[Prompt], streams,
+                    constraint: Constraint | None = None) -> CompletionResponse:
         n = req.n
         states = [_ChoiceState() for _ in range(len(prompts) * n)]
         cached: dict[int, int] = {}
@@ -130,7 +138,7 @@ class OpenAIServingCompletion(OpenAIServing):
         except EngineDeadError as e:
             raise OpenAIError(500, f"The engine died while serving the request: {e}", code="engine_dead") from None
         except RequestFailedError as e:
-            raise request_failed(e) from None
+            raise compile_failure(e, constraint) or request_failed(e) from None
         choices = []
         for idx, st in enumerate(states):
             text = "".join(st.text)
@@ -143,7 +151,8 @@ class OpenAIServingCompletion(OpenAIServing):
         usage = self._usage(prompts, sum(len(st.token_ids) for st in states), cached)
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
-    async def _stream(self, req: CompletionRequest, request_id: str, prompts: list[Prompt], streams) -> AsyncIterator[str]:
+    async def _stream(self, req: CompletionRequest, request_id: str, prompts: list[Prompt], streams,
+                      constraint: Constraint | None = None) -> AsyncIterator[str]:
         n = req.n
         states = [_ChoiceState() for _ in range(len(prompts) * n)]
         cached: dict[int, int] = {}
@@ -179,6 +188,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
                 yield sse_chunk(chunk)
         except Exception as e:  # noqa: BLE001 - the headers are sent: the error goes in the stream
-            yield stream_failure(e, "/v1/completions (stream)")
+            yield compile_failure_event(e, constraint) or stream_failure(e, "/v1/completions (stream)")
         yield "data: [DONE]\n\n"
 

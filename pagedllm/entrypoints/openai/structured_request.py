@@ -3,11 +3,13 @@
 request field it came from, so that every error about it names that field."""
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
+from pagedllm.engine.async_llm import RequestFailedError
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from pagedllm.sampling_params import StructuredOutputsParams
 
 
@@ -96,3 +98,26 @@ def name_engine_error(err: OpenAIError, constraint: Constraint | None) -> OpenAI
     err.message = rename_message(err.message, constraint.field)
     err.param = constraint.field.split(".")[0]
     return err
+
+
+# How the engine words a constraint that did not compile (a token the mask let through is the engine's fault,
+# not the request's, and stays a 500).
+_COMPILE_FAILURES = ("could not be compiled", "compiling the structured_outputs constraint took longer",
+                     "structured outputs need the model's tokenizer")
+
+
+def compile_failure(e: BaseException, constraint: Constraint | None) -> OpenAIError | None:
+    """A 400 naming the field, for a request the engine ended because its constraint did not compile (in the
+    compile pool, past its deadline, or with an error the front end's check could not see); None otherwise."""
+    message = str(e)
+    if constraint is None or not isinstance(e, RequestFailedError) or not any(w in message for w in _COMPILE_FAILURES):
+        return None
+    return bad_request(rename_message(message, constraint.field), param=constraint.field.split(".")[0])
+
+
+def compile_failure_event(e: BaseException, constraint: Constraint | None) -> str | None:
+    """The same, as the error event that ends a stream."""
+    err = compile_failure(e, constraint)
+    if err is None:
+        return None
+    return f"data: {json.dumps(error_body(err.status, err.message, err.param))}\n\n"
