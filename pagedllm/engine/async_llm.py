@@ -19,8 +19,8 @@ from pagedllm.engine.core_client import CoreClient, EngineDeadError
 from pagedllm.engine.heap import freeze_start_up_heap, unfreeze_heap
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
-from pagedllm.model_loader.tokenizer import get_tokenizer
 from pagedllm.engine_args import EngineArgs
+from pagedllm.model_loader.tokenizer import get_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 

@@ -8,9 +8,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
-from pagedllm.model_loader.tokenizer import get_tokenizer
 from pagedllm.engine_args import EngineArgs
 from pagedllm.executor.base import Executor, UniProcExecutor
+from pagedllm.model_loader.tokenizer import get_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 

@@ -7,8 +7,8 @@ from typing import Any, Sequence
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
-from pagedllm.model_loader.tokenizer import chat_prompt_ids
 from pagedllm.engine_args import EngineArgs
+from pagedllm.model_loader.tokenizer import chat_prompt_ids
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.vllm_only_args import pop_vllm_only_args

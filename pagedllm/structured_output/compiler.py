@@ -17,8 +17,8 @@ from typing import Any
 
 import xgrammar as xgr
 
-from pagedllm.structured_output.grammar import build_grammar, clean_error
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.grammar import build_grammar, clean_error
 
 logger = logging.getLogger("pagedllm")
 

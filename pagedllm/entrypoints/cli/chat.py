@@ -5,9 +5,9 @@ import argparse
 import sys
 
 from pagedllm.engine.output_processor import OutputKind
-from pagedllm.model_loader.tokenizer import chat_prompt_ids
 from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.cli.sampling_args import add_sampling_args, sampling_params_from_args
+from pagedllm.model_loader.tokenizer import chat_prompt_ids
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
