@@ -26,7 +26,7 @@ from pagedllm.worker.cuda_graphs import CudaGraphRunner, graph_sizes
 from pagedllm.worker.gpu_buffers import DeviceInputs, StepBuffers
 from pagedllm.worker.input_batch import BatchInputs, InputBatch
 from pagedllm.worker.step_records import (
-    ForwardPass, LogprobsTensorsOnHost, StepInFlight, StepInfo, last_token_rows, logprobs_to_lists,
+    DeferredSampling, ForwardPass, LogprobsTensorsOnHost, StepInFlight, StepInfo, last_token_rows, logprobs_to_lists,
 )
 from pagedllm.worker.step_sampling import sample_isolating, sample_states
 
@@ -83,9 +83,8 @@ class ModelRunner:
         # The last submitted step while its output is not resolved, and resolved outputs not yet taken.
         self._in_flight: StepInFlight | None = None
         self._done: deque[ModelRunnerOutput] = deque()
-        # A submitted step whose sampling is not launched yet: (inputs, device views, hidden, start event,
-        # whether hidden holds one row per request, the step's SchedulerOutput).
-        self._deferred: tuple | None = None
+        # A submitted step whose sampling is not launched yet.
+        self._deferred: DeferredSampling | None = None
         # Device time of each step, for the engine core's just-in-time submission (two timed events a step).
         self.time_steps = device.type == "cuda" and sc.submit_just_in_time
 
@@ -288,16 +287,15 @@ class ModelRunner:
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
         fwd = self._forward(b, prev)  # the GPU is busy from here on
-        hidden, dev, graph_size, graph_tokens = fwd.hidden, fwd.dev, fwd.graph_size, fwd.graph_tokens
         launch_s = time.perf_counter() - t_call
-        self.last_step = StepInfo(b.num_reqs, b.num_tokens, int(b.seq_lens.sum()), graph_size, graph_tokens)
+        self.last_step = StepInfo(b.num_reqs, b.num_tokens, int(b.seq_lens.sum()), fwd.graph_size, fwd.graph_tokens)
 
         if prev is not None:
             # The previous step's tokens are needed on the host before this step samples (penalties,
             # seeds and stop checks read each request's output so far).
             self._done.append(self._resolve(prev))
             self._in_flight = None
-        self._deferred = (b, dev, hidden, start_event, fwd.per_request, so)
+        self._deferred = DeferredSampling(b, fwd, start_event, so)
         if not defer_sampling:
             self.launch_sampling()
         return launch_s
@@ -307,7 +305,8 @@ class ModelRunner:
         """Launches the sampling of the step whose forward pass ``submit`` left it behind, if any."""
         if self._deferred is None:
             return
-        b, dev, hidden, start_event, per_request, so = self._deferred
+        b, fwd, start_event, so = self._deferred
+        hidden, dev, per_request = fwd.hidden, fwd.dev, fwd.per_request
         self._deferred = None
         prompt_logprobs = self._prompt_logprobs(b, hidden)
         step = StepInFlight(b.req_ids, prompt_logprobs, start_event=start_event)

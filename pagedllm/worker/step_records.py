@@ -6,8 +6,9 @@ from typing import NamedTuple
 
 import torch
 
-from pagedllm.core.scheduler_output import LogprobsLists
+from pagedllm.core.scheduler_output import LogprobsLists, SchedulerOutput
 from pagedllm.worker.gpu_buffers import DeviceInputs
+from pagedllm.worker.input_batch import BatchInputs
 
 
 def logprobs_to_lists(lp, ks: list[int] | None = None) -> list[LogprobsLists]:
@@ -37,6 +38,15 @@ class ForwardPass(NamedTuple):
     graph_size: int  # see StepInfo
     graph_tokens: int
     per_request: bool = False  # hidden holds each request's last token only (row i: request i)
+
+
+class DeferredSampling(NamedTuple):
+    """A submitted step whose sampling is not launched yet (``ModelRunner.submit`` → ``launch_sampling``)."""
+
+    batch: BatchInputs  # the step's host inputs
+    fwd: ForwardPass  # its forward pass: hidden [>= T or >= B, H], device views
+    start_event: torch.cuda.Event | None  # recorded before the forward pass when steps are timed
+    scheduler_output: SchedulerOutput  # its grammar bitmask may still be filling until the sampling launch
 
 
 def last_token_rows(query_start_loc: torch.Tensor) -> torch.Tensor:  # [B + 1] int32 -> [B] int64
