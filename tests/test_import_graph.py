@@ -3,7 +3,9 @@ core, self-contained kernels.
 
 The graph is read from the source with ast. Every ``import`` and ``from ... import`` of a pagedllm module
 counts, wherever it stands (module level, inside a function, under ``TYPE_CHECKING``): a function-level
-import still runs, and a type-only one is still a dependency of the code that names the type.
+import still runs, and a type-only one is still a dependency of the code that names the type. So does a
+string that names a pagedllm module in full (``"pagedllm.model_loader.dummy"``): the registries import
+what they name by ``importlib``, later.
 ``from pkg import name`` is an arrow to ``pkg.name`` when that is a module, else to ``pkg`` itself, i.e.
 to the package's ``__init__`` and through it to whatever that ``__init__`` imports (re-exports are real
 arrows). Python also runs every enclosing package's ``__init__`` before a module; that arrow is not
@@ -92,6 +94,9 @@ def _imports(name: str) -> tuple[frozenset[str], frozenset[str]]:
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 add(sub if sub in modules else base)
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules
+              and node.value != "pagedllm"):  # the bare name is the package's logger
+            add(node.value)
     inner.discard(name)
     return frozenset(inner), frozenset(outer)
 
@@ -114,6 +119,7 @@ def test_the_graph_sees_function_level_and_relative_imports() -> None:
     g = _graph()
     assert g.has_edge("pagedllm.layers.norm", "pagedllm.kernels.rmsnorm")  # inside a function
     assert g.has_edge("pagedllm.attention", "pagedllm.attention.backend")  # a package's re-export
+    assert g.has_edge("pagedllm.attention.registry", "pagedllm.attention.backends.cpu")  # named in a registry
     assert "torch" in _imports("pagedllm.kernels.launch")[1]
     assert _resolve("", 1, "pagedllm.core.scheduler", False) == "pagedllm.core"
     assert _resolve("x", 2, "pagedllm.core", True) == "pagedllm.x"

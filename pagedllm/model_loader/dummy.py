@@ -6,7 +6,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import ModelConfig
-from pagedllm.model_loader.loader import BaseModelLoader, build_model, finalize_model
+from pagedllm.model_loader.base import BaseModelLoader, build_model, finalize_model
 
 
 def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3, seed: int = 0) -> None:

@@ -20,7 +20,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import ModelConfig
 from pagedllm.model_loader.gguf_dequant import SUPPORTED_TYPES, dequantize, type_name
 from pagedllm.model_loader.gguf_reader import ARCHITECTURES, open_gguf
-from pagedllm.model_loader.loader import BaseModelLoader, build_model, check_all_loaded, finalize_model
+from pagedllm.model_loader.base import BaseModelLoader, build_model, check_all_loaded, finalize_model
 
 logger = logging.getLogger(__name__)
 

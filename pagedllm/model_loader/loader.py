@@ -7,17 +7,14 @@ touching this file's logic.
 from __future__ import annotations
 
 import importlib
-from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import LoadConfig, ModelConfig
+from pagedllm.model_loader.base import BaseModelLoader, build_model, check_all_loaded, finalize_model
 from pagedllm.model_loader.weight_utils import iterate_weights
-from pagedllm.models.registry import resolve_model_class
 
 # load_format -> (module, loader class)
 _LOADERS: dict[str, tuple[str, str]] = {
@@ -27,54 +24,6 @@ _LOADERS: dict[str, tuple[str, str]] = {
     "dummy": ("pagedllm.model_loader.dummy", "DummyModelLoader"),
     "gguf": ("pagedllm.model_loader.gguf_loader", "GGUFModelLoader"),
 }
-
-
-class BaseModelLoader(ABC):
-    def __init__(self, load_config: LoadConfig) -> None:
-        self.load_config = load_config
-
-    @abstractmethod
-    def load_model(
-        self, model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]
-    ) -> nn.Module:
-        """The model in eval mode, in ``model_config.dtype``, on ``device``, with its weights."""
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def build_model(
-    model_config: ModelConfig, device: torch.device | str, attn_backend: type[AttentionBackend]
-) -> nn.Module:
-    """The model for ``model_config.hf_config`` with uninitialized parameters allocated on ``device``."""
-    model_cls = resolve_model_class(model_config.hf_config)
-    with _default_dtype(model_config.dtype), torch.device(device):
-        return model_cls(model_config, attn_backend)
-
-
-def finalize_model(model: nn.Module, device: torch.device | str, quantization: str | None = None) -> nn.Module:
-    """The loaded model on ``device`` in eval mode, its linears quantized when ``quantization`` names a method."""
-    model.requires_grad_(False)
-    model = model.to(device).eval()
-    if quantization is not None:
-        from pagedllm.layers.quantization import quantize_model
-
-        quantize_model(model, quantization)
-    return model
-
-
-def check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
-    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
-    if missing:
-        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-        raise ValueError(f"checkpoint {source} lacks {len(missing)} parameters of {type(model).__name__}: {shown}")
 
 
 class DefaultModelLoader(BaseModelLoader):

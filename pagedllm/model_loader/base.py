@@ -1,0 +1,62 @@
+"""What every model loader shares: the loader interface, building a model with unallocated weights, and
+finishing it (device, eval mode, quantization) once its weights are in."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.config import LoadConfig, ModelConfig
+from pagedllm.models.registry import resolve_model_class
+
+
+class BaseModelLoader(ABC):
+    def __init__(self, load_config: LoadConfig) -> None:
+        self.load_config = load_config
+
+    @abstractmethod
+    def load_model(
+        self, model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]
+    ) -> nn.Module:
+        """The model in eval mode, in ``model_config.dtype``, on ``device``, with its weights."""
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    model_config: ModelConfig, device: torch.device | str, attn_backend: type[AttentionBackend]
+) -> nn.Module:
+    """The model for ``model_config.hf_config`` with uninitialized parameters allocated on ``device``."""
+    model_cls = resolve_model_class(model_config.hf_config)
+    with _default_dtype(model_config.dtype), torch.device(device):
+        return model_cls(model_config, attn_backend)
+
+
+def finalize_model(model: nn.Module, device: torch.device | str, quantization: str | None = None) -> nn.Module:
+    """The loaded model on ``device`` in eval mode, its linears quantized when ``quantization`` names a method."""
+    model.requires_grad_(False)
+    model = model.to(device).eval()
+    if quantization is not None:
+        from pagedllm.layers.quantization import quantize_model
+
+        quantize_model(model, quantization)
+    return model
+
+
+def check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
+    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint {source} lacks {len(missing)} parameters of {type(model).__name__}: {shown}")
