@@ -104,7 +104,8 @@ class TritonImpl(AttentionImpl):
         md = attn_metadata
         if qk.rope is not None and qk.q_norm is None and qk.k_norm is None and md.max_query_len == 1:
             # Pure decode without q/k norms: the attention launch rotates q and the new key in registers
-            # as it stores the key, saving the rotary launch of every layer.
+            # (at seq_len - 1, each decode token's position) as it stores the key, saving the rotary launch
+            # of every layer.
             return self.forward(query, key, value, kv_cache, md, rope=qk.rope)
         rope, norm = qk.rope, qk.norm
         if rope is not None and norm is not None and qk_kernel.usable(
