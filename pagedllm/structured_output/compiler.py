@@ -25,6 +25,8 @@ logger = logging.getLogger("pagedllm")
 # Compiled grammars kept for reuse (least recently used dropped first). One for a JSON schema over a
 # 150k-token vocabulary holds a few hundred KiB of token-mask cache.
 DEFAULT_CACHE_ENTRIES = 256
+# And bounded in bytes: a complex schema over a large vocabulary can take megabytes.
+DEFAULT_CACHE_BYTES = 512 << 20
 # Seconds a request may wait for its grammar before it fails.
 DEFAULT_COMPILE_TIMEOUT_S = 20.0
 
@@ -42,11 +44,13 @@ class GrammarCompiler:
         vocab_size: int,
         max_threads: int = 2,
         cache_entries: int = DEFAULT_CACHE_ENTRIES,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
         timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
     ) -> None:
         self._tokenizer_loader = tokenizer_loader
         self.vocab_size = vocab_size
         self.cache_entries = cache_entries
+        self.cache_bytes = cache_bytes
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="pagedllm-grammar")
         self._cache: OrderedDict[str, Future] = OrderedDict()
@@ -97,11 +101,21 @@ class GrammarCompiler:
             fut = self._pool.submit(self._compile, params)
             self._cache[key] = fut
             self._started[key] = time.monotonic()
-            while len(self._cache) > self.cache_entries:
+            # The newest entry (still compiling) stays; requests already waiting keep their own futures.
+            while len(self._cache) > 1 and (
+                len(self._cache) > self.cache_entries or self._cached_bytes() > self.cache_bytes
+            ):
                 old, _ = self._cache.popitem(last=False)
                 self._started.pop(old, None)
         fut.add_done_callback(lambda _f, k=key: self._started.pop(k, None))
         return key, fut
+
+    def _cached_bytes(self) -> int:
+        total = 0
+        for fut in self._cache.values():
+            if fut.done() and fut.exception() is None:
+                total += fut.result().memory_size_bytes
+        return total
 
     def expire(self, now: float | None = None) -> None:
         """Fails the futures of compiles past their deadline; their threads finish unobserved."""

@@ -69,6 +69,18 @@ def test_cache_is_bounded_and_keyed_by_the_constraint(mistral):
         compiler.shutdown()
 
 
+def test_cache_is_bounded_in_bytes(mistral):
+    compiler = GrammarCompiler(mistral, vocab_size=32000, cache_bytes=1)
+    try:
+        first = compiler.submit(StructuredOutputsParams(regex="a+"))
+        first[1].result(timeout=30)
+        compiler.submit(StructuredOutputsParams(regex="b+"))
+        # Over the byte bound: the compiled "a+" grammar makes way for the new entry.
+        assert compiler.lookup(first[0]) is None
+    finally:
+        compiler.shutdown()
+
+
 def test_compile_error_names_the_field(mistral):
     compiler = GrammarCompiler(mistral, vocab_size=32000)
     try:
