@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from serve_helpers import API_KEY, Server, make_model
+from serve_helpers import API_KEY, ENV_API_KEY, Server, make_model
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +18,7 @@ def servers(tmp_path_factory):
             ["--served-model-name", "tiny-mistral", "alias", "--max-n", "8",
              "--max-request-body-bytes", "65536", "--max-header-bytes", "8192", "--async-scheduling",
              "--trust-request-chat-template"],
-            root, api_key=API_KEY,
+            root, api_key=API_KEY, env={"PAGEDLLM_API_KEY": ENV_API_KEY},
         ),
         # Small limits so overload is easy to reach; test_openai_engine_failure kills its engine
         # (and it is restarted if a later test needs it).

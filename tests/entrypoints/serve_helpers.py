@@ -27,6 +27,7 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "sk-pagedllm-test-key"
+ENV_API_KEY = "sk-pagedllm-env-key"  # the completions server's PAGEDLLM_API_KEY
 STARTUP_TIMEOUT_S = 240.0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from serve_helpers import API_KEY, ENV_API_KEY
 
 MODEL = "tiny-mistral"
 
@@ -161,6 +162,15 @@ def test_api_key_required_everywhere_but_health(completions_server):
     bad = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_the_key_in_the_environment_is_accepted_beside_the_flags(completions_server):
+    # `pagedllm serve` adds PAGEDLLM_API_KEY (read by pagedllm.envs in the server's process) to --api-key.
+    for key in (ENV_API_KEY, API_KEY):
+        r = httpx.get(f"{completions_server.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert r.status_code == 200, r.text
+    r = httpx.get(f"{completions_server.url}/v1/models", headers={"Authorization": f"Bearer {ENV_API_KEY}x"}, timeout=30)
+    _assert_error(r, 401)
 
 
 def test_body_and_header_size_limits(completions_server):
