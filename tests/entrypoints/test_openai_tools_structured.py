@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from serve_helpers import Server, make_model
+from serve_helpers import Server, make_model, sse_events
 
 MODEL = "tiny-qwen"
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -154,7 +154,7 @@ def test_tool_choice_required_whole_and_streamed(client):
         jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS[calls[0]["name"]])
 
 
-def test_named_tool_choice_whole_and_streamed(client):
+def test_named_tool_choice_whole_and_streamed(client, server):
     named = {"type": "function", "function": {"name": "get_time"}}
     out = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, tool_choice=named, **_kwargs())
     calls = out.choices[0].message.tool_calls
@@ -165,6 +165,19 @@ def test_named_tool_choice_whole_and_streamed(client):
     streamed, finishes = _streamed_calls(chunks)
     assert finishes == ["tool_calls"] and [c["name"] for c in streamed] == ["get_time"]
     jsonschema.validate(json.loads(streamed[0]["arguments"]), TIME)
+    # On the wire, as OpenAI's: the first delta of a call names it, later ones carry argument text only.
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": named, "stream": True,
+            "max_tokens": 200, "seed": 5, "temperature": 0.8, **COMPACT, **NO_THINKING}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        events = sse_events(r.iter_lines())
+    deltas = [c["delta"] for e in events[:-1] for c in e["choices"]]
+    assert all(len(d["tool_calls"]) == 1 for d in deltas if "tool_calls" in d)  # one entry per call a chunk
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert deltas[0] == {"role": "assistant", "content": ""} and all(None not in d.values() for d in deltas)
+    assert calls[0] == {"index": 0, "id": calls[0]["id"], "type": "function",
+                        "function": {"name": "get_time", "arguments": calls[0]["function"]["arguments"]}}
+    assert all(set(c) == {"index", "function"} and set(c["function"]) == {"arguments"} for c in calls[1:])
+    assert json.loads("".join(c["function"]["arguments"] for c in calls)) == json.loads(streamed[0]["arguments"])
 
 
 def test_tool_result_round_trip_renders_in_the_prompt(client, server):
@@ -220,7 +233,7 @@ def test_reasoning_goes_to_reasoning_content_whole_and_streamed(client):
     assert whole.message.reasoning_content and whole.message.content is None
     chunks = list(client.chat.completions.create(**kw, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    assert "".join(d.reasoning_content or "" for d in deltas) == whole.message.reasoning_content
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == whole.message.reasoning_content
     assert not "".join(d.content or "" for d in deltas)
     # Thinking turned off in the template: no reasoning to split off.
     kw["extra_body"] = {"ignore_eos": True, **NO_THINKING}

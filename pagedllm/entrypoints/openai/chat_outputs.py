@@ -15,6 +15,18 @@ from pagedllm.entrypoints.openai.tool_calling import ToolPlan
 from pagedllm.entrypoints.openai.tool_parsers import CallDelta
 
 
+def _merged(deltas: list[CallDelta]) -> list[CallDelta]:
+    """One entry per call in a chunk, as OpenAI sends them: a call's name and its first argument text
+    arriving together go out together."""
+    out: list[CallDelta] = []
+    for d in deltas:
+        if out and out[-1].index == d.index and d.id is None:
+            out[-1] = CallDelta(out[-1].index, out[-1].id, out[-1].name, out[-1].arguments + d.arguments)
+        else:
+            out.append(d)
+    return out
+
+
 def _delta_call(d: CallDelta) -> DeltaToolCall:
     if d.id is not None:
         return DeltaToolCall(index=d.index, id=d.id, type="function",
@@ -72,5 +84,5 @@ class ChoiceReader:
         return DeltaMessage(
             content=content or None,
             reasoning_content=reasoning or None,
-            tool_calls=[_delta_call(d) for d in calls] or None,
+            tool_calls=[_delta_call(d) for d in _merged(calls)] or None,
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_serializer
 
 
 class _Request(BaseModel):
@@ -257,19 +257,28 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
-class DeltaFunctionCall(_Response):
+class _Delta(_Response):
+    """A stream delta carries only the keys it sets, as OpenAI's do (a tool call's later deltas are
+    `{"index", "function": {"arguments"}}`)."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Delta):
     name: Optional[str] = None
     arguments: Optional[str] = None
 
 
-class DeltaToolCall(_Response):
+class DeltaToolCall(_Delta):
     index: int
     id: Optional[str] = None
     type: Optional[Literal["function"]] = None
     function: Optional[DeltaFunctionCall] = None
 
 
-class DeltaMessage(_Response):
+class DeltaMessage(_Delta):
     role: Optional[str] = None
     content: Optional[str] = None
     reasoning_content: Optional[str] = None
