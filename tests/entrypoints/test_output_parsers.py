@@ -55,6 +55,9 @@ CASES = [
     ("llama3_json", "Plain text with {\"name\": \"f\"} inside.", "Plain text with {\"name\": \"f\"} inside.", []),
     ("mistral", 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": ' + json.dumps(WEATHER)
      + '}, {"name": "now", "arguments": {}}]', "Sure.", [("get_weather", WEATHER), ("now", {})]),
+    ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]' + json.dumps(WEATHER) + '[TOOL_CALLS]now[ARGS]{}', "Sure.",
+     [("get_weather", WEATHER), ("now", {})]),
+    ("mistral", "[TOOLS] is not [TOOL_CALLS", "[TOOLS] is not [TOOL_CALLS", []),
     ("pythonic", '[get_weather(city="Paris \\"Left\\" Bank", days=3, units=None, tags=["a}", "{b"]), now()]', None,
      [("get_weather", WEATHER), ("now", {})]),
     ("pythonic", '```tool_code\nget_weather(city="Paris", days=true)\n```', None,

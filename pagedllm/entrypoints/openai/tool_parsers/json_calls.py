@@ -5,6 +5,7 @@ so both read an output the same way."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -18,7 +19,9 @@ from pagedllm.entrypoints.openai.tool_parsers.base import (
     held_prefix,
     tool_call_id,
 )
-from pagedllm.entrypoints.openai.tool_parsers.json_scan import NotJSON, scan_object, skip_ws
+from pagedllm.entrypoints.openai.tool_parsers.json_scan import NotJSON, scan_object, skip_ws, value_end
+
+_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 
 
 @dataclass
@@ -77,6 +80,9 @@ class _Scanner:
         while True:
             j = skip_ws(text, self.pos)
             while j < n and (text[j] in ",;" or any(text.startswith(s, j) for s in self.p.separators)):
+                if not final and any(len(s) > n - j and s.startswith(text[j:]) for s in self.p.separators):
+                    self.pos = j
+                    return  # a longer separator ("[TOOL_CALLS]" after "[") may still be being written
                 sep = next((s for s in self.p.separators if text.startswith(s, j)), text[j])
                 j = skip_ws(text, j + len(sep))
             self.pos = j
@@ -85,6 +91,10 @@ class _Scanner:
             if text[j] != "{":
                 if not final and any(s.startswith(text[j:]) for s in self.p.separators):
                     return  # a separator still being written
+                if self.p.args_marker is not None:
+                    if not self._scan_named_call(j, final):
+                        return
+                    continue
                 self.done = True
                 return
             if not self.calls or self.calls[-1].end is not None:
@@ -104,6 +114,33 @@ class _Scanner:
             call.end = self.pos = obj.end
             if call.name is None:
                 raise NotJSON("a tool call without a name")
+
+
+    def _scan_named_call(self, j: int, final: bool) -> bool:
+        """`name[ARGS]{...}` (Mistral's newer format) at j; False while incomplete or once no call is there."""
+        text, marker = self.text, self.p.args_marker
+        m = _NAME.match(text, j)
+        if m is None:
+            self.done = True
+            return False
+        rest = text[m.end():]
+        if not rest.startswith(marker):
+            if final or not marker.startswith(rest):
+                self.done = True
+            return False
+        if not self.calls or self.calls[-1].end is not None:
+            self.calls.append(_Call(start=j))
+        call = self.calls[-1]
+        call.name = m.group(0)
+        a0 = skip_ws(text, m.end() + len(marker))
+        if a0 >= len(text):
+            return False
+        a1 = value_end(text, a0, final)
+        call.args = (a0, a1)
+        if a1 is None:
+            return False
+        call.end = self.pos = a1
+        return True
 
 
 class _JsonStream(ToolStream):
@@ -160,6 +197,8 @@ class JsonCallsParser(ToolParser):
     # Calls only when the output starts with them (with a marker or at once with '{').
     at_start_only: ClassVar[bool] = False
     args_keys: ClassVar[tuple[str, ...]] = ("arguments", "parameters")
+    # Between a bare function name and its JSON arguments, in formats that write calls that way.
+    args_marker: ClassVar[str | None] = None
 
     def extract(self, text: str) -> Extracted:
         s = _Scanner(self)
@@ -203,9 +242,11 @@ class Llama3JsonToolParser(JsonCallsParser):
 
 
 class MistralToolParser(JsonCallsParser):
-    """Mistral instruct models (v0.3 tokenizers): `[TOOL_CALLS]` then a JSON array of calls."""
+    """Mistral instruct models: `[TOOL_CALLS]` then a JSON array of calls (tokenizers v3-v7), or
+    `[TOOL_CALLS]name[ARGS]{...}` for each call (v11 and later)."""
 
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
     separators = ("[TOOL_CALLS]", "[", "]")
+    args_marker = "[ARGS]"
     needs_special_tokens = True
