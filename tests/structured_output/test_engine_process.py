@@ -11,7 +11,7 @@ from tiny_models import make_tiny_model_with_tokenizer
 from pagedllm import EngineArgs, SamplingParams, StructuredOutputsParams
 from pagedllm.engine.async_llm import AsyncLLM
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 SCHEMA = {
     "type": "object",

@@ -7,7 +7,7 @@ from json_schemas import assert_valid, schemas
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPT = "<start_of_turn>user\nDescribe a small test record as JSON.<end_of_turn>\n<start_of_turn>model\n"
 
