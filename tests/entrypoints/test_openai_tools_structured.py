@@ -18,6 +18,9 @@ import pytest
 from pydantic import BaseModel
 from serve_helpers import Server, make_model, sse_events
 
+# A server start-up of its own: slow (CI runs it), and bounded.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
 MODEL = "tiny-qwen"
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 # Bounded schemas: a random model must still finish them within max_tokens.

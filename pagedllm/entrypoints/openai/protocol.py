@@ -34,7 +34,7 @@ class _Response(BaseModel):
 class _Strict(BaseModel):
     """A nested request object whose every key is known: an unknown one is a 400 naming it."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # ---- errors ---------------------------------------------------------------------------------------
