@@ -210,6 +210,10 @@ def test_auto_tool_choice_reads_free_text_with_the_server_parser(client, server)
     r = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES, "tools": TOOLS}, timeout=30)
     without = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}, timeout=30).json()["count"]
     assert out.usage.prompt_tokens == r.json()["count"] > without + 100  # the tools' schemas are in the prompt
+    # An empty tool list leaves nothing to require: plain text, as with "none".
+    plain = client.chat.completions.create(messages=MESSAGES, tools=[], tool_choice="required",
+                                           **_kwargs(max_tokens=4, extra_body=NO_THINKING)).choices[0]
+    assert plain.message.content and plain.message.tool_calls is None
 
 
 def test_auto_tool_choice_parses_hermes_calls_whole_and_streamed(client):

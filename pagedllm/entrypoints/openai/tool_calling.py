@@ -134,7 +134,8 @@ def plan_tools(req: Any, auto_parser: ToolParser | None) -> ToolPlan:
     if choice is None:
         choice = "auto" if tools else "none"
     if tools is None:
-        if choice in ("none", "auto"):
+        # An empty tool list leaves nothing to require (vLLM answers it as "none", as OpenAI does).
+        if choice in ("none", "auto") or (choice == "required" and req.tools == []):
             return ToolPlan("none", None)
         raise bad_request(f"tool_choice {_shown(choice)} needs tools, and the request has none", param="tool_choice")
     names = [t.function.name for t in tools]
