@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from pagedllm.entrypoints.openai import protocol as p
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 # Which fixture server takes each path: chat and tokenize go to the one whose tokenizer has a chat
 # template (so messages render and generation runs), the others to the one behind an API key.

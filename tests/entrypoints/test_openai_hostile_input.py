@@ -241,6 +241,7 @@ def test_runaway_template_is_stopped_without_freezing_the_loop(completions_serve
     assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
 
 
+@pytest.mark.slow
 def test_tokenizing_a_15_mb_prompt_leaves_health_fast(chat_server):
     prompt = "hello world, " * (15_000_000 // 13)
     body = {"model": "tiny-qwen", "prompt": prompt, "max_tokens": 1}

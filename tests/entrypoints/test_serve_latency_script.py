@@ -7,11 +7,13 @@ import runpy
 import sys
 from pathlib import Path
 
+import pytest
 from serve_helpers import make_model
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
+@pytest.mark.slow
 def test_serve_latency_measures_client_and_server_ttft(tmp_path, monkeypatch, capsys):
     model = make_model("mistral", tmp_path / "model")
     out = tmp_path / "lat.json"

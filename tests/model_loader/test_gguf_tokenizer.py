@@ -151,6 +151,7 @@ def test_special_tokens_and_bos(ours, which: str) -> None:
     assert tok.encode("Hello", add_special_tokens=False) != tok.encode(" Hello", add_special_tokens=False)
 
 
+@pytest.mark.slow
 def test_equals_transformers_gguf_tokenizer(ours, gguf_path) -> None:
     from transformers import AutoTokenizer, __version__
 

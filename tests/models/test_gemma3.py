@@ -137,6 +137,7 @@ def _check(outs, expected) -> None:
             assert abs(lp[tok].logprob - lps[pos][tok].item()) < 1e-3, (i, pos)
 
 
+@pytest.mark.slow
 def test_greedy_matches_hf(tiny_dir):
     from transformers import AutoModelForCausalLM
 

@@ -34,6 +34,7 @@ def _result(o):
 
 # With 4 request slots (5 with the padding one) every mixed graph carries only last tokens through the
 # last layer; with 16 (17), the 16-token graph carries all its tokens and the larger ones prune.
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "async_scheduling", "max_num_seqs"),
                          [("llama", False, 4), ("qwen3", True, 4), ("llama", False, 16)])
 def test_padded_graph_inputs_match_torch_ref(model, async_scheduling, max_num_seqs, tmp_path):
