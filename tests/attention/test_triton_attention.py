@@ -16,7 +16,7 @@ from pagedllm.kernels.attention import launch_config as lc  # noqa: E402
 from pagedllm.kernels.attention import paged_attention as pa_mod  # noqa: E402
 from pagedllm.kernels.attention import reshape_and_cache as rc_mod  # noqa: E402
 from pagedllm.kernels import rotary as rot_k  # noqa: E402
-from pagedllm.kernels.attention.fused_inputs import Rope  # noqa: E402
+from pagedllm.kernels.attention.fused_inputs import ChunkKV, Rope  # noqa: E402
 from pagedllm.layers.attention import qk_transform  # noqa: E402
 from pagedllm.layers.rotary import RotaryEmbedding  # noqa: E402
 from pagedllm.attention.backends import triton as _BACKEND  # noqa: E402
@@ -169,7 +169,7 @@ def test_chunk_keys_from_step_rows_or_cache_are_identical(num_splits, window):
     through_cache, _ = _through_cache(query, key, value, kv_cache, md, num_splits, window)
     assert torch.equal(from_step[: md.num_actual_tokens], through_cache)
     # The rows are really read: different step keys (cache written from the originals) change the chunk rows only.
-    moved, _ = _through_cache(query, key, value, kv_cache, md, num_splits, window, chunk_kv=(key + 1.0, value))
+    moved, _ = _through_cache(query, key, value, kv_cache, md, num_splits, window, chunk_kv=ChunkKV(key + 1.0, value))
     n0, n1 = reqs[0][1], reqs[1][1]
     assert not torch.equal(moved[:n0], from_step[:n0]) and torch.equal(moved[n0 + n1], from_step[n0 + n1])
 
