@@ -117,6 +117,13 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    # A reasoning model's `<think>` text stays unconstrained: a request's grammar applies from the end of
+    # its reasoning on (structured_output/reasoning.py). None: grammars apply from the first token.
+    reasoning_parser: str | None = None
+
+
+@dataclass(frozen=True)
 class DeviceConfig:
     device: str = "cpu"  # "cpu" or "cuda" (resolved from "auto")
 
@@ -144,6 +151,7 @@ class EngineConfig:
     attention_backend: str | None = None
     enforce_eager: bool = False
     graph_config: GraphConfig = GraphConfig()  # which CUDA graphs, from vLLM's compilation_config
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:

@@ -17,10 +17,12 @@ from pagedllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     resolve_dtype,
 )
 from pagedllm import vllm_only_args
 from pagedllm.graph_config import parse_compilation_config
+from pagedllm.structured_output.reasoning import REASONING_MARKERS, reasoning_markers
 
 logger = logging.getLogger("pagedllm")
 
@@ -57,6 +59,7 @@ class EngineArgs:
     submit_just_in_time: bool = False
     # vLLM's: a dict (or its JSON text, or an int level); only its CUDA-graph keys apply (graph_config.py).
     compilation_config: Any = None
+    reasoning_parser: str | None = None
 
     # ---- CLI -----------------------------------------------------------------------------------
     @staticmethod
@@ -110,6 +113,11 @@ class EngineArgs:
             help="vLLM's compilation config as JSON (or an integer level, which has no effect): "
             "cudagraph_capture_sizes, max_cudagraph_capture_size and cudagraph_mode choose the CUDA graphs",
         )
+        parser.add_argument(
+            "--reasoning-parser", type=str, default=None, choices=sorted(REASONING_MARKERS),
+            help="the model writes <think>...</think> before its answer: structured outputs constrain the answer "
+            "only, and the server splits the reasoning off into reasoning_content",
+        )
         vllm_only_args.add_cli_args(parser)
         return parser
 
@@ -135,6 +143,8 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.reasoning_parser is not None:
+            reasoning_markers(self.reasoning_parser)  # raises, naming the known parsers
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet (only 1)")
 
@@ -209,6 +219,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             graph_config=graph_config,
+            structured_outputs_config=StructuredOutputsConfig(reasoning_parser=self.reasoning_parser),
         )
 
     def _resolve_device(self) -> str:

@@ -68,6 +68,8 @@ class Request:
         # Structured outputs: the grammar's state after this request's output tokens (an xgrammar
         # GrammarMatcher, set by the engine core once the grammar is compiled; opaque here).
         self.grammar_matcher: object | None = None
+        # With a reasoning parser: where the answer (the grammar's part of the output) begins.
+        self.reasoning_gate: object | None = None
 
     @property
     def num_tokens(self) -> int:

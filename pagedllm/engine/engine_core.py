@@ -53,7 +53,9 @@ class EngineCore:
         self.emit_outputs: Callable[[list[EngineCoreOutput]], None] | None = None
         self._output_at: float | None = None
         # Constrained requests wait there for their grammars; built (xgrammar imported) on the first one.
-        self.structured = StructuredOutputManager(config.model_config)
+        self.structured = StructuredOutputManager(
+            config.model_config, config.structured_outputs_config.reasoning_parser
+        )
         freeze_start_up_heap()
 
     @property

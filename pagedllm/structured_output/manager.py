@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from pagedllm.structured_output.reasoning import ReasoningTokens, reasoning_markers
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -39,8 +40,10 @@ def is_constrained(request: Request) -> bool:
 
 
 class StructuredOutputManager:
-    def __init__(self, model_config: ModelConfig, **compiler_kwargs: Any) -> None:
+    def __init__(self, model_config: ModelConfig, reasoning_parser: str | None = None, **compiler_kwargs: Any) -> None:
         self.model_config = model_config
+        self._reasoning_markers = reasoning_markers(reasoning_parser) if reasoning_parser else None
+        self._reasoning_tokens: ReasoningTokens | None = None
         self.vocab_size = model_config.vocab_size  # the logits' width, which the bitmask covers
         # The front end's tokenizer when it lives in this process (LLMEngine); else loaded when needed.
         self.tokenizer: Any | None = None
@@ -109,6 +112,7 @@ class StructuredOutputManager:
             req = entry.request
             try:
                 req.grammar_matcher = self._matcher(fut.result(), req)
+                req.reasoning_gate = self._gate(req)
             except CompileError as e:
                 failed.append(self._fail(req, str(e)))
                 continue
@@ -139,6 +143,13 @@ class StructuredOutputManager:
         # only the tokenizer's EOS; accepting one terminates the matcher and the scheduler stops on it.
         return xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids)
 
+    def _gate(self, req: Request) -> Any | None:
+        if self._reasoning_markers is None:
+            return None
+        if self._reasoning_tokens is None:
+            self._reasoning_tokens = ReasoningTokens.from_tokenizer(self._reasoning_markers, self._load_tokenizer())
+        return self._reasoning_tokens.gate(req.prompt_token_ids)
+
     # ---- each step -------------------------------------------------------------------------------
     @staticmethod
     def samples_constrained(so: SchedulerOutput, scheduler: Any) -> bool:
@@ -146,7 +157,8 @@ class StructuredOutputManager:
         for rid in so.num_scheduled_tokens:
             req = scheduler.requests.get(rid)
             if req is not None and req.num_pending_tokens and req.grammar_matcher is not None:
-                return True
+                if req.reasoning_gate is None or req.reasoning_gate.constrained:
+                    return True
         return False
 
     def fill_bitmask(self, so: SchedulerOutput, scheduler: Any, background: bool = False) -> None:
@@ -155,7 +167,7 @@ class StructuredOutputManager:
         ``background``: the bitmask is a Future, filled in a thread while the caller goes on (the runner
         waits for it when it launches the step's sampling, before any matcher moves again).
         """
-        matchers, rows = [], {}
+        matchers, rows, extra = [], {}, []
         for rid in so.num_scheduled_tokens:
             req = scheduler.requests.get(rid)
             # A scheduled request samples this step exactly when it has a pending token; this runs once
@@ -165,6 +177,12 @@ class StructuredOutputManager:
             matcher = getattr(req, "grammar_matcher", None)
             if matcher is None:
                 continue
+            gate = req.reasoning_gate
+            if gate is not None:
+                if not gate.constrained:
+                    continue  # still reasoning: sampled without a mask
+                if gate.also_allowed is not None:
+                    extra.append((len(matchers), gate.also_allowed))
             rows[rid] = len(matchers)
             matchers.append(matcher)
         if not matchers:
@@ -173,11 +191,11 @@ class StructuredOutputManager:
         if background:
             if self._fill_pool is None:
                 self._fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-bitmask")
-            so.grammar_bitmask = self._fill_pool.submit(self._fill, matchers)
+            so.grammar_bitmask = self._fill_pool.submit(self._fill, matchers, extra)
         else:
-            so.grammar_bitmask = self._fill(matchers)
+            so.grammar_bitmask = self._fill(matchers, extra)
 
-    def _fill(self, matchers: list) -> Any:
+    def _fill(self, matchers: list, extra: list[tuple[int, int]]) -> Any:  # -> int32 [rows, ceil(V / 32)]
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
@@ -187,6 +205,9 @@ class StructuredOutputManager:
             if self._batch_matcher is None:
                 self._batch_matcher = xgr.BatchGrammarMatcher()
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        for row, token_id in extra:
+            bit = 1 << (token_id % 32)
+            bitmask[row, token_id // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # as a signed int32
         return bitmask
 
     def accept_outputs(self, outputs: list[EngineCoreOutput], scheduler: Any) -> list[EngineCoreOutput]:
@@ -197,7 +218,10 @@ class StructuredOutputManager:
             matcher = getattr(req, "grammar_matcher", None) if req is not None else None
             if matcher is None or not out.new_token_ids:
                 continue
+            gate = req.reasoning_gate
             for tok in out.new_token_ids:
+                if gate is not None and not gate.feed(tok):
+                    continue  # reasoning, or the delimiter that ends it
                 if not matcher.accept_token(tok):
                     failed_ids[out.req_id] = f"the sampled token {tok} does not fit structured_outputs"
                     break

@@ -262,10 +262,6 @@ BAD = [
     (_named(structured_outputs={"regex": "a", "backend": "outlines"}), "structured_outputs", "backend"),
     (_named(guided_choice=[]), "guided_choice", "non-empty"),
     (_named(**COMPACT), "structured_outputs", "one of json"),
-    # With thinking on, a constraint would apply to the reasoning too.
-    (_named(response_format={"type": "json_object"}, chat_template_kwargs=None), "response_format",
-     "--reasoning-parser"),
-    (_named(tools=TOOLS, tool_choice="required", chat_template_kwargs={}), "tools", "enable_thinking"),
     (_named(guided_decoding_backend="outlines"), "guided_decoding_backend", "xgrammar"),
     (_named(guided_whitespace_pattern=" *"), "guided_whitespace_pattern", "disable_any_whitespace"),
     (_named(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "nope"),

@@ -54,8 +54,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="how the model writes tool calls: hermes (Qwen2.5/Qwen3, Hermes), llama3_json (Llama 3.1+), "
                         "mistral ([TOOL_CALLS]), pythonic (Python calls, e.g. Gemma 3 and Llama 3.2 with a pythonic "
                         "template)")
-    parser.add_argument("--reasoning-parser", type=str, default=None, choices=["qwen3", "deepseek_r1"],
-                        help="split <think>...</think> off the output into reasoning_content")
     EngineArgs.add_cli_args(parser)
     # A server takes requests while steps run, so it schedules small decode steps just in time by
     # default (the offline LLM, whose requests are all there at the start, keeps it off).

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pagedllm.entrypoints.openai.tool_parsers.base import held_prefix
+from pagedllm.structured_output.reasoning import REASONING_MARKERS
 
-START, END = "<think>", "</think>"
+# Both parsers share the delimiters; the engine core's structured outputs read the same table.
+START, END = REASONING_MARKERS["qwen3"].start, REASONING_MARKERS["qwen3"].end
 
 
 @dataclass
@@ -91,12 +93,12 @@ class ReasoningParser:
 
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
-    starts_in_reasoning = False
+    starts_in_reasoning = REASONING_MARKERS[name].starts_in_reasoning
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
-    starts_in_reasoning = True
+    starts_in_reasoning = REASONING_MARKERS[name].starts_in_reasoning
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {

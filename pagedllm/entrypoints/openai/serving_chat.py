@@ -188,14 +188,6 @@ class OpenAIServingChat(OpenAIServing):
         # With thinking turned off in the template (Qwen3's enable_thinking), the output holds no reasoning.
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking") is not False
         reasoning = self.reasoning_parser if thinking else None
-        if constraint is not None and reasoning is not None:
-            field = constraint.field.split(".")[0]
-            raise bad_request(
-                f"{field} cannot be combined with the server's --reasoning-parser yet: the constraint would apply "
-                "to the reasoning as well as to the answer; turn thinking off with chat_template_kwargs "
-                '{"enable_thinking": false}',
-                param=field,
-            )
         params = self.sampling_params(req, max_tokens, k, rename={"logprobs": "top_logprobs", "max_tokens": max_param},
                                       structured_outputs=constraint.params if constraint else None)
         if plan.parser is not None and plan.parser.needs_special_tokens:
