@@ -63,7 +63,9 @@ def load_named_weights(
                     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter {target!r} in "
                                      f"{type(model).__name__}")
                 param.weight_loader(param, tensor, shard_id, expert_id)
-                loaded.add(target)
+                # A stacked parameter counts as loaded once its loader has every expert's pieces.
+                if param.all_loaded():
+                    loaded.add(target)
                 continue
             target, shard_id = name, None
             for param_name, ckpt_name, sid in stacked_params_mapping:
@@ -80,5 +82,6 @@ def load_named_weights(
                 loader(param, tensor)
             else:
                 loader(param, tensor, shard_id)
-            loaded.add(target)
+            if getattr(param, "all_loaded", lambda: True)():
+                loaded.add(target)
     return loaded

@@ -151,3 +151,13 @@ def test_every_token_picks_the_same_experts(kind, tmp_path):
         assert out.outputs[0].token_ids == ids
         for tok, d, ref in zip(ids, out.outputs[0].logprobs, lps):
             assert abs(d[tok].logprob - ref[tok].item()) < 1e-3
+
+
+def test_checkpoint_missing_an_expert_is_refused(tmp_path):
+    path = make_tiny_model("mixtral", tmp_path / "mixtral")
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    del tensors["model.layers.1.block_sparse_moe.experts.6.w3.weight"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 1 parameters of MixtralForCausalLM: model\.layers\.1\.mlp\.experts\.w13_weight"):
+        LLM(model=path, dtype="float32", device="cpu", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22)

@@ -52,6 +52,10 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i, dtype=dtype), requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        # (shard id, expert id) pieces loaded so far: a checkpoint missing one expert must not pass as loaded.
+        self._filled: dict[str, set[tuple[str, int]]] = {"w13": set(), "w2": set()}
+        self.w13_weight.all_loaded = lambda: len(self._filled["w13"]) == 2 * num_experts
+        self.w2_weight.all_loaded = lambda: len(self._filled["w2"]) == num_experts
 
     def weight_loader(
         self,
@@ -84,6 +88,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"shape mismatch loading expert {expert_id} {shard_id}: parameter {tuple(dst.shape)}, "
                              f"checkpoint {tuple(src.shape)}")
         dst.copy_(src)
+        self._filled["w2" if shard_id == "w2" else "w13"].add((shard_id, expert_id))
 
     def _load_whole_expert(self, param: nn.Parameter, piece: torch.Tensor, expert_id: int) -> None:
         """One expert of a stacked checkpoint: [2I, H] gate then up, or [H, I]."""
