@@ -85,6 +85,20 @@ _KINDS: dict[str, tuple[str, dict]] = {
             "tie_word_embeddings": True,
         },
     ),
+    # Mixture-of-experts: top-2 of 8, renormalised (Mixtral always renormalises).
+    "mixtral": ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    # Top-1 of 8 without renormalising, a shared expert, and a dense first layer (decoder_sparse_step 2).
+    "qwen2_moe": (
+        "qwen2_moe",
+        {"num_experts": 8, "num_experts_per_tok": 1, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "decoder_sparse_step": 2},
+    ),
+    # Top-8 of 16, renormalised, q/k norms; the middle of three layers dense (mlp_only_layers).
+    "qwen3_moe": (
+        "qwen3_moe",
+        {"num_hidden_layers": 3, "head_dim": 32, "num_experts": 16, "num_experts_per_tok": 8,
+         "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]},
+    ),
 }
 
 TINY_KINDS = tuple(_KINDS)

@@ -138,14 +138,20 @@ class LlamaDecoderLayer(nn.Module):
             rms_norm_eps=eps,
             sliding_window=layer_sliding_window(cfg, layer_idx),
         )
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=options.mlp_bias)
+        self.mlp = self.make_mlp(cfg, layer_idx, options)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
+    def make_mlp(self, hf_config: Any, layer_idx: int, options: DecoderOptions) -> nn.Module:
+        """The layer's feed-forward block, ``[T, H] -> [T, H]``; mixture-of-experts families return theirs."""
+        return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, bias=options.mlp_bias)
+
     def fp8_input_producers(self) -> list[tuple[nn.Module, nn.Module]]:
         """(module, linear that alone consumes its output): where float8 quantization fuses into the producer."""
-        return [(self.input_layernorm, self.self_attn.qkv_proj), (self.post_attention_layernorm, self.mlp.gate_up_proj),
-                (self.mlp.act_fn, self.mlp.down_proj)]
+        pairs = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if isinstance(self.mlp, LlamaMLP):
+            pairs += [(self.post_attention_layernorm, self.mlp.gate_up_proj), (self.mlp.act_fn, self.mlp.down_proj)]
+        return pairs
 
     def forward(
         self,
@@ -170,14 +176,18 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, model_config: ModelConfig, attn_backend: type[AttentionBackend], options: DecoderOptions
+        self,
+        model_config: ModelConfig,
+        attn_backend: type[AttentionBackend],
+        options: DecoderOptions,
+        layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
         cfg = model_config.hf_config
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary_emb = get_rope(cfg, model_config.head_size, model_config.max_model_len)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, model_config.head_size, rotary_emb, attn_backend, options)
+            layer_cls(cfg, i, model_config.head_size, rotary_emb, attn_backend, options)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -209,6 +219,10 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "gate_proj", 0),
         ("gate_up_proj", "up_proj", 1),
     )
+    # Per-expert checkpoint projections -> (stacked parameter, shard id); mixture-of-experts families set it.
+    expert_params_mapping: dict[str, tuple[str, str]] | None = None
+    # The decoder layer; mixture-of-experts families swap its feed-forward block.
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     # Buffers some old checkpoints saved; they are recomputed from the config.
     ignored_weight_substrings: tuple[str, ...] = (
         "rotary_emb.inv_freq",
@@ -270,10 +284,12 @@ class LlamaForCausalLM(nn.Module):
             self.stacked_params_mapping,
             skip_prefixes,
             self.ignored_weight_substrings,
+            self.expert_params_mapping,
         )
 
     def build_decoder(self, model_config: ModelConfig, attn_backend: type[AttentionBackend]) -> nn.Module:
-        return LlamaModel(model_config, attn_backend, self.decoder_options(model_config.hf_config))
+        return LlamaModel(model_config, attn_backend, self.decoder_options(model_config.hf_config),
+                          self.decoder_layer_cls)
 
     def checkpoint_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]

@@ -3,7 +3,8 @@ parameter's ``weight_loader``. Models call it from their ``load_weights``; the l
 only iterate the tensors."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -16,6 +17,19 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
 
 
 StackedMapping = Sequence[tuple[str, str, int | str]]  # (fused param name, checkpoint name, shard id)
+# checkpoint projection of one expert (``gate_proj``, ``w1``) -> (stacked parameter name, shard id)
+ExpertMapping = Mapping[str, tuple[str, str]]
+
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.([^.]+)\.weight$")
+
+
+def _expert_target(name: str, mapping: ExpertMapping) -> tuple[str, str, int] | None:
+    """(parameter name, shard id, expert id) of a per-expert checkpoint tensor, or None for any other."""
+    m = _EXPERT_TENSOR.search(name) if mapping else None
+    if m is None or m.group(2) not in mapping:
+        return None
+    param_name, shard_id = mapping[m.group(2)]
+    return f"{name[:m.start()]}.experts.{param_name}", shard_id, int(m.group(1))
 
 
 def load_named_weights(
@@ -24,19 +38,34 @@ def load_named_weights(
     stacked_params_mapping: StackedMapping = (),
     skip_prefixes: Sequence[str] = (),
     skip_substrings: Sequence[str] = (),
+    expert_params_mapping: ExpertMapping | None = None,
 ) -> set[str]:
     """Copies checkpoint tensors into ``model``'s parameters and returns the parameter names filled.
 
     A checkpoint name whose module component matches a mapping's checkpoint name (``q_proj``) goes
     into the fused parameter (``qkv_proj``) through its ``weight_loader`` with that shard id; any
     other name is loaded as is. Matching is by whole dotted component so ``qkv_proj`` (a fused
-    checkpoint such as Phi-3's) is never mistaken for ``v_proj``.
+    checkpoint such as Phi-3's) is never mistaken for ``v_proj``. One expert's projection
+    (``mlp.experts.3.gate_proj.weight``) goes first, through ``expert_params_mapping``, into its slot of
+    the stacked parameter (``mlp.experts.w13_weight``), its loader told the shard and the expert id.
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     with torch.no_grad():
         for name, tensor in weights:
             if any(name.startswith(p) for p in skip_prefixes) or any(s in name for s in skip_substrings):
+                continue
+            expert = _expert_target(name, expert_params_mapping)
+            if expert is not None:
+                target, shard_id, expert_id = expert
+                param = params.get(target)
+                if param is None:
+                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter {target!r} in "
+                                     f"{type(model).__name__}")
+                param.weight_loader(param, tensor, shard_id, expert_id)
+                # A stacked parameter counts as loaded once its loader has every expert's pieces.
+                if param.all_loaded():
+                    loaded.add(target)
                 continue
             target, shard_id = name, None
             for param_name, ckpt_name, sid in stacked_params_mapping:
@@ -53,5 +82,6 @@ def load_named_weights(
                 loader(param, tensor)
             else:
                 loader(param, tensor, shard_id)
-            loaded.add(target)
+            if getattr(param, "all_loaded", lambda: True)():
+                loaded.add(target)
     return loaded

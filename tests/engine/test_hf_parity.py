@@ -7,7 +7,7 @@ from tiny_models import make_tiny_model
 
 from pagedllm import LLM, SamplingParams
 
-KINDS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3"]
+KINDS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
 MAX_NEW = 12
 NUM_LOGPROBS = 5
 

@@ -1,0 +1,49 @@
+"""The experts of a MoE layer on the GPU: align the routed pairs by expert, then two grouped GEMM launches
+(gate/up with SiLU-and-mul, down with the routing weights) and the sum over each token's top-k rows."""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.kernels.moe.align import moe_align_block_size
+from pagedllm.kernels.moe.configs import get_config
+from pagedllm.kernels.moe.grouped_gemm import grouped_gemm
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def usable(x: torch.Tensor, w13: torch.Tensor, activation: str) -> bool:
+    return (activation == "silu" and x.dtype in SUPPORTED_DTYPES and w13.dtype == x.dtype and x.dim() == 2
+            and x.stride(-1) == 1 and w13.stride(-1) == 1)
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, K] float32
+    topk_ids: torch.Tensor,  # [T, K] int32
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:  # [T, H]
+    """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = ids[t, k], as ``fused_experts_ref``.
+
+    The top-k sum is a separate reduction over a [T, K, H] buffer rather than atomic adds in the down
+    launch: each token's rows are summed in slot order, so a step's result never depends on the order
+    in which programs finish (CUDA-graph replays and eager steps agree bit for bit).
+    """
+    tokens, hidden = hidden_states.shape
+    num_experts, two_i, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    if tokens == 0:
+        return torch.zeros_like(hidden_states)
+    config = config or get_config(tokens, top_k, num_experts, hidden_states.dtype)
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids.to(torch.int32), num_experts,
+                                                              config["BLOCK_M"])
+    num_pairs = tokens * top_k
+    act = torch.empty(num_pairs, two_i // 2, dtype=hidden_states.dtype, device=hidden_states.device)
+    grouped_gemm(hidden_states, w13, act, None, sorted_ids, expert_ids, num_padded, top_k, config, gated=True)
+    down = torch.empty(num_pairs, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
+    grouped_gemm(act, w2, down, topk_weights.reshape(-1).float().contiguous(), sorted_ids, expert_ids, num_padded,
+                 1, config, gated=False)
+    if top_k == 1:
+        return down
+    return down.view(tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,119 @@
+"""``FusedMoE``: a layer's experts as two stacked parameters, routed by the router's logits.
+
+The experts' weights live in ``w13_weight`` [E, 2I, H] (each expert's gate rows, then its up rows) and
+``w2_weight`` [E, H, I]; checkpoints that store one tensor per expert and projection are stacked into them
+at load, through ``weight_loader`` with the expert id. On CUDA the Triton kernels of ``kernels/moe``
+run the experts; elsewhere the per-expert reference does.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.fused_moe.reference import fused_experts_ref
+from pagedllm.layers.fused_moe.router import select_experts
+
+# Checkpoint shard ids: w1 the gate projection, w3 the up projection, w2 the down projection.
+SHARD_IDS = ("w1", "w2", "w3")
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        activation: str = "silu",
+        params_dtype: torch.dtype | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be at least 1; got {num_experts}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}] (the number of experts); got {top_k}")
+        if intermediate_size % tp_size:
+            raise ValueError(f"moe intermediate size {intermediate_size} is not divisible by tensor parallel size "
+                             f"{tp_size}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.intermediate_size_per_partition = intermediate_size // tp_size
+        self.renormalize = renormalize
+        self.activation = activation
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        dtype = params_dtype or torch.get_default_dtype()
+        i = self.intermediate_size_per_partition
+        # Empty, not initialized: a checkpoint or the dummy loader overwrites them.
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i, dtype=dtype), requires_grad=False)
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+        # (shard id, expert id) pieces loaded so far: a checkpoint missing one expert must not pass as loaded.
+        self._filled: dict[str, set[tuple[str, int]]] = {"w13": set(), "w2": set()}
+        self.w13_weight.all_loaded = lambda: len(self._filled["w13"]) == 2 * num_experts
+        self.w2_weight.all_loaded = lambda: len(self._filled["w2"]) == num_experts
+
+    def weight_loader(
+        self,
+        param: nn.Parameter,
+        loaded_weight: torch.Tensor,
+        shard_id: str | None = None,
+        expert_id: int | None = None,
+    ) -> None:
+        """One expert's projection (``shard_id`` w1/w3 into ``w13_weight``, w2 into ``w2_weight``), or, with
+        neither id, every expert at once from a checkpoint that already stacks them."""
+        if shard_id is None and expert_id is None:
+            if loaded_weight.shape[0] != self.num_experts:
+                raise ValueError(f"stacked expert weight of shape {tuple(loaded_weight.shape)} has "
+                                 f"{loaded_weight.shape[0]} experts; the model has {self.num_experts}")
+            for e in range(self.num_experts):
+                self._load_whole_expert(param, loaded_weight[e], e)
+            return
+        if shard_id not in SHARD_IDS:
+            raise ValueError(f"expert shard id must be one of {', '.join(SHARD_IDS)}; got {shard_id!r}")
+        if expert_id is None or not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert id must be in [0, {self.num_experts}); got {expert_id!r}")
+        i = self.intermediate_size_per_partition
+        if shard_id == "w2":
+            dst = param.data[expert_id]  # [H, I]
+            src = loaded_weight.narrow(1, self.tp_rank * i, i) if self.tp_size > 1 else loaded_weight
+        else:
+            dst = param.data[expert_id].narrow(0, 0 if shard_id == "w1" else i, i)  # [I, H]
+            src = loaded_weight.narrow(0, self.tp_rank * i, i) if self.tp_size > 1 else loaded_weight
+        if dst.shape != src.shape:
+            raise ValueError(f"shape mismatch loading expert {expert_id} {shard_id}: parameter {tuple(dst.shape)}, "
+                             f"checkpoint {tuple(src.shape)}")
+        dst.copy_(src)
+        self._filled["w2" if shard_id == "w2" else "w13"].add((shard_id, expert_id))
+
+    def _load_whole_expert(self, param: nn.Parameter, piece: torch.Tensor, expert_id: int) -> None:
+        """One expert of a stacked checkpoint: [2I, H] gate then up, or [H, I]."""
+        if param is self.w2_weight:
+            self.weight_loader(param, piece, "w2", expert_id)
+            return
+        gate, up = piece.chunk(2, dim=0)
+        self.weight_loader(param, gate, "w1", expert_id)
+        self.weight_loader(param, up, "w3", expert_id)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [T, H]
+        router_logits: torch.Tensor,  # [T, E]
+    ) -> torch.Tensor:  # [T, H]
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if hidden_states.is_cuda:
+            from pagedllm.kernels.moe import fused_experts, usable
+
+            if usable(hidden_states, self.w13_weight, self.activation):
+                return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return fused_experts_ref(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                 self.activation)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size_per_partition}, renormalize={self.renormalize}, "
+                f"tp={self.tp_size}")

@@ -1,0 +1,48 @@
+"""The torch reference of the experts' computation, one expert at a time: the oracle, and the CPU path."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gated_activation(x: torch.Tensor, activation: str) -> torch.Tensor:  # [N, 2I] -> [N, I]
+    gate, up = x.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu":
+        return F.gelu(gate) * up
+    raise ValueError(f"MoE activation must be 'silu' or 'gelu'; got {activation!r}")
+
+
+def fused_experts_ref(
+    hidden_states: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]: each expert's gate rows, then its up rows
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, K] float32
+    topk_ids: torch.Tensor,  # [T, K] integer expert ids
+    activation: str = "silu",
+) -> torch.Tensor:  # [T, H]
+    """sum_k w[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t)) with e = ids[t, k].
+
+    Experts are visited in increasing id and their rows added in that order, so every token sums its
+    experts' outputs lowest id first, as HF transformers' loop does; an expert no token chose costs nothing.
+    """
+    out = torch.zeros_like(hidden_states)
+    if hidden_states.shape[0] == 0:
+        return out
+    flat_ids = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat_ids, stable=True)  # [T*K] (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # one host sync per layer
+    top_k = topk_ids.shape[1]
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tokens = pairs // top_k
+        h = gated_activation(F.linear(hidden_states[tokens], w13[expert]), activation)
+        h = F.linear(h, w2[expert])
+        weights = topk_weights.reshape(-1)[pairs].unsqueeze(-1)
+        out.index_add_(0, tokens, (h * weights).to(out.dtype))
+    return out
