@@ -52,7 +52,7 @@ class AWQLinearMethod(QuantizedLinearMethod):
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
 
-    def packed_params(self, input_size: int, output_size: int) -> list[PackedParam]:
+    def packed_params(self, input_size: int, output_size: int, full_input_size: int) -> list[PackedParam]:
         g = self.group_size
         if input_size % g or output_size % _PACK:
             raise ValueError(f"awq: a linear of {input_size} inputs and {output_size} outputs does not hold groups of "

@@ -64,13 +64,14 @@ class QuantizedLinearMethod(LinearMethodBase):
     dequantize them; ``apply`` here is the torch path (dequantize, then a float matmul), which is also the
     oracle any fused kernel is tested against. On CUDA it runs the same way until such kernels exist."""
 
-    def packed_params(self, input_size: int, output_size: int) -> list[PackedParam]:
+    def packed_params(self, input_size: int, output_size: int, full_input_size: int) -> list[PackedParam]:
+        """This rank's parameters, for ``input_size`` of the layer's ``full_input_size`` inputs."""
         raise NotImplementedError
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype
     ) -> None:
-        for spec in self.packed_params(input_size, output_size):
+        for spec in self.packed_params(input_size, output_size, layer.input_size):
             dtype = params_dtype if spec.dtype is None else spec.dtype
             param = nn.Parameter(torch.empty(spec.shape, dtype=dtype), requires_grad=False)
             param.weight_loader = functools.partial(load_packed, layer, spec)

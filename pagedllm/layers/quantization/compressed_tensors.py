@@ -127,7 +127,7 @@ class PackedWeightOnlyLinearMethod(QuantizedLinearMethod):
         self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
         self.pack = 32 // bits
 
-    def packed_params(self, input_size: int, output_size: int) -> list[PackedParam]:
+    def packed_params(self, input_size: int, output_size: int, full_input_size: int) -> list[PackedParam]:
         p = self.pack
         g = input_size if self.group_size is None else self.group_size
         if input_size % g or input_size % p:

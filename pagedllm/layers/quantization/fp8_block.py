@@ -40,7 +40,7 @@ class Fp8BlockLinearMethod(QuantizedLinearMethod):
         self.scale_name = scale_name
         self.act_group = act_group  # None: activations stay in the model's dtype
 
-    def packed_params(self, input_size: int, output_size: int) -> list[PackedParam]:
+    def packed_params(self, input_size: int, output_size: int, full_input_size: int) -> list[PackedParam]:
         bn, bk = self.block
         scales = (-(-output_size // bn), -(-input_size // bk))
         return [

@@ -58,15 +58,17 @@ class GPTQLinearMethod(QuantizedLinearMethod):
         self.bits, self.group_size, self.desc_act, self.zero_offset = bits, group_size, desc_act, zero_offset
         self.pack = 32 // bits
 
-    def packed_params(self, input_size: int, output_size: int) -> list[PackedParam]:
+    def packed_params(self, input_size: int, output_size: int, full_input_size: int) -> list[PackedParam]:
         p = self.pack
-        g = input_size if self.group_size == -1 else self.group_size
-        if input_size % g or input_size % p or output_size % p:
+        g = full_input_size if self.group_size == -1 else self.group_size
+        if (self.group_size != -1 and input_size % g) or input_size % p or output_size % p:
             raise ValueError(f"gptq: a linear of {input_size} inputs and {output_size} outputs does not hold groups "
                              f"of {g} inputs and {p}-value words")
-        n_groups = input_size // g
-        # One group, or act-order's global group ids: scales and zeros are not split by input.
-        grouped_dim = None if (self.group_size == -1 or self.desc_act) else 0
+        # One group, or act-order's global group ids: scales and zeros are not split by input, every rank holds
+        # those of the whole input.
+        replicated = self.group_size == -1 or self.desc_act
+        n_groups = (full_input_size if replicated else input_size) // g
+        grouped_dim = None if replicated else 0
         params = [
             PackedParam("qweight", (input_size // p, output_size), torch.int32, 1, 1, 0, p),
             PackedParam("qzeros", (n_groups, output_size // p), torch.int32, 1, p, grouped_dim, g),

@@ -84,7 +84,7 @@ class W8A8Int8LinearMethod(QuantizedLinearMethod):
         self.act = act
         self.weight_symmetric = weight_symmetric
 
-    def packed_params(self, input_size: int, output_size: int) -> list[PackedParam]:
+    def packed_params(self, input_size: int, output_size: int, full_input_size: int) -> list[PackedParam]:
         params = [
             PackedParam("weight", (output_size, input_size), torch.int8, 0, 1, 1, 1),
             PackedParam("weight_scale", (output_size, 1), torch.float32, 0, 1),
