@@ -109,3 +109,15 @@ def test_online_int8_equals_the_compressed_tensors_w8a8_checkpoint() -> None:
         for da, db in zip(a, b):
             assert da.keys() == db.keys()
             assert all(abs(da[t] - db[t]) < 1e-4 for t in da)
+
+
+def test_quantization_flag_must_match_the_checkpoint() -> None:
+    from pagedllm.engine_args import EngineArgs
+
+    gptq, _ = qc.make_gptq(4, 128, False, True)
+    with pytest.raises(ValueError, match="quantization 'int8' conflicts with the checkpoint's quantization_config "
+                                         "\\(quant_method 'gptq'\\)"):
+        EngineArgs(model=gptq, device="cpu", quantization="int8").create_engine_config()
+    assert EngineArgs(model=gptq, device="cpu", quantization="gptq").create_engine_config().model_config.quantization == "gptq"
+    with pytest.raises(ValueError, match="quantization 'awq' reads checkpoints stored that way.*no quantization_config"):
+        EngineArgs(model=qc.base_model(), device="cpu", quantization="awq").create_engine_config()
