@@ -222,7 +222,7 @@ def make_awq(group: int) -> tuple[str, str]:
 
 # ---- compressed-tensors -------------------------------------------------------------------------------------
 
-# name -> (format, scheme fields); every scheme targets the linears and leaves lm_head out.
+# name -> (format, scheme fields, and the ignore list where not just lm_head); every scheme targets the linears.
 CT_SCHEMES: dict[str, tuple[str, dict]] = {
     "ct-w4a16-g128-sym": ("pack-quantized", {"weights": dict(num_bits=4, type="int", symmetric=True, strategy="group",
                                                              group_size=128)}),
@@ -237,6 +237,10 @@ CT_SCHEMES: dict[str, tuple[str, dict]] = {
     "ct-w8a8-asym-act": ("int-quantized", {
         "weights": dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
         "input_activations": dict(num_bits=8, type="int", symmetric=False, strategy="token", dynamic=True)}),
+    # The MLP's down projections listed as unquantized: they load as float weights.
+    "ct-w4a16-g128-ignore-down": ("pack-quantized", {"weights": dict(num_bits=4, type="int", symmetric=True,
+                                                                     strategy="group", group_size=128),
+                                                     "ignore": ["lm_head", "re:.*mlp\\.down_proj"]}),
     "ct-fp8-block": ("float-quantized", {
         "weights": dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128]),
         "input_activations": dict(num_bits=8, type="float", symmetric=True, strategy="group", group_size=128,
@@ -248,8 +252,10 @@ def _ct_config(name: str):
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
     fmt, scheme = CT_SCHEMES[name]
+    scheme = dict(scheme)
+    ignore = scheme.pop("ignore", ["lm_head"])
     return fmt, QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], **scheme)},
-                                   ignore=["lm_head"])
+                                   ignore=ignore)
 
 
 def _weight_qparams(w: torch.Tensor, args):

@@ -54,6 +54,14 @@ def test_compressed_tensors_checkpoint_matches_the_library(name: str) -> None:
     assert pagedllm_greedy(path) == hf_greedy(qc.ct_reference_model(path))
 
 
+def test_ignored_linears_load_as_float_weights() -> None:
+    llm = _llm(qc.make_ct("ct-w4a16-g128-ignore-down"))
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    for layer in model.model.layers:
+        assert layer.mlp.down_proj.weight.dtype == torch.float32
+        assert layer.mlp.gate_up_proj.weight_packed.dtype == torch.int32
+
+
 @pytest.mark.parametrize(("bits", "group", "desc_act", "sym", "fmt"), [
     (4, 128, False, True, "gptq"),
     (4, 32, True, False, "gptq"),
