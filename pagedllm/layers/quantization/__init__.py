@@ -1,5 +1,5 @@
 """Weight quantization: the pass that quantizes a loaded model for an online method (``--quantization fp8``/``int8``);
-the methods checkpoints store are in this package's modules, by ``quant_method`` in ``base.py``."""
+the methods checkpoints store are in this package's modules, found by ``quant_method`` in ``registry.py``."""
 from __future__ import annotations
 
 import logging
