@@ -26,10 +26,12 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _KV_CACHE_TORCH_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
-# Weight quantization methods, vLLM's names: applied at load to a 16/32-bit checkpoint, or the layout a quantized
-# checkpoint stores. "fp8" holds every decoder linear in float8 e4m3 with one scale per output row, and quantizes
-# each activation row on the fly.
-QUANTIZATION_METHODS = ("fp8",)
+# Weight quantization methods, vLLM's names. The online ones are applied at load to a 16/32-bit checkpoint:
+# "fp8" holds every decoder linear in float8 e4m3 with one scale per output row and quantizes each activation row
+# on the fly; "int8" does the same in int8 (W8A8). The others name the layout a quantized checkpoint stores
+# (layers/quantization/), which its own quantization_config selects; passing one must match it.
+ONLINE_QUANTIZATION_METHODS = ("fp8", "int8")
+QUANTIZATION_METHODS = ONLINE_QUANTIZATION_METHODS + ("awq", "gptq", "compressed-tensors")
 
 
 def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -9,6 +9,7 @@ from typing import Any
 
 from pagedllm.config import (
     KV_CACHE_DTYPES,
+    ONLINE_QUANTIZATION_METHODS,
     QUANTIZATION_METHODS,
     CacheConfig,
     DeviceConfig,
@@ -158,12 +159,17 @@ class EngineArgs:
         hf_config = src.hf_config
         derived_max_len = _derive_max_model_len(hf_config)
         quantization = self.quantization
-        from pagedllm.model_loader.quant_config import checkpoint_fp8_spec
+        from pagedllm.model_loader.quant_config import checkpoint_quant_config
 
-        if checkpoint_fp8_spec(hf_config, warn=False) is not None:  # raises, naming it, for what is not supported
-            if quantization not in (None, "fp8"):
-                raise ValueError(f"quantization {quantization!r} conflicts with the checkpoint's float8 weights")
-            quantization = "fp8"
+        qconfig = checkpoint_quant_config(hf_config, warn=False)  # raises, naming it, for what is not supported
+        if qconfig is not None:
+            if quantization not in (None, qconfig.name, qconfig.engine_method):
+                raise ValueError(f"quantization {quantization!r} conflicts with the checkpoint's quantization_config "
+                                 f"(quant_method {qconfig.name!r})")
+            quantization = qconfig.engine_method
+        elif quantization is not None and quantization not in ONLINE_QUANTIZATION_METHODS:
+            raise ValueError(f"quantization {quantization!r} reads checkpoints stored that way, and {self.model} has no "
+                             f"quantization_config; methods applied at load: {', '.join(ONLINE_QUANTIZATION_METHODS)}")
         max_model_len = self.max_model_len or derived_max_len
         if max_model_len > derived_max_len:
             raise ValueError(

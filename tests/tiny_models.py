@@ -38,6 +38,8 @@ _KINDS: dict[str, tuple[str, dict]] = {
             }
         },
     ),
+    # Wide enough for 128-channel quantization groups and 128x128 float8 blocks (q 256, k/v 128 outputs).
+    "llama-wide": ("llama", {"hidden_size": 256, "intermediate_size": 512}),
     "llama-linear": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
     # A window shorter than the test prompts so the sliding mask is exercised.
     "mistral": ("mistral", {"sliding_window": 10}),

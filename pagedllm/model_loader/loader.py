@@ -27,29 +27,34 @@ _LOADERS: dict[str, tuple[str, str]] = {
 
 
 class DefaultModelLoader(BaseModelLoader):
-    """Safetensors (single or sharded) or PyTorch ``*.bin`` checkpoints in ``model_config.model``; a float8
-    checkpoint (``model_loader/quant_config.py``) loads into float8 linears as stored."""
+    """Safetensors (single or sharded) or PyTorch ``*.bin`` checkpoints in ``model_config.model``; a quantized
+    checkpoint (``model_loader/quant_config.py``) loads into its method's linears as stored."""
 
     def load_model(
         self, model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]
     ) -> nn.Module:
-        from pagedllm.model_loader.quant_config import UNUSED_SCALE_SUFFIXES, checkpoint_fp8_spec
+        from pagedllm.model_loader.quant_config import checkpoint_quant_config
 
-        spec = checkpoint_fp8_spec(model_config.hf_config)
-        if spec is None:
+        qconfig = checkpoint_quant_config(model_config.hf_config)
+        if qconfig is None:
             model = build_model(model_config, device, attn_backend)
         else:
             from pagedllm.layers.linear import default_linear_method
-            from pagedllm.layers.quantization.fp8 import Fp8LinearMethod, keep_ignored_unquantized
+            from pagedllm.layers.quantization.base import keep_ignored_unquantized
 
-            with default_linear_method(lambda: Fp8LinearMethod(serialized=True)):
+            with default_linear_method(qconfig.linear_method):
                 model = build_model(model_config, device, attn_backend)
-            keep_ignored_unquantized(model, spec.ignores)
+            keep_ignored_unquantized(model, qconfig.ignores)
         weights = iterate_weights(model_config.model, self.load_config.load_format)
-        if spec is not None:
-            weights = ((n, t) for n, t in weights if not n.endswith(UNUSED_SCALE_SUFFIXES))
+        if qconfig is not None and qconfig.skip_suffixes():
+            skip = qconfig.skip_suffixes()
+            weights = ((n, t) for n, t in weights if not n.endswith(skip))
         loaded = model.load_weights(weights)
         check_all_loaded(model, loaded, model_config.model)
+        if qconfig is not None:
+            from pagedllm.layers.quantization.base import process_loaded_weights
+
+            process_loaded_weights(model)
         return finalize_model(model, device, model_config.quantization)
 
 

@@ -11,7 +11,7 @@ from tiny_models import compressed_tensors_fp8_config, make_fp8_checkpoint, make
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod
-from pagedllm.model_loader.quant_config import checkpoint_fp8_spec
+from pagedllm.model_loader.quant_config import checkpoint_quant_config
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
@@ -81,24 +81,24 @@ def test_ignored_layers_stay_in_the_model_dtype(tiny: str, tmp_path) -> None:
         assert len(set(a[0]) & set(b[0])) >= 3
 
 
-@pytest.mark.parametrize(("cfg", "message"), [
-    ({"quant_method": "awq", "bits": 4}, "checkpoint quantization 'awq'"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise scales, weight_block_size"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}, "format 'pack-quantized'"),
+@pytest.mark.parametrize(("cfg", "error", "message"), [
+    ({"quant_method": "bitsandbytes", "bits": 4}, NotImplementedError, "checkpoint quantization 'bitsandbytes'.*awq"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, ValueError, "weight_block_size \\[128\\]"),
+    ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {}}, ValueError, "format 'marlin-24'"),
 ])
-def test_other_quantized_checkpoints_are_refused_by_name(cfg: dict, message: str) -> None:
+def test_other_quantized_checkpoints_are_refused_by_name(cfg: dict, error: type, message: str) -> None:
     class Config:
         quantization_config = cfg
 
-    with pytest.raises(NotImplementedError, match=message):
-        checkpoint_fp8_spec(Config())
+    with pytest.raises(error, match=message):
+        checkpoint_quant_config(Config())
 
 
-def test_spec_reads_ignore_lists() -> None:
+def test_config_reads_ignore_lists() -> None:
     class Config:
         quantization_config = dict(compressed_tensors_fp8_config("channel"), ignore=["lm_head", "re:.*mlp\\.down_proj"])
 
-    spec = checkpoint_fp8_spec(Config())
-    assert spec.weight_strategy == "channel" and not spec.static_activations
-    assert spec.ignores("lm_head") and spec.ignores("model.layers.3.mlp.down_proj")
-    assert not spec.ignores("model.layers.3.mlp.gate_up_proj")
+    config = checkpoint_quant_config(Config())
+    assert config.engine_method == "fp8" and not config.notes
+    assert config.ignores("lm_head") and config.ignores("model.layers.3.mlp.down_proj")
+    assert not config.ignores("model.layers.3.mlp.gate_up_proj")

@@ -1,4 +1,5 @@
-"""Weight quantization applied at load: the methods by name (``ModelConfig.quantization``) and the pass over a model."""
+"""Weight quantization: the pass that quantizes a loaded model for an online method (``--quantization fp8``/``int8``);
+the methods checkpoints store are in this package's modules, found by ``quant_method`` in ``registry.py``."""
 from __future__ import annotations
 
 import logging
@@ -6,7 +7,7 @@ import logging
 import torch
 from torch import nn
 
-from pagedllm.config import QUANTIZATION_METHODS
+from pagedllm.config import ONLINE_QUANTIZATION_METHODS, QUANTIZATION_METHODS
 
 logger = logging.getLogger("pagedllm")
 
@@ -16,14 +17,21 @@ def quantize_model(model: nn.Module, method: str) -> int:
     (so the peak is the loaded model plus one layer); layers a float8 checkpoint already filled stay as
     they are. Returns how many layers it quantized."""
     from pagedllm.layers.linear import LinearBase
+    from pagedllm.layers.quantization.base import QuantizedLinearMethod
     from pagedllm.layers.quantization.fp8 import Fp8LinearMethod, quantizable
 
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {method!r}")
+    if method not in ONLINE_QUANTIZATION_METHODS:
+        return 0  # the checkpoint stored its linears quantized; the loader filled them as they are
+    if method == "int8":
+        return _quantize_int8(model)
     done, kept = 0, []
     for name, layer in model.named_modules():
         if not isinstance(layer, LinearBase) or getattr(layer, "keep_unquantized", False):
             continue
+        if isinstance(layer.quant_method, QuantizedLinearMethod):
+            continue  # stored quantized another way (block-wise float8)
         if isinstance(layer.quant_method, Fp8LinearMethod) and layer.weight.dtype == torch.float8_e4m3fn:
             continue  # loaded in float8 from the checkpoint
         if not quantizable(layer):
@@ -58,4 +66,23 @@ def quantize_model(model: nn.Module, method: str) -> int:
             logger.warning("quantization %s: this GPU has no float8 tensor cores (compute capability < 8.9); "
                            "products run dequantized in float32, slower than the unquantized model", method)
         torch.cuda.empty_cache()  # the 16-bit weights' memory goes back for the KV cache
+    return done
+
+
+def _quantize_int8(model: nn.Module) -> int:
+    """Every 16/32-bit decoder linear to int8 rows with a scale each, activations quantized per token (W8A8)."""
+    from pagedllm.layers.linear import LinearBase, UnquantizedLinearMethod
+    from pagedllm.layers.quantization.int8 import W8A8Int8LinearMethod
+
+    done = 0
+    for layer in model.modules():
+        if not isinstance(layer, LinearBase) or getattr(layer, "keep_unquantized", False):
+            continue
+        if not isinstance(layer.quant_method, UnquantizedLinearMethod) or layer.weight.dim() != 2:
+            continue
+        layer.quant_method = W8A8Int8LinearMethod("symmetric")
+        W8A8Int8LinearMethod.quantize_loaded(layer)
+        done += 1
+    if next(model.parameters()).device.type == "cuda":
+        torch.cuda.empty_cache()
     return done

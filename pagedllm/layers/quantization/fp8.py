@@ -118,29 +118,6 @@ def _load_weight_scale(layer: nn.Module, param: nn.Parameter, loaded: torch.Tens
         layer.weight_loader(param, loaded, shard_id)
 
 
-def keep_ignored_unquantized(model: nn.Module, ignores) -> None:
-    """Gives the linears a float8 checkpoint lists as unquantized (``ignores(name)``) back their 16/32-bit
-    weight. A fused layer counts as ignored when its own name or a checkpoint name it fuses is."""
-    from pagedllm.layers.linear import LinearBase
-
-    fused: dict[str, list[str]] = {}  # fused parameter's module name -> checkpoint module names it holds
-    for param, ckpt, _ in getattr(model, "stacked_params_mapping", ()):
-        fused.setdefault(param, []).append(ckpt)
-    for name, layer in model.named_modules():
-        if not isinstance(layer, LinearBase):
-            continue
-        parent, _, leaf = name.rpartition(".")
-        names = [name] + [f"{parent}.{ckpt}" if parent else ckpt for ckpt in fused.get(leaf, [])]
-        if not any(ignores(n) for n in names):
-            continue
-        n_out, n_in = layer.weight.shape
-        del layer.weight_scale
-        layer.quant_method = UnquantizedLinearMethod()
-        with torch.device(layer.weight.device):
-            layer.quant_method.create_weights(layer, n_in, n_out, layer.bias is not None, layer.params_dtype)
-        layer.keep_unquantized = True
-
-
 def _scaled_product(
     x: Fp8Rows,  # [T, K] float8 rows and their [T, 1] scales
     layer: nn.Module,

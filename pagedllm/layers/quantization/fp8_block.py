@@ -1,0 +1,56 @@
+"""Block-wise float8 linears (DeepSeek-V3 / Qwen3-FP8 style): float8 e4m3 weights with one float32 scale per block
+of weights (128x128 in practice), activations quantized to float8 per token and group of input channels.
+
+The scales are ``weight_scale_inv`` [ceil(N/bn), ceil(K/bk)] in vLLM's ``fp8`` layout (``weight_block_size``)
+and ``weight_scale`` in compressed-tensors' ``block`` strategy; ``w = q * s[n // bn, k // bk]`` either way.
+Both shard by whole blocks: a q/k/v or gate/up shard, or a rank's slice, must start and end on a block.
+The torch path dequantizes both operands and multiplies in float32, as the oracle of a fused kernel.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.quantization.base import QuantizedLinearMethod
+from pagedllm.layers.quantization.packed_params import PackedParam
+from pagedllm.layers.quantization.unpack import block_dequantize
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+_EPS = torch.finfo(torch.float32).eps
+
+
+def fp8_group_quant_dequant(
+    x: torch.Tensor,  # [T, K]
+    group: int,
+) -> torch.Tensor:  # [T, K] float32: each row's groups of ``group`` channels through float8 and back
+    t, k = x.shape
+    pad = (-k) % group
+    xf = F.pad(x.float(), (0, pad)).view(t, -1, group)
+    scale = xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    scale = torch.where(scale == 0, torch.full_like(scale, _EPS), scale)
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (q.float() * scale).view(t, -1)[:, :k]
+
+
+class Fp8BlockLinearMethod(QuantizedLinearMethod):
+    def __init__(self, block: tuple[int, int], scale_name: str, act_group: int | None) -> None:
+        self.block = block
+        self.scale_name = scale_name
+        self.act_group = act_group  # None: activations stay in the model's dtype
+
+    def packed_params(self, input_size: int, output_size: int, full_input_size: int) -> list[PackedParam]:
+        bn, bk = self.block
+        scales = (-(-output_size // bn), -(-input_size // bk))
+        return [
+            PackedParam("weight", (output_size, input_size), FP8_DTYPE, 0, 1, 1, 1),
+            PackedParam(self.scale_name, scales, torch.float32, 0, bn, 1, bk),
+        ]
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:  # [N, K]
+        return block_dequantize(layer.weight, getattr(layer, self.scale_name), self.block)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        xd = x.float() if self.act_group is None else fp8_group_quant_dequant(x, self.act_group)
+        return F.linear(xd, self.dequantize(layer), None if bias is None else bias.float()).to(x.dtype)

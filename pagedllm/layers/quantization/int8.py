@@ -1,0 +1,116 @@
+"""INT8 W8A8 linears: int8 weights with a scale per output row, activations quantized per token at run time.
+
+Read from compressed-tensors ``int-quantized`` checkpoints (``weight`` int8 [N, K], ``weight_scale`` [N, 1],
+``weight_zero_point`` [N, 1] for asymmetric weights) and made at load by ``--quantization int8``, which
+quantizes each row of a 16/32-bit weight symmetrically as compressed-tensors does (largest magnitude over
+127.5, rounded to nearest, clamped to [-128, 127]), so both give the same weights. Activations follow the
+same arithmetic per token, symmetric or asymmetric (a zero point per token). The product multiplies the
+int8 operands exactly in int32 (``torch._int_mm``) and applies the scales, and the activations' zero points
+through each row's weight sum, to that; asymmetric weights take the dequantized float path instead.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.quantization.base import QuantizedLinearMethod
+from pagedllm.layers.quantization.packed_params import PackedParam
+
+QMIN, QMAX = -128, 127
+_EPS = torch.finfo(torch.float32).eps  # a scale of zero (a row of zeros) becomes this
+
+
+def int8_qparams(
+    x: torch.Tensor,  # [M, K]
+    symmetric: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # scales [M, 1] float32, zero points [M, 1] float32 or None
+    """Per-row scale (and zero point) of compressed-tensors' arithmetic: the range always holds zero."""
+    xf = x.float()
+    lo = xf.amin(dim=-1, keepdim=True).clamp(max=0)
+    hi = xf.amax(dim=-1, keepdim=True).clamp(min=0)
+    if symmetric:
+        scale = torch.maximum(lo.abs(), hi) / ((QMAX - QMIN) / 2)
+        return torch.where(scale == 0, torch.full_like(scale, _EPS), scale), None
+    scale = (hi - lo) / (QMAX - QMIN)
+    scale = torch.where(scale == 0, torch.full_like(scale, _EPS), scale)
+    zero = torch.round((QMIN - lo / scale).clamp(QMIN, QMAX))
+    return scale, zero
+
+
+def quantize_int8_rows(
+    x: torch.Tensor,  # [M, K]
+    symmetric: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # q [M, K] int8, scales [M, 1], zero points [M, 1]
+    scale, zero = int8_qparams(x, symmetric)
+    scaled = x.float() / scale
+    if zero is not None:
+        scaled = scaled + zero
+    return torch.round(scaled.clamp(QMIN, QMAX)).to(torch.int8), scale, zero
+
+
+def _int_mm_usable(xq: torch.Tensor, wq: torch.Tensor) -> bool:
+    if xq.device.type == "cpu":
+        return True
+    # cuBLAS's int8 product: more than 16 rows, both inner and outer sizes multiples of 8.
+    return xq.shape[0] > 16 and xq.shape[1] % 8 == 0 and wq.shape[0] % 8 == 0
+
+
+def w8a8_linear(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K] int8
+    weight_scale: torch.Tensor,  # [N, 1]
+    bias: torch.Tensor | None,  # [N]
+    act_symmetric: bool,
+) -> torch.Tensor:  # [T, N] in x's dtype
+    xq, xs, xz = quantize_int8_rows(x, act_symmetric)
+    if _int_mm_usable(xq, weight):
+        acc = torch._int_mm(xq, weight.t())  # [T, N] int32, exact
+    else:
+        acc = (xq.float() @ weight.float().t()).round().to(torch.int32)
+    y = acc.float()
+    if xz is not None:
+        y = y - xz * weight.sum(dim=1, dtype=torch.int32).float()[None, :]
+    y = y * xs * weight_scale.float().view(1, -1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+class W8A8Int8LinearMethod(QuantizedLinearMethod):
+    """``act``: ``"symmetric"`` or ``"asymmetric"`` per-token activations, or None (weight-only, W8A16)."""
+
+    def __init__(self, act: str | None = "symmetric", weight_symmetric: bool = True) -> None:
+        self.act = act
+        self.weight_symmetric = weight_symmetric
+
+    def packed_params(self, input_size: int, output_size: int, full_input_size: int) -> list[PackedParam]:
+        params = [
+            PackedParam("weight", (output_size, input_size), torch.int8, 0, 1, 1, 1),
+            PackedParam("weight_scale", (output_size, 1), torch.float32, 0, 1),
+        ]
+        if not self.weight_symmetric:
+            params.append(PackedParam("weight_zero_point", (output_size, 1), torch.int8, 0, 1))
+        return params
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:  # [N, K]
+        w = layer.weight.float()
+        if not self.weight_symmetric:
+            w = w - layer.weight_zero_point.float()
+        return w * layer.weight_scale.float()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.act is None:
+            return F.linear(x, self.dequantize(layer).to(x.dtype), bias)
+        if self.weight_symmetric and x.shape[0] > 0:
+            return w8a8_linear(x, layer.weight, layer.weight_scale, bias, self.act == "symmetric")
+        xq, xs, xz = quantize_int8_rows(x, self.act == "symmetric")
+        xd = (xq.float() - (xz if xz is not None else 0)) * xs
+        return F.linear(xd, self.dequantize(layer), None if bias is None else bias.float()).to(x.dtype)
+
+    @staticmethod
+    def quantize_loaded(layer: nn.Module) -> None:
+        """``--quantization int8``: replaces ``layer.weight`` [N, K] by its int8 rows and adds ``weight_scale`` [N, 1]."""
+        q, scale, _ = quantize_int8_rows(layer.weight.data, symmetric=True)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)

@@ -1,0 +1,139 @@
+"""Quantized checkpoints (AWQ, GPTQ, compressed-tensors W4A16 / W8A16 / W8A8, block-wise float8) and ``--quantization
+int8`` end to end: greedy tokens over a few prompts equal the reference's in float32 (``quant_checkpoints.py``
+says what each reference is)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("compressed_tensors")
+
+import quant_checkpoints as qc  # noqa: E402
+
+from pagedllm import LLM, SamplingParams  # noqa: E402
+
+PROMPTS = [list(range(5 + 3 * i, 21 + 11 * i)) for i in range(4)]
+MAX_TOKENS = 8
+
+
+def _llm(path: str, **kw) -> LLM:
+    return LLM(model=path, dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 23, max_model_len=128,
+               skip_tokenizer_init=True, **kw)
+
+
+def pagedllm_greedy(path: str, **kw) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = _llm(path, **kw).generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@torch.no_grad()
+def hf_greedy(model) -> list[list[int]]:
+    tokens = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        for _ in range(MAX_TOKENS):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        tokens.append(ids[0, len(prompt):].tolist())
+    return tokens
+
+
+def _hf_dir(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("name", list(qc.CT_SCHEMES))
+def test_compressed_tensors_checkpoint_matches_the_library(name: str) -> None:
+    path = qc.make_ct(name)
+    assert pagedllm_greedy(path) == hf_greedy(qc.ct_reference_model(path))
+
+
+def test_ignored_linears_load_as_float_weights() -> None:
+    llm = _llm(qc.make_ct("ct-w4a16-g128-ignore-down"))
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    for layer in model.model.layers:
+        assert layer.mlp.down_proj.weight.dtype == torch.float32
+        assert layer.mlp.gate_up_proj.weight_packed.dtype == torch.int32
+
+
+@pytest.mark.parametrize(("bits", "group", "desc_act", "sym", "fmt"), [
+    (4, 128, False, True, "gptq"),
+    (4, 32, True, False, "gptq"),
+    (4, 64, True, True, "gptq_v2"),
+    (8, 128, True, False, "gptq"),
+    (8, -1, False, True, "gptq"),
+    (4, -1, True, False, "gptq"),
+])
+def test_gptq_checkpoint_matches_its_dequantized_weights(bits, group, desc_act, sym, fmt) -> None:
+    path, ref = qc.make_gptq(bits, group, desc_act, sym, fmt)
+    assert pagedllm_greedy(path) == hf_greedy(_hf_dir(ref))
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_awq_checkpoint_matches_its_dequantized_weights(group: int) -> None:
+    path, ref = qc.make_awq(group)
+    assert pagedllm_greedy(path) == hf_greedy(_hf_dir(ref))
+
+
+def test_fp8_block_checkpoint_in_vllm_layout_equals_compressed_tensors(tmp_path) -> None:
+    """vLLM's ``fp8`` layout with ``weight_block_size`` holds the same numbers under other names."""
+    from safetensors.torch import load_file, save_file
+
+    src = qc.make_ct("ct-fp8-block")
+    dst = tmp_path / "fp8-block"
+    shutil.copytree(src, dst)
+    tensors = {(k[: -len("weight_scale")] + "weight_scale_inv" if k.endswith(".weight_scale") else k): v
+               for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128], "ignored_layers": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    llm = _llm(str(dst))
+    assert llm.llm_engine.config.model_config.quantization == "fp8"
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == pagedllm_greedy(src)
+
+
+def test_online_int8_equals_the_compressed_tensors_w8a8_checkpoint() -> None:
+    """``--quantization int8`` rounds each weight row as compressed-tensors does, so a float model quantized at load
+    and the W8A8 checkpoint compressed-tensors makes of it give the same logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+
+    def run(path: str, **kw):
+        outs = _llm(path, **kw).generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs] for o in outs]
+
+    online = run(qc.base_model(), quantization="int8")
+    stored = run(qc.make_ct("ct-w8a8"))
+    for a, b in zip(online, stored):
+        for da, db in zip(a, b):
+            assert da.keys() == db.keys()
+            assert all(abs(da[t] - db[t]) < 1e-4 for t in da)
+
+
+def test_quantization_flag_must_match_the_checkpoint() -> None:
+    from pagedllm.engine_args import EngineArgs
+
+    gptq, _ = qc.make_gptq(4, 128, False, True)
+    with pytest.raises(ValueError, match="quantization 'int8' conflicts with the checkpoint's quantization_config "
+                                         "\\(quant_method 'gptq'\\)"):
+        EngineArgs(model=gptq, device="cpu", quantization="int8").create_engine_config()
+    assert EngineArgs(model=gptq, device="cpu", quantization="gptq").create_engine_config().model_config.quantization == "gptq"
+    with pytest.raises(ValueError, match="quantization 'awq' reads checkpoints stored that way.*no quantization_config"):
+        EngineArgs(model=qc.base_model(), device="cpu", quantization="awq").create_engine_config()
+
+
+@pytest.mark.parametrize("name", ["ct-w4a16-g128-sym", "ct-w4a16-channel", "ct-w8a8", "ct-fp8-block"])
+def test_compressed_tensors_checkpoint_matches_transformers(name: str) -> None:
+    """transformers loading the checkpoint itself (through compressed-tensors) gives the same tokens. Asymmetric
+    packed zero points are left out: this transformers release sizes them unpacked and refuses the checkpoint."""
+    path = qc.make_ct(name)
+    assert pagedllm_greedy(path) == hf_greedy(_hf_dir(path))
