@@ -85,10 +85,10 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
 def _build_core(engine_args: dict[str, Any]):
     from pagedllm.engine.engine_core import EngineCore
     from pagedllm.engine_args import EngineArgs
-    from pagedllm.executor.base import UniProcExecutor
+    from pagedllm.executor.selector import make_executor
 
     config = EngineArgs(**engine_args).create_engine_config()
-    return EngineCore(config, UniProcExecutor(config))
+    return EngineCore(config, make_executor(config))
 
 
 def _close(ctx, *socks) -> None:
