@@ -173,6 +173,7 @@ class MultiprocExecutor(Executor):
         self._collect()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._raise_if_failed()
         self._broadcast(m.execute_message(scheduler_output, self._sampled))
         answers = self._collect()
         output = answers[self.driver_rank].output
