@@ -134,6 +134,7 @@ class _BusyLoop:
                 return
             busy = self.core.has_unfinished_requests()
             if not busy and not self.inp.poll(_IDLE_POLL_MS, zmq.POLLIN):
+                self.core.executor.check_health()  # an idle engine must notice a dead worker too
                 continue
             delay = self.core.submit_delay_s()
             if delay > 0:

@@ -188,6 +188,12 @@ class MultiprocExecutor(Executor):
         self._broadcast(m.Reset())
         self._collect()
 
+    def check_health(self) -> None:
+        self._raise_if_failed()
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                self._fail(rank, self._death(rank))
+
     def shutdown(self) -> None:
         if self._failed is None:
             data = self._encoder.encode(m.Shutdown())
