@@ -155,7 +155,8 @@ class Worker:
         # Logits in float32 plus a sort's values and int64 indices when a batch samples with top-p.
         mem.sampler = sc.max_num_seqs * mc.vocab_size * 16
         mem.attention = self.model_runner.attn_backend.workspace_bytes(
-            sc.max_num_seqs + 1, self.model_runner.num_heads, self.model_runner.num_kv_heads, mc.head_size, self.config.kv_cache_dtype.itemsize)
+            sc.max_num_seqs + 1, self.model_runner.num_heads, self.model_runner.num_kv_heads, mc.head_size,
+            self.config.kv_cache_dtype.itemsize)
         mem.graph_pool = self._graph_pool_estimate(mem.activations, profile_tokens)
         # What other processes and this one's CUDA context hold counts against our share too.
         mem.non_torch = max(total - free_before - torch.cuda.memory_reserved(), 0)
@@ -191,8 +192,8 @@ class Worker:
         if self.device.type == "cuda":
             sc, mc = self.config.scheduler_config, self.config.model_config
             self.model_runner.attn_backend.reserve_workspace(
-                self.device, sc.max_num_seqs + 1, self.model_runner.num_heads, self.model_runner.num_kv_heads, mc.head_size,
-                self.config.kv_cache_dtype.itemsize)
+                self.device, sc.max_num_seqs + 1, self.model_runner.num_heads, self.model_runner.num_kv_heads,
+                mc.head_size, self.config.kv_cache_dtype.itemsize)
             # Triton compiles on first use; a variant first met mid-serving would stall every request.
             t0 = time.perf_counter()
             self.model_runner.warm_up_kernels()
