@@ -106,16 +106,76 @@ class ModelConfig:
         head_dim = getattr(self.hf_config, "head_dim", None)
         return int(head_dim or self.hf_config.hidden_size // self.num_heads)
 
-    def kv_bytes_per_token(self, cache_dtype: torch.dtype | None = None) -> int:
-        """Bytes of K and V across all layers for one token, in ``cache_dtype`` (default: the model's dtype)."""
+    def kv_bytes_per_token(self, cache_dtype: torch.dtype | None = None, num_layers: int | None = None,
+                           num_kv_heads: int | None = None) -> int:
+        """Bytes of K and V for one token, in ``cache_dtype`` (default: the model's dtype), across all layers
+        and KV heads unless a rank's share (``num_layers``, ``num_kv_heads``) is given."""
         elem = (cache_dtype or self.dtype).itemsize
-        return 2 * self.num_layers * self.num_kv_heads * self.head_size * elem
+        layers = self.num_layers if num_layers is None else num_layers
+        kv_heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return 2 * layers * kv_heads * self.head_size * elem
+
+    def num_kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
+        """KV heads each tensor-parallel rank holds: a share, or one replicated head when there are fewer."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
+
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # "uni": one worker in the engine's process; "mp": one spawned process per rank on this host;
+    # "ray": refused for now. None: "uni" for one rank, "mp" for more.
+    distributed_executor_backend: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
+
+    def check(self) -> None:
+        """Sizes and backend alone, before any model is read."""
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)} "
+                             f"or None; got {backend!r}")
+        if backend == "ray":
+            raise NotImplementedError("distributed_executor_backend='ray' is not implemented yet; use 'mp'")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size "
+                             f"{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size} "
+                             f"= {self.world_size} ranks; use 'mp'")
+
+    def check_model(self, model_config: ModelConfig) -> None:
+        """What the model's shapes allow, named with their numbers (called before any weight is loaded)."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        heads, kv_heads, layers = model_config.num_heads, model_config.num_kv_heads, model_config.num_layers
+        if heads % tp:
+            raise ValueError(f"the model's {heads} attention heads are not divisible by tensor_parallel_size {tp}")
+        if kv_heads >= tp and kv_heads % tp:
+            raise ValueError(f"the model's {kv_heads} KV heads are not divisible by tensor_parallel_size {tp}")
+        if kv_heads < tp and tp % kv_heads:
+            raise ValueError(f"tensor_parallel_size {tp} is not a multiple of the model's {kv_heads} KV heads "
+                             "(each KV head must be replicated on a whole number of ranks)")
+        cfg = model_config.hf_config
+        for name in ("intermediate_size", "hidden_size"):
+            size = getattr(cfg, name, None)
+            if isinstance(size, int) and size % tp:
+                raise ValueError(f"the model's {name} {size} is not divisible by tensor_parallel_size {tp}")
+        if layers < pp:
+            raise ValueError(f"the model's {layers} layers are fewer than pipeline_parallel_size {pp}")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     ONLINE_QUANTIZATION_METHODS,
     QUANTIZATION_METHODS,
@@ -52,6 +53,8 @@ class EngineArgs:
     enforce_eager: bool = False
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     download_dir: str | None = None
     attention_backend: str | None = None
     num_gpu_blocks_override: int | None = None
@@ -95,7 +98,15 @@ class EngineArgs:
         parser.add_argument("--skip-tokenizer-init", action="store_true")
         parser.add_argument("--enforce-eager", action="store_true")
         parser.add_argument("--trust-remote-code", action="store_true")
-        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                            help="ranks that split each layer's heads and MLP (one process each)")
+        parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                            help="stages that each run a contiguous range of the layers (one process per rank)")
+        parser.add_argument(
+            "--distributed-executor-backend", type=str, default=None, choices=list(DISTRIBUTED_EXECUTOR_BACKENDS),
+            help="how workers run: uni (in this process; one rank only), mp (a spawned process per rank on "
+            "this host; the default for more than one rank); ray is not implemented yet",
+        )
         parser.add_argument("--download-dir", type=str, default=None)
         parser.add_argument("--attention-backend", type=str, default=None, choices=["cpu", "torch_ref", "triton"])
         parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -146,8 +157,14 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.reasoning_parser is not None:
             reasoning_markers(self.reasoning_parser)  # raises, naming the known parsers
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet (only 1)")
+        self._parallel_config().check()
+
+    def _parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
 
     def create_engine_config(self) -> EngineConfig:
         from pagedllm.model_loader.model_source import load_model_source
@@ -201,6 +218,23 @@ class EngineArgs:
             gguf_file=src.gguf_file,
             quantization=quantization,
         )
+        parallel_config = self._parallel_config()
+        parallel_config.check_model(model_config)  # shapes against rank counts, before any weight loads
+        if parallel_config.world_size > 1 and device == "cuda" and not self.enforce_eager:
+            raise NotImplementedError(
+                f"CUDA graphs with tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
+                f"{self.pipeline_parallel_size} (an all-reduce inside a captured graph) are not implemented yet; "
+                "pass enforce_eager=True (--enforce-eager)"
+            )
+        async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
+        if parallel_config.world_size > 1:
+            if self.async_scheduling:
+                raise NotImplementedError(
+                    f"async_scheduling with tensor_parallel_size {self.tensor_parallel_size} x "
+                    f"pipeline_parallel_size {self.pipeline_parallel_size} is not implemented yet; "
+                    "pass async_scheduling=False (--no-async-scheduling)"
+                )
+            async_scheduling = False
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -216,10 +250,10 @@ class EngineArgs:
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
-                async_scheduling=device == "cuda" if self.async_scheduling is None else self.async_scheduling,
+                async_scheduling=async_scheduling,
                 submit_just_in_time=self.submit_just_in_time,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=parallel_config,
             device_config=DeviceConfig(device=device),
             load_config=LoadConfig(load_format=src.load_format, download_dir=self.download_dir),
             attention_backend=self.attention_backend,

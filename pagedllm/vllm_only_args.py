@@ -2,8 +2,8 @@
 
 A vLLM script or command line often carries options such as ``disable_log_stats=True`` or
 ``--swap-space 4``. pagedllm has nothing to apply them to (it preempts by recomputation, runs one
-process, logs no periodic stats offline), so at the values that mean "as usual" they are accepted and
-dropped with a log line. A value that asks for a feature pagedllm lacks (pipeline parallelism, LoRA,
+process per rank, logs no periodic stats offline), so at the values that mean "as usual" they are accepted and
+dropped with a log line. A value that asks for a feature pagedllm lacks (LoRA,
 CPU offload, another tokenizer mode) is an error naming the argument, the value and what is supported.
 """
 from __future__ import annotations
@@ -35,9 +35,7 @@ VLLM_ONLY_ARGS: dict[str, tuple[Callable[[Any], bool], str, Any]] = {
     "tokenizer_mode": (_is("auto", "hf"), "'auto' (the Hugging Face tokenizer)", str),
     "disable_log_stats": (_any_bool, "True or False (no periodic stats are logged offline)", bool),
     "swap_space": (_number_at_least(0), "any size >= 0 (preemption recomputes; nothing is swapped)", float),
-    "pipeline_parallel_size": (_is(1), "1", int),
-    "distributed_executor_backend": (_is(None, "uni", "mp"), "None, 'uni' or 'mp' (one worker)", str),
-    "disable_custom_all_reduce": (_any_bool, "True or False (one GPU, no all-reduce)", bool),
+    "disable_custom_all_reduce": (_any_bool, "True or False (all-reduce goes through torch.distributed)", bool),
     "max_seq_len_to_capture": (_number_at_least(1), "any length >= 1 (graphs serve every context)", int),
     "cpu_offload_gb": (_is(0), "0", float),
     "enable_lora": (_is(False), "False", bool),
@@ -69,7 +67,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         if kind is None:
             continue
         flag = "--" + name.replace("_", "-")
-        extra = ["-pp"] if name == "pipeline_parallel_size" else []
+        extra: list[str] = []
         if kind is bool:
             parser.add_argument(flag, *extra, action="store_true", default=None, help=f"vLLM's; here {supported}")
         else:

@@ -38,7 +38,7 @@ LAYERS = (
     ("pagedllm.model_loader",),
     ("pagedllm.models",),
     ("pagedllm.layers",),
-    ("pagedllm.attention",),
+    ("pagedllm.attention", "pagedllm.distributed"),
     ("pagedllm.kernels",),
     ("pagedllm.config", "pagedllm.vllm_only_args"),
     ("pagedllm.core", "pagedllm.graph_config", "pagedllm.chat_templates"),

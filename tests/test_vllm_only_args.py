@@ -21,13 +21,12 @@ def test_a_vllm_script_s_options_start_the_engine_unchanged(tmp_path, caplog):
     expected = LLM(**common).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         llm = LLM(**common, disable_log_stats=True, swap_space=4, revision="main", tokenizer_mode="auto",
-                  max_seq_len_to_capture=8192, distributed_executor_backend="mp", enable_lora=False, task="generate")
+                  max_seq_len_to_capture=8192, distributed_executor_backend="uni", enable_lora=False, task="generate")
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
     assert "disable_log_stats=True" in caplog.text and "swap_space=4" in caplog.text
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported by pagedllm; it takes 1"),
     ({"enable_lora": True}, "enable_lora=True is not supported"),
     ({"cpu_offload_gb": 8}, "cpu_offload_gb=8"),
     ({"tokenizer_mode": "mistral"}, "tokenizer_mode='mistral' is not supported by pagedllm; it takes 'auto'"),
@@ -53,6 +52,6 @@ def test_a_vllm_command_line_parses():
     args = parser.parse_args(["serve", "m", "--disable-log-stats", "--disable-log-requests", "--swap-space", "4",
                               "-pp", "1", "--max-seq-len-to-capture", "8192", "--tokenizer-mode", "auto"])
     EngineArgs.from_cli_args(args)  # accepted
-    args = parser.parse_args(["bench", "throughput", "--model", "m", "--pipeline-parallel-size", "2"])
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+    args = parser.parse_args(["bench", "throughput", "--model", "m", "--cpu-offload-gb", "2"])
+    with pytest.raises(ValueError, match="cpu_offload_gb=2"):
         EngineArgs.from_cli_args(args)

@@ -106,19 +106,20 @@ _KINDS: dict[str, tuple[str, dict]] = {
 TINY_KINDS = tuple(_KINDS)
 
 
-def tiny_config(kind: str):
+def tiny_config(kind: str, **extra):
+    """``extra``: config fields over the kind's own (e.g. a vocabulary or layer count a test needs)."""
     from transformers import AutoConfig
 
     if kind not in _KINDS:
         raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(_KINDS)}")
     model_type, overrides = _KINDS[kind]
-    kwargs = {**_BASE, **overrides}
+    kwargs = {**_BASE, **overrides, **extra}
     config = AutoConfig.for_model(model_type, **kwargs)
     config.dtype = torch.float32
     return config
 
 
-def make_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0) -> str:
+def make_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0, **config_overrides) -> str:
     """Writes a tiny random ``kind`` model (config.json + model.safetensors) to ``path`` and returns it.
 
     Norm weights and biases are randomized too (HF initializes them to 1 and 0), so a parity test
@@ -127,7 +128,7 @@ def make_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0) -> str:
     from transformers import AutoModelForCausalLM
 
     path = os.fspath(path)
-    config = tiny_config(kind)
+    config = tiny_config(kind, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)

@@ -75,7 +75,9 @@ class CoreClient:
             target=target,
             args=(dataclasses.asdict(engine_args), input_addr, output_addr, os.getpid()),
             name="pagedllm-engine-core",
-            daemon=True,
+            # A daemonic process may not start processes: with several ranks the core starts a worker per
+            # rank, and notices a vanished front-end through the parent pid it is given instead.
+            daemon=engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size == 1,
         )
         self.proc.start()
 

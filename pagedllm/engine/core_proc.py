@@ -85,10 +85,10 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
 def _build_core(engine_args: dict[str, Any]):
     from pagedllm.engine.engine_core import EngineCore
     from pagedllm.engine_args import EngineArgs
-    from pagedllm.executor.base import UniProcExecutor
+    from pagedllm.executor.selector import make_executor
 
     config = EngineArgs(**engine_args).create_engine_config()
-    return EngineCore(config, UniProcExecutor(config))
+    return EngineCore(config, make_executor(config))
 
 
 def _close(ctx, *socks) -> None:
@@ -134,6 +134,7 @@ class _BusyLoop:
                 return
             busy = self.core.has_unfinished_requests()
             if not busy and not self.inp.poll(_IDLE_POLL_MS, zmq.POLLIN):
+                self.core.executor.check_health()  # an idle engine must notice a dead worker too
                 continue
             delay = self.core.submit_delay_s()
             if delay > 0:

@@ -9,7 +9,8 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine_args import EngineArgs
-from pagedllm.executor.base import Executor, UniProcExecutor
+from pagedllm.executor.base import Executor
+from pagedllm.executor.selector import make_executor
 from pagedllm.model_loader.tokenizer import get_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -22,7 +23,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(config.model_config)
         self.processor = Processor(config.model_config, self.tokenizer)
-        self.engine_core = EngineCore(config, executor or UniProcExecutor(config))
+        self.engine_core = EngineCore(config, executor or make_executor(config))
         # Structured outputs compile against this tokenizer instead of loading it a second time.
         self.engine_core.tokenizer = self.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -59,3 +60,7 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stops the engine core's workers (worker processes of a multiprocess executor)."""
+        self.engine_core.shutdown()

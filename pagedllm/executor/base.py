@@ -51,6 +51,9 @@ class Executor(ABC):
         come back as new ones. Raises when the device cannot go on (a CUDA error poisons its context)."""
         self._outputs.clear()
 
+    def check_health(self) -> None:
+        """Raises when a worker can no longer serve (it died); called while the engine is idle."""
+
     def shutdown(self) -> None:
         pass
 

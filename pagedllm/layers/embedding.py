@@ -5,28 +5,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.cpu_linear import PackedWeight, cpu_linear
 
 
 class VocabEmbedding(nn.Module):
-    """Embedding table whose rows (tokens) are split evenly over ranks; the last shard is zero-padded."""
+    """Embedding table whose rows (tokens) are split evenly over the tensor-parallel ranks (by default those
+    of the current group); a vocabulary that does not divide is padded, the padding rows zero."""
 
     def __init__(
         self,
         num_embeddings: int,
         embedding_dim: int,
         params_dtype: torch.dtype | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
         super().__init__()
+        group = get_tp_group()
+        self.tp_group = group
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
+        self.tp_rank = group.rank_in_group if tp_rank is None else tp_rank
+        self.tp_size = group.world_size if tp_size is None else tp_size
+        tp_rank, tp_size = self.tp_rank, self.tp_size
         self.shard_size = -(-num_embeddings // tp_size)
         self.vocab_start = tp_rank * self.shard_size
-        self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
+        self.vocab_end = max(min(self.vocab_start + self.shard_size, num_embeddings), self.vocab_start)
         dtype = params_dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -47,8 +52,7 @@ class VocabEmbedding(nn.Module):
         in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_shard, input_ids - self.vocab_start, 0)
         out = F.embedding(local_ids, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
-        torch.distributed.all_reduce(out)
-        return out
+        return self.tp_group.all_reduce(out)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}"
@@ -63,8 +67,8 @@ class ParallelLMHead(VocabEmbedding):
         embedding_dim: int,
         bias: bool = False,
         params_dtype: torch.dtype | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, params_dtype, tp_rank, tp_size)
         if bias:
@@ -93,8 +97,10 @@ class ParallelLMHead(VocabEmbedding):
         soft_cap: float | None = None,
         float32: bool = True,
         out: torch.Tensor | None = None,  # [>= N, shard] in the weight's dtype, on the weight's GPU
-    ) -> torch.Tensor:  # [N, vocab] float32, or the weight's dtype when float32=False and no soft cap
-        """``float32=False`` skips the float32 copy when only an argmax follows: the conversion is exact,
+    ) -> torch.Tensor | None:  # [N, vocab] float32, or the weight's dtype when float32=False and no soft cap
+        """Under tensor parallelism each rank computes its vocabulary shard's logits and they are gathered on
+        the group's first rank, the one that samples; the others return None.
+        ``float32=False`` skips the float32 copy when only an argmax follows: the conversion is exact,
         so the argmax (first maximum included) is the same; a soft cap is always applied in float32.
         ``out``: the product of N > 1 rows is written into its first N rows (one rank only), by the same
         cuBLAS call as ``F.linear``; the logits returned may then be a view of it."""
@@ -116,9 +122,9 @@ class ParallelLMHead(VocabEmbedding):
             if logits is None:
                 logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, logits)
-            logits = torch.cat(parts, dim=-1)
+            logits = self.tp_group.gather(logits, dst=0, dim=-1)
+            if logits is None:
+                return None
         logits = logits[..., : self.num_embeddings]
         if not float32 and soft_cap is None:
             return logits

@@ -1,9 +1,11 @@
 """Linear layers in vLLM's tensor-parallel shapes; each weight_loader takes its shard of a checkpoint tensor.
 
-Tensor parallelism is not wired in yet (tp_size is 1), but the sharding arithmetic lives here so
-it can arrive without touching the models: column-parallel layers split their output dimension,
-row-parallel layers their input dimension, and fused layers (QKV, gate/up) load each logical
-checkpoint tensor into its slice of the fused parameter.
+A layer built without ``tp_rank``/``tp_size`` takes them from the current tensor-parallel group
+(``distributed.get_tp_group()``; a group of one in a single process), so models need no change:
+column-parallel layers split their output dimension, row-parallel layers their input dimension (and
+all-reduce their partial sums), and fused layers (QKV, gate/up) load each logical checkpoint tensor
+into its slice of the fused parameter. Loaders narrow a checkpoint tensor to the rank's rows before
+copying, so a lazily read tensor is read only in that part.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.cpu_linear import PackedWeight, cpu_linear
 
 ShardId = int | str | None
@@ -103,17 +106,19 @@ class LinearBase(nn.Module):
         bias: bool = False,
         params_dtype: torch.dtype | None = None,
         quant_method: LinearMethodBase | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
         super().__init__()
+        group = get_tp_group()
+        self.tp_group = group
         self.input_size = input_size
         self.output_size = output_size
         self.params_dtype = params_dtype or torch.get_default_dtype()
         factory = _DEFAULT_METHOD.get()
         self.quant_method = quant_method or (factory() if factory is not None else UnquantizedLinearMethod())
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
+        self.tp_rank = group.rank_in_group if tp_rank is None else tp_rank
+        self.tp_size = group.world_size if tp_size is None else tp_size
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         raise NotImplementedError
@@ -155,9 +160,7 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp] (or [T, out] if gathered)
         y = self.quant_method.apply(self, x, self.bias)
         if self.gather_output and self.tp_size > 1:
-            parts = [torch.empty_like(y) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, y)
-            y = torch.cat(parts, dim=-1)
+            y = self.tp_group.all_gather(y, dim=-1)
         return y
 
 
@@ -203,7 +206,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         **kwargs,
     ) -> None:
-        tp_size = kwargs.get("tp_size", 1)
+        tp_size = kwargs.get("tp_size")
+        if tp_size is None:
+            tp_size = get_tp_group().world_size
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads or total_num_heads
@@ -279,7 +284,7 @@ class RowParallelLinear(LinearBase):
             x = x.chunk(self.tp_size, dim=-1)[self.tp_rank]
         y = self.quant_method.apply(self, x, None)
         if self.reduce_results:
-            torch.distributed.all_reduce(y)
+            self.tp_group.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import LoadConfig, ModelConfig
+from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.model_loader.base import BaseModelLoader, build_model, check_all_loaded, finalize_model
 from pagedllm.model_loader.weight_utils import iterate_weights
 
@@ -45,7 +46,10 @@ class DefaultModelLoader(BaseModelLoader):
             with default_linear_method(qconfig.linear_method):
                 model = build_model(model_config, device, attn_backend)
             keep_ignored_unquantized(model, qconfig.ignores)
-        weights = iterate_weights(model_config.model, self.load_config.load_format)
+        # Under tensor parallelism each rank reads only its shard of every tensor, under pipeline parallelism
+        # only its stage's tensors.
+        sharded = get_tp_group().world_size * get_pp_group().world_size > 1
+        weights = iterate_weights(model_config.model, self.load_config.load_format, lazy=sharded)
         if qconfig is not None and qconfig.skip_suffixes():
             skip = qconfig.skip_suffixes()
             weights = ((n, t) for n, t in weights if not n.endswith(skip))

@@ -77,9 +77,16 @@ def pt_weights_iterator(files: Sequence[str]) -> Iterator[tuple[str, torch.Tenso
         del state
 
 
-def iterate_weights(model_path: str, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (name, tensor) of the checkpoint at ``model_path``, on the CPU, one file at a time."""
+def iterate_weights(
+    model_path: str, load_format: str = "auto", lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the checkpoint at ``model_path``, on the CPU, one file at a time. ``lazy``: safetensors
+    tensors come as ``LazyWeight``s, read only in the part a weight loader keeps (a tensor-parallel rank's shard)."""
     files, fmt = find_weight_files(model_path, load_format)
     if fmt == "safetensors":
+        if lazy:
+            from pagedllm.model_loader.lazy_weights import lazy_safetensors_iterator
+
+            return lazy_safetensors_iterator(files)
         return safetensors_weights_iterator(files)
     return pt_weights_iterator(files)

@@ -21,7 +21,10 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, cos_sin_once_per_step, get_rope
-from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, last_layer_only, layer_sliding_window
+from pagedllm.distributed.pipeline import IntermediateTensors
+from pagedllm.models.llama import (
+    LlamaAttention, LlamaForCausalLM, LlamaMLP, PipelineStage, PPMissingLayer, last_layer_only, layer_sliding_window,
+)
 
 # Checkpoint prefixes of a Gemma3ForConditionalGeneration (transformers 5 layout, then the older
 # hub layout) -> the text model's names; the vision tower and projector are not served.
@@ -130,7 +133,11 @@ class Gemma3Model(nn.Module):
         super().__init__()
         cfg = model_config.hf_config
         head_size = model_config.head_size
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.stage = stage = PipelineStage(cfg.num_hidden_layers)
+        # Tied by default: the last stage keeps the table for its LM head.
+        tied = bool(getattr(cfg, "tie_word_embeddings", True))
+        embeds = stage.first or (stage.last and tied)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size) if embeds else PPMissingLayer()
         # float32 like HF's buffer; it is cast to the activations' dtype at use, as HF does (in bf16
         # sqrt(640) becomes 25.25), so half-precision embeddings round the same way.
         self.register_buffer(
@@ -141,11 +148,11 @@ class Gemma3Model(nn.Module):
         self.rotary_embs = nn.ModuleDict(
             {lt: get_rope(cfg, head_size, model_config.max_model_len, layer_type=lt) for lt in sorted(set(layer_types))}
         )
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, i, head_size, self.rotary_embs[lt], attn_backend)
-            for i, lt in enumerate(layer_types)
+        self.layers = stage.build_layers(
+            cfg.num_hidden_layers,
+            lambda i: Gemma3DecoderLayer(cfg, i, head_size, self.rotary_embs[layer_types[i]], attn_backend),
         )
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.last else PPMissingLayer()
 
     def forward(
         self,
@@ -154,14 +161,22 @@ class Gemma3Model(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
         output_rows: torch.Tensor | None = None,  # [R] int64 (see LlamaForCausalLM.forward)
-    ) -> torch.Tensor:  # [T, H], or [R, H] with output_rows
-        hidden_states = self.embed_tokens(input_ids)
-        hidden_states = hidden_states * self.embed_scale.to(hidden_states.dtype)
-        residual = None
+        intermediate_tensors: IntermediateTensors | None = None,  # from the previous stage, unless first
+    ) -> torch.Tensor | IntermediateTensors:  # [T, H], or [R, H] with output_rows; a stage not last: T rows
+        stage = self.stage
+        if stage.first:
+            hidden_states = self.embed_tokens(input_ids)
+            hidden_states = hidden_states * self.embed_scale.to(hidden_states.dtype)
+            residual = None
+        else:
+            hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
+        layers = self.layers[stage.start : stage.end]
+        rows_per_layer = last_layer_only(output_rows if stage.last else None, len(layers))
         with cos_sin_once_per_step(self.rotary_embs.values(), positions):
-            for layer, kv_cache, rows in zip(self.layers, kv_caches, last_layer_only(output_rows, len(self.layers)),
-                                             strict=True):
+            for layer, kv_cache, rows in zip(layers, kv_caches, rows_per_layer, strict=True):
                 hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata, rows)
+        if not stage.last:
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

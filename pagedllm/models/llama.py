@@ -17,6 +17,8 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import get_pp_group
+from pagedllm.distributed.pipeline import IntermediateTensors, stage_layer_range
 from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import ParallelLMHead, VocabEmbedding
@@ -48,6 +50,29 @@ def layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
 def last_layer_only(output_rows: torch.Tensor | None, num_layers: int) -> list[torch.Tensor | None]:
     """Each layer's ``output_rows``: None for all but the last, which gets the caller's."""
     return [None] * (num_layers - 1) + [output_rows]
+
+
+class PPMissingLayer(nn.Identity):
+    """A module that another pipeline stage holds: no parameters here, and never called."""
+
+
+class PipelineStage:
+    """Which part of a decoder this process runs: layers [start, end), and whether it embeds the tokens
+    (the first stage) or applies the final norm (the last)."""
+
+    def __init__(self, num_layers: int) -> None:
+        pp = get_pp_group()
+        self.first, self.last = pp.is_first_rank, pp.is_last_rank
+        self.start, self.end = stage_layer_range(num_layers, pp.rank_in_group, pp.world_size)
+
+    def build_layers(self, num_layers: int, make) -> nn.ModuleList:
+        """``make(i)`` for this stage's layers, a placeholder for the others (checkpoint names keep their index)."""
+        return nn.ModuleList(make(i) if self.start <= i < self.end else PPMissingLayer() for i in range(num_layers))
+
+
+def missing_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Checkpoint name prefixes of the modules other pipeline stages hold."""
+    return tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, PPMissingLayer))
 
 
 class LlamaMLP(nn.Module):
@@ -184,13 +209,17 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         cfg = model_config.hf_config
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        rotary_emb = get_rope(cfg, model_config.head_size, model_config.max_model_len)
-        self.layers = nn.ModuleList(
-            layer_cls(cfg, i, model_config.head_size, rotary_emb, attn_backend, options)
-            for i in range(cfg.num_hidden_layers)
+        self.stage = stage = PipelineStage(cfg.num_hidden_layers)
+        # The last stage keeps the table too when the LM head shares it.
+        tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        embeds = stage.first or (stage.last and tied)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size) if embeds else PPMissingLayer()
+        self.rotary_emb = get_rope(cfg, model_config.head_size, model_config.max_model_len)
+        self.layers = stage.build_layers(
+            cfg.num_hidden_layers,
+            lambda i: layer_cls(cfg, i, model_config.head_size, self.rotary_emb, attn_backend, options),
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.last else PPMissingLayer()
 
     def forward(
         self,
@@ -199,13 +228,21 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
         output_rows: torch.Tensor | None = None,  # [R] int64 (see LlamaForCausalLM.forward)
-    ) -> torch.Tensor:  # [T, H], or [R, H] with output_rows
-        hidden_states, residual = self.embed_tokens(input_ids), None
+        intermediate_tensors: IntermediateTensors | None = None,  # from the previous stage, unless first
+    ) -> torch.Tensor | IntermediateTensors:  # [T, H], or [R, H] with output_rows; a stage not last: T rows
+        stage = self.stage
+        if stage.first:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
+        layers = self.layers[stage.start : stage.end]
+        rows_per_layer = last_layer_only(output_rows if stage.last else None, len(layers))
         # All layers share one rotary module.
-        with cos_sin_once_per_step([self.layers[0].self_attn.rotary_emb], positions):
-            for layer, kv_cache, rows in zip(self.layers, kv_caches, last_layer_only(output_rows, len(self.layers)),
-                                             strict=True):
+        with cos_sin_once_per_step([self.rotary_emb], positions):
+            for layer, kv_cache, rows in zip(layers, kv_caches, rows_per_layer, strict=True):
                 hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata, rows)
+        if not stage.last:
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -244,9 +281,12 @@ class LlamaForCausalLM(nn.Module):
         self.model_config = model_config
         self.model = self.build_decoder(model_config, attn_backend)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", self.default_tie_word_embeddings))
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+            if self.tie_word_embeddings:
+                self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
 
     def forward(
@@ -256,28 +296,32 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
         output_rows: torch.Tensor | None = None,  # [R] int64
-    ) -> torch.Tensor:  # [T, H], or [R, H] with output_rows
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:  # [T, H], or [R, H] with output_rows
         """Final hidden states of every token, or only of ``output_rows`` (those whose logits are wanted).
+        A pipeline stage other than the first continues from ``intermediate_tensors``; one other than the
+        last returns its hidden states and residual stream for the next stage instead.
 
         With ``output_rows``, the last layer still computes attention, and so the KV cache, for every
         token, then runs its output projection and MLP on those rows alone: in a 1000-token prefill of a
         32-layer model that is ~3% of the step's products saved.
         """
-        return self.model(input_ids, positions, kv_caches, attn_metadata, output_rows)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, output_rows, intermediate_tensors)
 
     def compute_logits(
         self, hidden_states: torch.Tensor, float32: bool = True, out: torch.Tensor | None = None
-    ) -> torch.Tensor:  # [N, H] -> [N, vocab] float32 (see ParallelLMHead.compute_logits for float32=False, out)
+    ) -> torch.Tensor | None:  # [N, H] -> [N, vocab] float32 (see ParallelLMHead.compute_logits: float32, out, None)
         return self.lm_head.compute_logits(hidden_states, soft_cap=self.final_logit_softcapping, float32=float32,
                                            out=out)
 
     def sliding_windows(self) -> list[int | None]:
         """One entry per layer, for the KV cache manager: the layer's window, or None for full attention."""
-        return [layer.self_attn.sliding_window for layer in self.model.layers]
+        return [getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # A tied head has no weight of its own; some checkpoints still carry a copy of it.
         skip_prefixes = ("lm_head.",) if self.tie_word_embeddings else ()
+        skip_prefixes += missing_prefixes(self)  # held by other pipeline stages
         return load_named_weights(
             self,
             self.checkpoint_weights(weights),

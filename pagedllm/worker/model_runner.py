@@ -20,6 +20,8 @@ import torch
 from pagedllm.attention import AttentionMetadata, get_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
+from pagedllm.distributed.pipeline import IntermediateTensors, stage_layer_range
 from pagedllm.sample.argmax import argmax_rows
 from pagedllm.sample.validity import INVALID_TOKEN_ID, check_sampled
 from pagedllm.worker.cuda_graphs import CudaGraphRunner, graph_sizes
@@ -54,6 +56,16 @@ class ModelRunner:
         self.max_num_seqs = sc.max_num_seqs
         self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.attn_backend = get_attn_backend(config.attention_backend, device.type)
+        # Under tensor/pipeline parallelism: this rank's layers and KV heads, and whether it samples (the
+        # first tensor rank of the last stage; the others learn the tokens from the executor).
+        pp, tp = get_pp_group(), get_tp_group()
+        self.pp_group = pp
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        self.is_driver = pp.is_last_rank and tp.is_first_rank
+        self.layer_start, self.layer_end = stage_layer_range(self.model_config.num_layers, pp.rank_in_group,
+                                                             pp.world_size)
+        self.num_kv_heads = self.model_config.num_kv_heads_per_rank(tp.world_size)
+        self.num_heads = self.model_config.num_heads // tp.world_size
         self.input_batch = InputBatch(self.block_size, self.max_num_seqs, self.max_blocks_per_req)
         graph_safe = getattr(self.attn_backend, "name", "") in _GRAPH_SAFE_BACKENDS
         gc = config.graph_config
@@ -108,13 +120,14 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
-        shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, mc.num_kv_heads, mc.head_size)
+        shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, mc.head_size)
         # No kernel reads a slot before it is written (the backends mask or redirect every position past a
         # request's end). On the CPU, zero-filling gigabytes up front took seconds of start-up; left
         # unwritten, the OS maps each page when a block first fills. A GPU memset is nearly free: keep it.
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty
         dtype = self.config.kv_cache_dtype
-        self.kv_caches = [alloc(shape, dtype=dtype, device=self.device) for _ in range(mc.num_layers)]
+        num_layers = self.layer_end - self.layer_start  # this pipeline stage's
+        self.kv_caches = [alloc(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def _decode_metadata(self, num_reqs: int, dev: DeviceInputs) -> AttentionMetadata:
@@ -239,8 +252,20 @@ class ModelRunner:
                 # Where graphs are possible, as a mixed graph would: one row per request slot, so that a
                 # graph and an eager pass of the same batch run the last layer at the same sizes.
                 rows = torch.nn.functional.pad(rows, (0, self.mixed_graph_reqs - b.num_reqs))
-        hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, self._attn_metadata(b, dev), rows)
+        hidden = self._stage_forward(dev.input_ids, dev.positions, self._attn_metadata(b, dev), rows)
         return ForwardPass(hidden, dev, 0, 0, rows is not None)
+
+    def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                       rows: torch.Tensor | None) -> torch.Tensor | IntermediateTensors:
+        """The model's forward on this pipeline stage: a stage after the first receives the previous one's
+        hidden states and residual, a stage before the last sends its own on (and returns them)."""
+        intermediate = None
+        if not self.is_first_stage:
+            intermediate = IntermediateTensors.recv(self.pp_group, self.model_config.dtype, self.device)
+        out = self.model(input_ids, positions, self.kv_caches, md, rows, intermediate)
+        if not self.is_last_stage:
+            out.send(self.pp_group)
+        return out
 
     def _mixed_graph_prunes(self, num_tokens: int) -> bool:
         """Whether the mixed graph of ``num_tokens`` carries only last tokens (one row per request slot,
@@ -308,6 +333,9 @@ class ModelRunner:
         b, fwd, start_event, so = self._deferred
         hidden, dev, per_request = fwd.hidden, fwd.dev, fwd.per_request
         self._deferred = None
+        if not self.is_last_stage:  # the hidden states went on to the next stage; nothing to sample here
+            self._in_flight = StepInFlight(b.req_ids, {}, start_event=start_event)
+            return
         prompt_logprobs = self._prompt_logprobs(b, hidden)
         step = StepInFlight(b.req_ids, prompt_logprobs, start_event=start_event)
         num_sampled = len(b.logits_indices)
@@ -322,6 +350,9 @@ class ModelRunner:
             else:
                 last_hidden = hidden.index_select(0, dev.logits_indices)
             logits = self._logits(last_hidden)
+            if logits is None:  # gathered on another tensor rank, which samples
+                self._in_flight = step
+                return
             if so.grammar_bitmask is not None:  # filled by the engine core up to the sampling launch
                 from pagedllm.structured_output.apply import apply_grammar_bitmask
 
@@ -359,6 +390,14 @@ class ModelRunner:
             raise RuntimeError("take_output() without a submitted step")
         step, self._in_flight = self._in_flight, None
         return self._resolve(step)
+
+    def apply_sampled_tokens(self, sampled: dict[str, list[int]]) -> None:
+        """On a rank that does not sample: the tokens the sampling rank drew in the last step, appended to
+        the requests' states so that this rank builds the same next inputs."""
+        for rid, tokens in sampled.items():
+            st = self.input_batch.requests.get(rid)
+            if st is not None:
+                st.output_token_ids.extend(tokens)
 
     def reset(self) -> None:
         """Forgets every step in flight and every request (see Executor.reset). A device whose context an
@@ -398,7 +437,7 @@ class ModelRunner:
             device_time_s=device_time_s, errors=step.errors,
         )
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, vocab]
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [S, H] -> [S, vocab]; None: not sampled here
         """The sampled rows' logits, in the model's dtype (float32 under a soft cap); the sampler upcasts
         its own copy. On a GPU they are written into a buffer of max_num_seqs rows kept across steps:
         the rows sampled change every step, and each new largest count used to take a new segment from
@@ -433,6 +472,8 @@ class ModelRunner:
             if n <= 0:
                 continue
             logits = self.model.compute_logits(hidden[start_tok : start_tok + n])
+            if logits is None:  # another tensor rank samples and reports them
+                continue
             targets = torch.tensor(st.prompt_token_ids[start_pos + 1 : start_pos + 1 + n], device=self.device)
             lp = compute_token_logprobs(logits, targets, k)
             rows = logprobs_to_lists(lp)
@@ -468,7 +509,8 @@ class ModelRunner:
             )
             fwd = self._forward(b, None)
             row = 0 if fwd.per_request else q_len - 1
-            self.model.compute_logits(fwd.hidden[row : row + 1]).argmax(dim=-1)
+            if self.is_last_stage:
+                self.model.compute_logits(fwd.hidden[row : row + 1])
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -477,9 +519,9 @@ class ModelRunner:
         """One forward pass over ``num_tokens`` prompt tokens without a KV cache, to measure activations."""
         mc = self.model_config
         n_blocks = -(-num_tokens // self.block_size)
-        shape = self.attn_backend.get_kv_cache_shape(n_blocks, self.block_size, mc.num_kv_heads, mc.head_size)
+        shape = self.attn_backend.get_kv_cache_shape(n_blocks, self.block_size, self.num_kv_heads, mc.head_size)
         dtype = self.config.kv_cache_dtype
-        caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(mc.num_layers)]
+        caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.layer_end - self.layer_start)]
         md = AttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=1,
@@ -494,6 +536,11 @@ class ModelRunner:
         )
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         pos = torch.arange(num_tokens, device=self.device)
-        hidden = self.model(ids, pos, caches, md)
-        self.model.compute_logits(hidden[-min(num_tokens, self.max_num_seqs) :])
+        kv_caches, self.kv_caches = self.kv_caches, caches
+        try:
+            hidden = self._stage_forward(ids, pos, md, None)
+        finally:
+            self.kv_caches = kv_caches
+        if self.is_last_stage:
+            self.model.compute_logits(hidden[-min(num_tokens, self.max_num_seqs) :])
         del caches

@@ -68,12 +68,14 @@ class StartupTimes:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, local_rank: int = 0) -> None:
+        """``local_rank``: which of this host's GPUs a rank's worker owns (one per rank)."""
         self.config = config
         self.device = config.device_config.torch_device
         if self.device.type == "cuda":
+            self.device = torch.device("cuda", self.device.index or local_rank)
             # torch 2.11 rejects a bare torch.device("cuda") here: it wants an index.
-            torch.cuda.set_device(self.device.index or 0)
+            torch.cuda.set_device(self.device)
             from pagedllm.kernels import launch  # triton is needed on CUDA only
 
             launch.set_pdl(envs.PAGEDLLM_PDL)
@@ -99,7 +101,10 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         cc, mc = self.config.cache_config, self.config.model_config
-        block_bytes = cc.block_size * mc.kv_bytes_per_token(self.config.kv_cache_dtype)
+        runner = self.model_runner
+        # This rank's share: its pipeline stage's layers, its tensor rank's KV heads.
+        block_bytes = cc.block_size * mc.kv_bytes_per_token(
+            self.config.kv_cache_dtype, runner.layer_end - runner.layer_start, runner.num_kv_heads)
         t0 = time.perf_counter()
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
@@ -150,7 +155,8 @@ class Worker:
         # Logits in float32 plus a sort's values and int64 indices when a batch samples with top-p.
         mem.sampler = sc.max_num_seqs * mc.vocab_size * 16
         mem.attention = self.model_runner.attn_backend.workspace_bytes(
-            sc.max_num_seqs + 1, mc.num_heads, mc.num_kv_heads, mc.head_size, self.config.kv_cache_dtype.itemsize)
+            sc.max_num_seqs + 1, self.model_runner.num_heads, self.model_runner.num_kv_heads, mc.head_size,
+            self.config.kv_cache_dtype.itemsize)
         mem.graph_pool = self._graph_pool_estimate(mem.activations, profile_tokens)
         # What other processes and this one's CUDA context hold counts against our share too.
         mem.non_torch = max(total - free_before - torch.cuda.memory_reserved(), 0)
@@ -186,8 +192,8 @@ class Worker:
         if self.device.type == "cuda":
             sc, mc = self.config.scheduler_config, self.config.model_config
             self.model_runner.attn_backend.reserve_workspace(
-                self.device, sc.max_num_seqs + 1, mc.num_heads, mc.num_kv_heads, mc.head_size,
-                self.config.kv_cache_dtype.itemsize)
+                self.device, sc.max_num_seqs + 1, self.model_runner.num_heads, self.model_runner.num_kv_heads,
+                mc.head_size, self.config.kv_cache_dtype.itemsize)
             # Triton compiles on first use; a variant first met mid-serving would stall every request.
             t0 = time.perf_counter()
             self.model_runner.warm_up_kernels()
@@ -216,6 +222,9 @@ class Worker:
 
     def take_output(self) -> ModelRunnerOutput:
         return self.model_runner.take_output()
+
+    def apply_sampled_tokens(self, sampled: dict[str, list[int]]) -> None:
+        self.model_runner.apply_sampled_tokens(sampled)
 
     def reset(self) -> None:
         self.model_runner.reset()

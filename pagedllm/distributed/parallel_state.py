@@ -1,0 +1,130 @@
+"""The process groups of one engine's workers: world, tensor-parallel and pipeline-parallel, as objects.
+
+Global rank ``r`` of a world of ``tp * pp`` ranks is tensor rank ``r % tp`` of pipeline stage ``r // tp``:
+a stage's tensor-parallel ranks are neighbours, and a pipeline group joins the ranks of one tensor rank
+across stages. Before ``init_model_parallel`` (one process, no torch.distributed) every group is a
+group of one whose collectives return their input, so layers call them unconditionally.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class GroupCoordinator:
+    """One process group seen from one rank: its members (global ranks) and its collectives."""
+
+    def __init__(self, ranks: list[int], rank: int, device_group: dist.ProcessGroup | None) -> None:
+        self.ranks = ranks
+        self.rank = rank  # this process's global rank
+        self.rank_in_group = ranks.index(rank)
+        self.world_size = len(ranks)
+        self.device_group = device_group
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next member (wrapping)."""
+        return self.ranks[(self.rank_in_group + 1) % self.world_size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.ranks[(self.rank_in_group - 1) % self.world_size]
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # sums in place over the group; returns x
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:  # [..., n, ...] -> [..., n * world, ...]
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.device_group)
+        return torch.cat(parts, dim=dim)
+
+    def gather(self, x: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        """The members' ``x`` concatenated along ``dim`` on member ``dst``; None on the others."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank_in_group == dst else None
+        dist.gather(x, parts, dst=self.ranks[dst], group=self.device_group)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
+    def send(self, x: torch.Tensor, dst_global: int) -> None:
+        dist.send(x.contiguous(), dst=dst_global, group=self.device_group)
+
+    def recv(self, x: torch.Tensor, src_global: int) -> torch.Tensor:
+        dist.recv(x, src=src_global, group=self.device_group)
+        return x
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.device_group)
+
+    def __repr__(self) -> str:
+        return f"GroupCoordinator(ranks={self.ranks}, rank={self.rank})"
+
+
+_SINGLE = GroupCoordinator([0], 0, None)
+_TP: GroupCoordinator = _SINGLE
+_PP: GroupCoordinator = _SINGLE
+_WORLD: GroupCoordinator = _SINGLE
+
+
+def get_tp_group() -> GroupCoordinator:
+    return _TP
+
+
+def get_pp_group() -> GroupCoordinator:
+    return _PP
+
+
+def get_world_group() -> GroupCoordinator:
+    return _WORLD
+
+
+def init_model_parallel(
+    tensor_parallel_size: int, pipeline_parallel_size: int, rank: int, init_method: str, backend: str = "gloo",
+    timeout_s: float = 600.0,
+) -> None:
+    """Joins the world of ``tp * pp`` ranks at ``init_method`` (e.g. ``tcp://127.0.0.1:PORT``) and builds the
+    groups. Every rank must call it: each ``new_group`` is itself a collective over the whole world."""
+    import datetime
+
+    global _TP, _PP, _WORLD
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    world = tp * pp
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside a world of {world} (tensor {tp} x pipeline {pp})")
+    if world == 1:
+        return
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    _WORLD = GroupCoordinator(list(range(world)), rank, dist.group.WORLD)
+    for stage in range(pp):
+        ranks = list(range(stage * tp, (stage + 1) * tp))
+        group = dist.new_group(ranks) if tp > 1 else None
+        if rank in ranks:
+            _TP = GroupCoordinator(ranks, rank, group)
+    for tp_rank in range(tp):
+        ranks = list(range(tp_rank, world, tp))
+        group = dist.new_group(ranks) if pp > 1 else None
+        if rank in ranks:
+            _PP = GroupCoordinator(ranks, rank, group)
+
+
+def destroy_model_parallel() -> None:
+    global _TP, _PP, _WORLD
+    _TP = _PP = _WORLD = _SINGLE
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,282 @@
+"""MultiprocExecutor (``mp``): one spawned worker process per rank on this host, fed msgpack over pipes.
+
+Every step goes to every worker as plain data (executor/messages.py); every worker answers, and only the
+sampling rank (the first tensor rank of the last pipeline stage) with the step's output. Its sampled
+tokens ride on the next step's message to the other ranks, which append them to their request states.
+The ranks meet over torch.distributed (gloo on CPUs, NCCL on GPUs) at a TCP port on 127.0.0.1.
+
+A worker that raises reports the exception and exits; one that dies is seen through its process
+sentinel. Either way the executor stops every worker and raises ``WorkerFailedError`` naming the rank,
+now and on every later call, so the engine fails instead of waiting on a collective that never ends.
+Workers exit on their own when the engine's process goes away.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executor import messages as m
+from pagedllm.executor.base import Executor
+
+logger = logging.getLogger("pagedllm")
+
+# How long a worker may take to load its shard and join the others.
+_START_TIMEOUT_S = 600.0
+# How long shutdown waits for a worker to leave before it is terminated, then killed.
+_JOIN_TIMEOUT_S = 5.0
+# How often a worker checks that the engine's process is still there.
+_PARENT_POLL_S = 0.5
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker process raised or died; the engine cannot go on."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"worker rank {rank} failed: {message}")
+        self.rank = rank
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _where(exc: BaseException) -> str:
+    """``Type: message (file:line in function)``, the innermost frame: a failure's first line to read."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _stop_processes(procs: list[multiprocessing.process.BaseProcess], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(1.0)
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        pc = config.parallel_config
+        self.world_size = pc.world_size
+        # The rank that samples: tensor rank 0 of the last pipeline stage.
+        self.driver_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        self._failed: WorkerFailedError | None = None
+        self._sampled: dict[str, list[int]] = {}
+        self._encoder = m.msgspec.msgpack.Encoder()
+        self._decoder = m.output_decoder()
+        ctx = multiprocessing.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_loopback_port()}"
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.conns: list[multiprocessing.connection.Connection] = []
+        for rank in range(self.world_size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=run_worker, args=(config, rank, init_method, child_end, os.getpid()),
+                               name=f"pagedllm-worker-{rank}", daemon=True)
+            proc.start()
+            child_end.close()
+            self.procs.append(proc)
+            self.conns.append(parent_end)
+        # Workers go when this object does, even without shutdown().
+        self._finalizer = weakref.finalize(self, _stop_processes, self.procs, 0.0)
+        try:
+            ready = self._collect(_START_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("%d workers ready (pids %s)", self.world_size, ", ".join(str(r.pid) for r in ready))
+
+    # ---- messages ----------------------------------------------------------------------------------
+    def _broadcast(self, msg) -> None:
+        self._raise_if_failed()
+        data = self._encoder.encode(msg)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                self._fail(rank, self._death(rank))
+
+    def _collect(self, timeout_s: float | None = None) -> list:
+        """One answer from every worker, in rank order; fails the executor on a failure or a death."""
+        answers: dict[int, object] = {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(answers) < self.world_size:
+            pending = [r for r in range(self.world_size) if r not in answers]
+            waitables = [self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending]
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = multiprocessing.connection.wait(waitables, left)
+            if not ready:
+                self._fail(pending[0], f"no answer within {timeout_s:.0f} s")
+            for r in pending:
+                if self.conns[r] in ready:
+                    try:
+                        msg = self._decoder.decode(self.conns[r].recv_bytes())
+                    except (EOFError, OSError):
+                        self._fail(r, self._death(r))
+                    if isinstance(msg, m.Failed):
+                        self._fail(r, msg.summary)
+                    answers[r] = msg
+                elif self.procs[r].sentinel in ready:
+                    self._fail(r, self._death(r))
+        return [answers[r] for r in range(self.world_size)]
+
+    def _death(self, rank: int) -> str:
+        proc = self.procs[rank]
+        proc.join(0.5)
+        code = proc.exitcode
+        if code is not None and code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        return f"process {proc.pid} {how}"
+
+    def _fail(self, rank: int, message: str) -> None:
+        self._failed = WorkerFailedError(rank, message)
+        logger.error("%s; stopping every worker", self._failed)
+        _stop_processes(self.procs, 0.0)
+        raise self._failed
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
+    # ---- the Executor interface ---------------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        self._broadcast(m.DetermineNumBlocks())
+        return min(int(a.value) for a in self._collect())
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._broadcast(m.InitializeCache(num_blocks))
+        self._collect()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._raise_if_failed()
+        self._broadcast(m.execute_message(scheduler_output, self._sampled))
+        answers = self._collect()
+        output = answers[self.driver_rank].output
+        if output is None:
+            output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        self._sampled = {rid: toks for rid, toks in zip(output.req_ids, output.sampled_token_ids) if toks}
+        return output
+
+    def reset(self) -> None:
+        super().reset()
+        self._sampled = {}
+        self._broadcast(m.Reset())
+        self._collect()
+
+    def check_health(self) -> None:
+        self._raise_if_failed()
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                self._fail(rank, self._death(rank))
+
+    def shutdown(self) -> None:
+        if self._failed is None:
+            data = self._encoder.encode(m.Shutdown())
+            for conn in self.conns:
+                try:
+                    conn.send_bytes(data)
+                except OSError:
+                    pass
+        _stop_processes(self.procs, _JOIN_TIMEOUT_S)
+        for conn in self.conns:
+            conn.close()
+        self._finalizer.detach()
+
+
+# ---- the worker process ------------------------------------------------------------------------------
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def run_worker(config: EngineConfig, rank: int, init_method: str, conn, parent_pid: int) -> None:
+    """Process entry point: join the ranks, load this rank's shard, then answer messages until Shutdown."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's process owns shutdown
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s rank {rank}: %(message)s",
+                        datefmt="%H:%M:%S")
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    encoder = m.msgspec.msgpack.Encoder()
+    try:
+        _serve(config, rank, init_method, conn, encoder)
+    except BaseException as e:  # noqa: BLE001 - reported to the executor, then the process ends
+        try:
+            conn.send_bytes(encoder.encode(m.Failed(rank, _where(e), traceback.format_exc())))
+        except Exception:  # noqa: BLE001 - the executor still sees the process exit
+            pass
+        logger.error("worker failed:\n%s", traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def _serve(config: EngineConfig, rank: int, init_method: str, conn, encoder) -> None:
+    import torch
+
+    from pagedllm.distributed.parallel_state import destroy_model_parallel, init_model_parallel
+    from pagedllm.worker.worker import Worker
+
+    pc = config.parallel_config
+    cuda = config.device_config.device == "cuda"
+    local_rank = rank
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    # One CPU thread pool per rank: the ranks share the host's cores.
+    if not cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.world_size))
+    init_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size, rank, init_method,
+                        backend="nccl" if cuda else "gloo")
+    worker = Worker(config, local_rank=local_rank)
+    worker.load_model()
+    conn.send_bytes(encoder.encode(m.Ready(rank, os.getpid())))
+    decoder = m.input_decoder()
+    while True:
+        try:
+            msg = decoder.decode(conn.recv_bytes())
+        except EOFError:
+            return  # the executor is gone
+        if isinstance(msg, m.Execute):
+            so = m.scheduler_output_of(msg)
+            if msg.sampled and not worker.model_runner.is_driver:
+                worker.apply_sampled_tokens(msg.sampled)
+            out = worker.execute_model(so)
+            conn.send_bytes(encoder.encode(m.StepDone(out if worker.model_runner.is_driver else None)))
+        elif isinstance(msg, m.DetermineNumBlocks):
+            conn.send_bytes(encoder.encode(m.Done(worker.determine_num_blocks())))
+        elif isinstance(msg, m.InitializeCache):
+            worker.initialize_cache(msg.num_blocks)
+            conn.send_bytes(encoder.encode(m.Done()))
+        elif isinstance(msg, m.Reset):
+            worker.reset()
+            conn.send_bytes(encoder.encode(m.Done()))
+        elif isinstance(msg, m.Shutdown):
+            destroy_model_parallel()
+            return
