@@ -37,8 +37,11 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "LlamaForCausalLM": "llama3",
     "LLaMAForCausalLM": "llama3",
     "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen2MoeForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
 }
