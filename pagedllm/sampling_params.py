@@ -38,6 +38,10 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     # Without whitespace between JSON tokens (compact output, fewer tokens).
     disable_any_whitespace: bool = False
+    # With a reasoning parser configured, whether the constraint waits for the reasoning to end (chat output,
+    # split into reasoning and answer) or applies from the first token (False: the completions API, or a
+    # chat request with thinking turned off, whose output has no reasoning to skip).
+    after_reasoning: bool = True
 
     def __post_init__(self) -> None:
         if self.json is not None:
@@ -64,6 +68,8 @@ class StructuredOutputsParams:
             _fail_constraint("json_object", self.json_object, "a boolean")
         if not isinstance(self.disable_any_whitespace, bool):
             _fail_constraint("disable_any_whitespace", self.disable_any_whitespace, "a boolean")
+        if not isinstance(self.after_reasoning, bool):
+            _fail_constraint("after_reasoning", self.after_reasoning, "a boolean")
         kinds = self.kinds()
         if len(kinds) != 1:
             got = ", ".join(kinds) if kinds else "none"
@@ -112,6 +118,7 @@ class StructuredOutputsParams:
     def cache_key(self) -> str:
         """A digest of the constraint: equal constraints share one compiled grammar."""
         spec = self.to_dict()
+        del spec["after_reasoning"]  # where the grammar starts, not what it is
         if isinstance(spec["json"], str):
             # Two spellings of one schema (key order, spacing) compile to the same grammar.
             spec["json"] = _json.loads(spec["json"])

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedllm.layers.fused_moe import FusedMoE
+from pagedllm.layers.fused_moe import MoEExperts
 from pagedllm.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
 from pagedllm.models.llama import LlamaMLP
 
@@ -40,7 +40,7 @@ class SparseMoeBlock(nn.Module):
         if hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act of a mixture-of-experts model must be 'silu'; got {hidden_act!r}")
         self.gate = _router_linear(hidden_size, num_experts)
-        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, activation="silu")
+        self.experts = MoEExperts(num_experts, top_k, hidden_size, intermediate_size, renormalize, activation="silu")
         if shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(hidden_size, shared_expert_intermediate_size, hidden_act)
             self.shared_expert_gate = _router_linear(hidden_size, 1)

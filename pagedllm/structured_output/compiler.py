@@ -57,6 +57,8 @@ class GrammarCompiler:
         # When each uncompleted future started; a compile past its deadline is marked failed here.
         self._started: dict[str, float] = {}
         self._lock = threading.Lock()
+        # Its own lock: the engine core's expire/lookup must not wait while a pool thread loads the tokenizer.
+        self._init_lock = threading.Lock()
         self._xgr_compiler: xgr.GrammarCompiler | None = None
         self._info: xgr.TokenizerInfo | None = None
         self.num_compiles = 0
@@ -65,7 +67,7 @@ class GrammarCompiler:
     def _compiler(self) -> xgr.GrammarCompiler:
         # Built on the first constrained request, in a pool thread: loading the tokenizer and reading its
         # vocabulary takes about a second, which engines that never see a constraint do not pay.
-        with self._lock:
+        with self._init_lock:
             if self._xgr_compiler is None:
                 tokenizer = self._tokenizer_loader()
                 if tokenizer is None:

@@ -144,7 +144,7 @@ class StructuredOutputManager:
         return xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids)
 
     def _gate(self, req: Request) -> Any | None:
-        if self._reasoning_markers is None:
+        if self._reasoning_markers is None or not req.sampling_params.structured_outputs.after_reasoning:
             return None
         if self._reasoning_tokens is None:
             self._reasoning_tokens = ReasoningTokens.from_tokenizer(self._reasoning_markers, self._load_tokenizer())

@@ -4,8 +4,8 @@ the Qwen3 tokenizer and chat template, --enable-auto-tool-choice --tool-call-par
 schemas, forced tool calls come back as OpenAI's tool_calls (whole and streamed), tool results render,
 reasoning goes to reasoning_content, and bad constraints are 400s naming the field.
 
-Constraints do not yet apply after reasoning only, so constrained chat requests turn Qwen3's thinking off
-(`enable_thinking: false`), which also turns the reasoning parser off for them."""
+A completion's constraint applies from its first token (its text is not split into reasoning); a chat
+request's applies after `</think>` unless thinking is turned off (`enable_thinking: false`)."""
 from __future__ import annotations
 
 import json

@@ -7,7 +7,7 @@ import torch
 from tiny_models import make_tiny_model
 
 from pagedllm.kernels.moe import fused_experts
-from pagedllm.layers.fused_moe import FusedMoE, fused_experts_ref, select_experts
+from pagedllm.layers.fused_moe import MoEExperts, fused_experts_ref, select_experts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -37,7 +37,7 @@ def test_fused_experts_matches_reference(tokens, dtype):
 
 def test_layer_takes_the_kernel_and_replays_in_a_graph():
     torch.manual_seed(0)
-    moe = FusedMoE(16, 2, 256, 128, renormalize=True, params_dtype=torch.bfloat16).to(DEVICE)
+    moe = MoEExperts(16, 2, 256, 128, renormalize=True, params_dtype=torch.bfloat16).to(DEVICE)
     moe.w13_weight.normal_(std=0.05)
     moe.w2_weight.normal_(std=0.05)
     x = torch.randn(64, 256, device=DEVICE, dtype=torch.bfloat16)

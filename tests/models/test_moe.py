@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.fused_moe import FusedMoE, fused_experts_ref, select_experts
+from pagedllm.layers.fused_moe import MoEExperts, fused_experts_ref, select_experts
 
 
 def _expert_mlp(x, w13, w2):  # one token through one expert, written out: [H] -> [H]
@@ -61,7 +61,7 @@ def test_reference_sums_each_tokens_experts(top_k):
 
 def test_weight_loader_stacks_experts():
     e, h, i = 4, 8, 6
-    moe = FusedMoE(e, 2, h, i, renormalize=True, params_dtype=torch.float32)
+    moe = MoEExperts(e, 2, h, i, renormalize=True, params_dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     gates = [torch.randn(i, h, generator=g) for _ in range(e)]
     ups = [torch.randn(i, h, generator=g) for _ in range(e)]
@@ -73,14 +73,14 @@ def test_weight_loader_stacks_experts():
     assert torch.equal(moe.w13_weight[2], torch.cat([gates[2], ups[2]]))
     assert torch.equal(moe.w2_weight[1], downs[1])
     # A checkpoint that stacks every expert already: [E, 2I, H] and [E, H, I].
-    stacked = FusedMoE(e, 2, h, i, renormalize=True, params_dtype=torch.float32)
+    stacked = MoEExperts(e, 2, h, i, renormalize=True, params_dtype=torch.float32)
     stacked.weight_loader(stacked.w13_weight, torch.stack([torch.cat([a, b]) for a, b in zip(gates, ups)]))
     stacked.weight_loader(stacked.w2_weight, torch.stack(downs))
     assert torch.equal(stacked.w13_weight, moe.w13_weight) and torch.equal(stacked.w2_weight, moe.w2_weight)
 
 
 def test_weight_loader_errors():
-    moe = FusedMoE(4, 2, 8, 6, renormalize=True, params_dtype=torch.float32)
+    moe = MoEExperts(4, 2, 8, 6, renormalize=True, params_dtype=torch.float32)
     with pytest.raises(ValueError, match=r"expert id must be in \[0, 4\); got 4"):
         moe.weight_loader(moe.w2_weight, torch.zeros(8, 6), "w2", 4)
     with pytest.raises(ValueError, match="shard id must be one of w1, w2, w3; got 'w4'"):
@@ -90,7 +90,7 @@ def test_weight_loader_errors():
     with pytest.raises(ValueError, match="has 3 experts; the model has 4"):
         moe.weight_loader(moe.w2_weight, torch.zeros(3, 8, 6))
     with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, 4\].*got 0"):
-        FusedMoE(4, 0, 8, 6, renormalize=True)
+        MoEExperts(4, 0, 8, 6, renormalize=True)
 
 
 # kind -> (router row per chosen expert: its scale), the others zero. Scales differ so the order is strict.
@@ -138,7 +138,7 @@ def test_every_token_picks_the_same_experts(kind, tmp_path):
     model = llm.llm_engine.engine_core.executor.worker.model_runner.model
     routed: list[torch.Tensor] = []
     for layer in model.model.layers:
-        if isinstance(getattr(layer.mlp, "experts", None), FusedMoE):
+        if isinstance(getattr(layer.mlp, "experts", None), MoEExperts):
             moe = layer.mlp.experts
             layer.mlp.gate.register_forward_hook(
                 lambda mod, args, logits, moe=moe: routed.append(select_experts(logits, moe.top_k, moe.renormalize)[1]))

@@ -96,6 +96,12 @@ def test_the_grammar_applies_after_the_reasoning_ends(model_path):
     sp = SamplingParams(temperature=1.0, seed=0, n=3, max_tokens=20, logit_bias={end: 12.0}, structured_outputs=choice)
     for c in llm.generate(["Pick:" + closed], sp, use_tqdm=False)[0].outputs:
         assert c.finish_reason == "stop" and c.text in ("alpha", "beta")
+    # after_reasoning=False (the completions API's requests): the grammar owns the first token, though the
+    # parser would start this prompt in reasoning.
+    sp = SamplingParams(temperature=1.0, seed=0, n=3, max_tokens=20, logit_bias={end: 12.0},
+                        structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"], after_reasoning=False))
+    for c in llm.generate(["Think, then pick:"], sp, use_tqdm=False)[0].outputs:
+        assert c.finish_reason == "stop" and c.text in ("alpha", "beta")
 
 
 def test_a_model_that_answers_without_thinking_is_constrained_from_its_first_token(model_path):

@@ -188,6 +188,8 @@ class OpenAIServingChat(OpenAIServing):
         # With thinking turned off in the template (Qwen3's enable_thinking), the output holds no reasoning.
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking") is not False
         reasoning = self.reasoning_parser if thinking else None
+        if constraint and reasoning is None:
+            constraint.params.after_reasoning = False
         params = self.sampling_params(req, max_tokens, k, rename={"logprobs": "top_logprobs", "max_tokens": max_param},
                                       structured_outputs=constraint.params if constraint else None)
         if plan.parser is not None and plan.parser.needs_special_tokens:

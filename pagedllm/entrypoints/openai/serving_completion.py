@@ -59,6 +59,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", param="echo")
         constraint = one_constraint(req, request_constraints(req))
+        if constraint:
+            constraint.params.after_reasoning = False  # a completion's text is not split into reasoning
         params = self.sampling_params(req, req.max_tokens, req.logprobs, rename={},
                                       structured_outputs=constraint.params if constraint else None)
         prompts = await self._prompts(req.prompt, req.n)

@@ -1,4 +1,4 @@
-"""``FusedMoE``: a layer's experts as two stacked parameters, routed by the router's logits.
+"""``MoEExperts``: a layer's experts as two stacked parameters, routed by the router's logits.
 
 The experts' weights live in ``w13_weight`` [E, 2I, H] (each expert's gate rows, then its up rows) and
 ``w2_weight`` [E, H, I]; checkpoints that store one tensor per expert and projection are stacked into them
@@ -17,7 +17,7 @@ from pagedllm.layers.fused_moe.router import select_experts
 SHARD_IDS = ("w1", "w2", "w3")
 
 
-class FusedMoE(nn.Module):
+class MoEExperts(nn.Module):
     def __init__(
         self,
         num_experts: int,

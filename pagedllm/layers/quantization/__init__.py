@@ -46,9 +46,9 @@ def quantize_model(model: nn.Module, method: str) -> int:
             if isinstance(consumer.quant_method, Fp8LinearMethod) and quantizable(consumer):
                 producer.quantize_output = True
                 producer.quantize_for = tuple(consumer.weight.shape)  # the consumer's (outputs, inputs)
-    from pagedllm.layers.fused_moe import FusedMoE
+    from pagedllm.layers.fused_moe import MoEExperts
 
-    moe_layers = sum(isinstance(m, FusedMoE) for m in model.modules())
+    moe_layers = sum(isinstance(m, MoEExperts) for m in model.modules())
     if moe_layers:
         logger.warning("quantization %s: the experts of %d MoE layers stay in %s (float8 experts are not "
                        "supported yet)", method, moe_layers, next(model.parameters()).dtype)
