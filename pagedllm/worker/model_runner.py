@@ -31,6 +31,7 @@ from pagedllm.worker.step_records import (
     DeferredSampling, ForwardPass, LogprobsTensorsOnHost, StepInFlight, StepInfo, last_token_rows, logprobs_to_lists,
 )
 from pagedllm.worker.step_sampling import sample_isolating, sample_states
+from pagedllm.worker.warmup_runs import profile_run, warm_up_kernels
 
 logger = logging.getLogger("pagedllm")
 
@@ -482,65 +483,8 @@ class ModelRunner:
             )
         return out
 
-    @torch.inference_mode()
     def warm_up_kernels(self) -> None:
-        """Compiles the mixed-batch kernels' variants (one per class of longest query run) now, rather than
-        inside the first steps that need them: one tiny single-request step per power of two up to 64.
+        warm_up_kernels(self)
 
-        The steps write no KV (padding slots) and read block 0, whatever it holds; outputs are dropped.
-        """
-        bs = self.block_size
-        for q_len in (2, 4, 8, 16, 32, 64):
-            if q_len > min(self.max_model_len, self.buffers.max_tokens):
-                break
-            b = BatchInputs(
-                req_ids=["warm-up"],
-                input_ids=np.zeros(q_len, dtype=np.int64),
-                positions=np.arange(q_len, dtype=np.int64),
-                slot_mapping=np.full(q_len, -1, dtype=np.int64),
-                query_start_loc=np.array([0, q_len], dtype=np.int32),
-                seq_lens=np.array([q_len], dtype=np.int32),
-                block_table=np.zeros((1, -(-q_len // bs)), dtype=np.int32),
-                logits_indices=np.array([q_len - 1], dtype=np.int64),
-                logits_reqs=np.zeros(1, dtype=np.int64),
-                max_query_len=q_len,
-                max_seq_len=q_len,
-                pending_dst=np.zeros(0, dtype=np.int64),
-            )
-            fwd = self._forward(b, None)
-            row = 0 if fwd.per_request else q_len - 1
-            if self.is_last_stage:
-                self.model.compute_logits(fwd.hidden[row : row + 1])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
-        """One forward pass over ``num_tokens`` prompt tokens without a KV cache, to measure activations."""
-        mc = self.model_config
-        n_blocks = -(-num_tokens // self.block_size)
-        shape = self.attn_backend.get_kv_cache_shape(n_blocks, self.block_size, self.num_kv_heads, mc.head_size)
-        dtype = self.config.kv_cache_dtype
-        caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.layer_end - self.layer_start)]
-        md = AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            num_reqs=1,
-            max_query_len=num_tokens,
-            max_seq_len=num_tokens,
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            block_table=torch.arange(n_blocks, dtype=torch.int32, device=self.device)[None],
-            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=self.device),
-            query_start_loc_cpu=[0, num_tokens],
-            seq_lens_cpu=[num_tokens],
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        pos = torch.arange(num_tokens, device=self.device)
-        kv_caches, self.kv_caches = self.kv_caches, caches
-        try:
-            hidden = self._stage_forward(ids, pos, md, None)
-        finally:
-            self.kv_caches = kv_caches
-        if self.is_last_stage:
-            self.model.compute_logits(hidden[-min(num_tokens, self.max_num_seqs) :])
-        del caches
+        profile_run(self, num_tokens)
