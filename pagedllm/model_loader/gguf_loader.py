@@ -76,6 +76,13 @@ def _config_beyond_transformers(reader: Any, arch: str, config: dict[str, Any]) 
         config["rope_scaling"] = rope_scaling  # the legacy key: config classes fold it into rope_parameters
 
 
+def _items_skipped(field: Any) -> bool:
+    """An array field read by ``open_gguf(skip_arrays=True)``: its length is known, its items are not."""
+    from gguf import GGUFValueType
+
+    return field.types[:1] == [GGUFValueType.ARRAY] and not field.data and int(field.parts[-1][0]) > 0
+
+
 def gguf_hf_config(path: str | os.PathLike, reader: Any = None) -> Any:
     """The transformers ``PretrainedConfig`` the GGUF metadata describes, with ``architectures`` set.
 
@@ -87,7 +94,7 @@ def gguf_hf_config(path: str | os.PathLike, reader: Any = None) -> Any:
     from transformers import CONFIG_MAPPING
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
-    reader = reader if reader is not None else open_gguf(path)
+    reader = reader if reader is not None else open_gguf(path, skip_arrays=True)
     arch = _architecture(reader, path)
     model_type, hf_arch = ARCHITECTURES[arch]
     config: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type) or GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {})
@@ -96,6 +103,8 @@ def gguf_hf_config(path: str | os.PathLike, reader: Any = None) -> Any:
         prefix, _, rest = key.partition(".")
         hf_key = tables.get(prefix, {}).get(rest)
         if hf_key is not None and hf_key != -1:
+            if _items_skipped(field):  # an array the fast reader left unread: read the file in full
+                return gguf_hf_config(path, open_gguf(path))
             config[hf_key] = field.contents()
     # llama.cpp writes an output projection only when it is not the tied embedding matrix.
     config["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
@@ -103,7 +112,7 @@ def gguf_hf_config(path: str | os.PathLike, reader: Any = None) -> Any:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         if tokens is None:
             raise ValueError(f"GGUF {path} states no vocab_size and has no tokenizer.ggml.tokens to count")
-        config["vocab_size"] = len(tokens.data)
+        config["vocab_size"] = int(tokens.parts[-1][0]) if _items_skipped(tokens) else len(tokens.data)
     _config_beyond_transformers(reader, arch, config)
     hf_config = CONFIG_MAPPING[model_type].from_dict(config)
     hf_config.architectures = [hf_arch]
@@ -156,7 +165,7 @@ def iter_gguf_weights(
     """
     from pagedllm.layers.quantization.gguf import F32
 
-    reader = reader if reader is not None else open_gguf(path)
+    reader = reader if reader is not None else open_gguf(path, skip_arrays=True)
     arch = _architecture(reader, path)
     num_layers = int(_value(reader, f"{arch}.block_count"))
     names = gguf_to_hf_names(arch, num_layers)
@@ -289,7 +298,7 @@ class GGUFModelLoader(BaseModelLoader):
         config = GGUFConfig()
         with default_linear_method(config.linear_method), default_embedding_method(config.embedding_method):
             model = build_model(model_config, device, attn_backend)
-        reader = open_gguf(path)
+        reader = open_gguf(path, skip_arrays=True)
 
         def keep_packed(qtype: int) -> bool:
             return keeps_packed(qtype, device)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import struct
 from typing import Any
 
 import numpy as np
@@ -41,11 +42,45 @@ def _fast_reader_class() -> type:
     return _FastGGUFReader
 
 
-def open_gguf(path: str | os.PathLike) -> Any:
-    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped: tensor bytes are read when touched)."""
+def _tensor_index_class() -> type:
+    """The fast reader, skipping the items of array fields (a 262k-token vocabulary's strings, scores and types):
+    for a caller that wants the tensors and scalar fields only, the metadata costs a walk over string lengths
+    instead of an object per item. Array fields are kept with their item type and length, and no items."""
+    from gguf import GGUFValueType
+
+    base = _fast_reader_class()
+    params = list(inspect.signature(base._get_field_parts).parameters)
+    if base.__name__ != "_FastGGUFReader" or params != ["self", "orig_offs", "raw_type"]:
+        return base  # internals differ: parse everything
+
+    class _TensorIndexReader(base):
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            count = self._get(orig_offs + 4, np.uint64)
+            itype, offs = GGUFValueType(int(raw_itype[0])), orig_offs + 12
+            if itype == GGUFValueType.STRING:
+                plain = memoryview(self.data.view(np.ndarray))
+                for _ in range(int(count[0])):  # each item: a u64 length, then its bytes
+                    offs += 8 + struct.unpack_from("<Q", plain, offs)[0]
+            elif itype in self.gguf_scalar_to_np:
+                offs += int(count[0]) * np.dtype(self.gguf_scalar_to_np[itype]).itemsize
+            else:  # arrays of arrays: rare, and walked in full
+                return super()._get_field_parts(orig_offs, raw_type)
+            return offs - orig_offs, [raw_itype, count], [], [GGUFValueType.ARRAY, itype]
+
+    return _TensorIndexReader
+
+
+def open_gguf(path: str | os.PathLike, skip_arrays: bool = False) -> Any:
+    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped: tensor bytes are read when touched).
+
+    ``skip_arrays``: array fields (the tokenizer's vocabulary) hold no items, for callers that read tensors and
+    scalar fields only; a fraction of the time on a large vocabulary."""
     from gguf import GGUFEndian
 
-    reader = _fast_reader_class()(os.fspath(path))
+    reader = (_tensor_index_class() if skip_arrays else _fast_reader_class())(os.fspath(path))
     if reader.endianess != GGUFEndian.LITTLE:
         raise ValueError(f"{path} is a big-endian GGUF; only little-endian files are supported")
     return reader

@@ -298,3 +298,26 @@ def test_gemma_packed_weight_memory(gemma_path, caplog) -> None:
     assert len(lines) == 1
     assert _weight_bytes(model) < 0.35 * 2**30
     assert model.lm_head.qweight_data is model.model.embed_tokens.qweight_data  # one copy of the 262k-row table
+
+
+def test_tensor_index_reader_reads_what_the_full_reader_reads(tmp_path) -> None:
+    """open_gguf(skip_arrays=True), which the loader and the config use, skips array items and nothing else."""
+    from pagedllm.model_loader.gguf_reader import open_gguf
+
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, "gemma3", mixed)
+    fast, full = open_gguf(path, skip_arrays=True), open_gguf(path)
+    assert type(fast) is not type(full)  # the skipping class is in use with this gguf-py
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in fast.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in full.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(fast.tensors, full.tensors))
+    assert list(fast.fields) == list(full.fields)
+    arrays = 0
+    for key, field in full.fields.items():
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            arrays += 1
+            assert fast.fields[key].data == [] and int(fast.fields[key].parts[-1][0]) == len(field.data), key
+        else:
+            assert fast.fields[key].contents() == field.contents(), key
+    assert arrays == 2  # the token strings and their types
+    assert gguf_hf_config(path).to_dict() == gguf_hf_config(path, full).to_dict()
