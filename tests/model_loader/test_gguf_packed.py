@@ -321,3 +321,58 @@ def test_tensor_index_reader_reads_what_the_full_reader_reads(tmp_path) -> None:
             assert fast.fields[key].contents() == field.contents(), key
     assert arrays == 2  # the token strings and their types
     assert gguf_hf_config(path).to_dict() == gguf_hf_config(path, full).to_dict()
+
+
+def test_engine_args_name_what_conflicts(tmp_path) -> None:
+    from tiny_models import make_tiny_model
+
+    from pagedllm import EngineArgs
+
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, "qwen2", mixed)
+    with pytest.raises(ValueError, match="quantization 'gguf' keeps .* gguf_dequantize .* pass one of the two"):
+        EngineArgs(model=path, device="cpu", quantization="gguf", gguf_dequantize=True).create_engine_config()
+    config = EngineArgs(model=path, device="cpu", quantization="int8").create_engine_config()
+    assert config.model_config.quantization == "int8"  # requantizes the dequantized weights
+    hf_dir = make_tiny_model("qwen2", tmp_path / "hf")
+    with pytest.raises(ValueError, match="gguf_dequantize applies to GGUF files"):
+        EngineArgs(model=hf_dir, device="cpu", gguf_dequantize=True).create_engine_config()
+    with pytest.raises(ValueError, match="quantization gguf applies to GGUF files"):
+        EngineArgs(model=hf_dir, device="cpu", quantization="gguf").create_engine_config()
+
+
+GEMMA_PROMPTS = [
+    "Once upon a time", "The capital of France is", "def fibonacci(n):\n", "Q: What is 12 times 7?\nA:",
+    "The three primary colors are", "In 1969, astronauts", "import numpy as np\n", "My favourite recipe for soup",
+    "Translate to German: Good morning.\nGerman:", "The best way to learn a language is", "SELECT name FROM",
+    "Water boils at", "A haiku about autumn:\n", "The largest planet in the solar system", "Dear Sir or Madam,\n",
+    "1, 1, 2, 3, 5, 8,",
+]
+
+
+@pytest.mark.slow  # minutes: the real model's greedy decode, packed and dense
+def test_gemma_packed_matches_dense(gemma_path) -> None:
+    packed, mc = load(gemma_path, "gguf")
+    dense, _ = load(gemma_path, None)
+    ids = [[2, 818, 5279, 529, 7001, 563], [2, 3689, 496, 990, 236787]]
+    assert_relative(prefill_logits(packed, mc, ids), prefill_logits(dense, mc, ids))
+    del packed, dense
+
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
+
+    def run(**kwargs):
+        llm = LLM(model=gemma_path, dtype="float32", device="cpu", max_model_len=512, kv_cache_memory_bytes=1 << 27,
+                  **kwargs)
+        return [o.outputs[0] for o in llm.generate(GEMMA_PROMPTS, params, use_tqdm=False)]
+
+    got, want = run(), run(gguf_dequantize=True)
+    for prompt, g, w in zip(GEMMA_PROMPTS, got, want):
+        if g.token_ids == w.token_ids:
+            continue
+        # Products summed in another order may only flip a near tie: at the first divergence both tokens must
+        # be the dense path's top two, within 1e-3 of each other in log-probability.
+        i = next(i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b)
+        top = w.logprobs[i]
+        assert g.token_ids[i] in top, f"{prompt!r}: token {i} is not among the dense path's top two"
+        gap = top[w.token_ids[i]].logprob - top[g.token_ids[i]].logprob
+        assert gap < 1e-3, f"{prompt!r}: token {i} differs where the dense path's top two are {gap:.2e} apart"
