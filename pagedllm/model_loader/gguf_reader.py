@@ -24,10 +24,11 @@ def _fast_reader_class() -> type:
     ``__array_finalize__`` then dominate a 262k-token vocabulary (11 s -> 3.5 s for Gemma 3). Slicing a
     plain ndarray view of the same mapping gives the same values (and tensor views) without that cost.
     """
-    from gguf import GGUFReader
+    from gguf import GGUFReader, GGUFValueType
 
     params = list(inspect.signature(GGUFReader._get).parameters) if hasattr(GGUFReader, "_get") else []
-    if params != ["self", "offset", "dtype", "count", "override_order"]:
+    parts_params = list(inspect.signature(GGUFReader._get_field_parts).parameters) if hasattr(GGUFReader, "_get_field_parts") else []
+    if params != ["self", "offset", "dtype", "count", "override_order"] or parts_params != ["self", "orig_offs", "raw_type"]:
         return GGUFReader  # a gguf-py whose internals differ: keep its own, slower, parsing
 
     class _FastGGUFReader(GGUFReader):
@@ -38,6 +39,36 @@ def _fast_reader_class() -> type:
             count = int(count)
             arr = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            # gguf-py reads an array item by item (two reads per string); the vocabulary's 262k strings, scores
+            # and types then cost seconds. The same parts, views of the same bytes, come from one read per
+            # scalar array and one slice per string.
+            if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            count = self._get(orig_offs + 4, np.uint64)
+            itype, n, offs = GGUFValueType(int(raw_itype[0])), int(count[0]), orig_offs + 12
+            parts: list = [raw_itype, count]
+            if n == 0:
+                return offs - orig_offs, parts, [], [GGUFValueType.ARRAY]
+            plain = self.__dict__.get("_plain_data")
+            if plain is None:
+                plain = self._plain_data = self.data.view(np.ndarray)
+            if itype == GGUFValueType.STRING:
+                buf = memoryview(plain)
+                for _ in range(n):  # each item: a u64 length, then its bytes
+                    length = struct.unpack_from("=Q", buf, offs)[0]
+                    parts.append(plain[offs : offs + 8].view(np.uint64))
+                    parts.append(plain[offs + 8 : offs + 8 + length])
+                    offs += 8 + length
+                return offs - orig_offs, parts, list(range(3, 2 + 2 * n, 2)), [GGUFValueType.ARRAY, itype]
+            if itype in self.gguf_scalar_to_np:
+                dtype = np.dtype(self.gguf_scalar_to_np[itype])
+                items = plain[offs : offs + n * dtype.itemsize].view(dtype)
+                parts += list(items.reshape(n, 1))
+                return n * dtype.itemsize + 12, parts, list(range(2, 2 + n)), [GGUFValueType.ARRAY, itype]
+            return super()._get_field_parts(orig_offs, raw_type)
 
     return _FastGGUFReader
 
