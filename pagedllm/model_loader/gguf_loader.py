@@ -246,8 +246,9 @@ def _packing_summary(reader: Any, dtype: torch.dtype, keep_packed: Callable[[int
             if len(t.shape) == 2:
                 dense[type_name(t.tensor_type)] += 1
     by_type = ", ".join(f"{k} x {v}" for k, v in packed.most_common())
-    _startup_log.info("gguf: %d tensors kept packed (%s), %d dequantized; weights %.2f GiB (dense float32 would be %.2f GiB)",
-                sum(packed.values()), by_type or "none", sum(dense.values()), held / 2**30, as_float32 / 2**30)
+    _startup_log.info("gguf: %d tensors kept packed (%s), %d dequantized; weights %.2f GiB "
+                      "(dense float32 would be %.2f GiB)",
+                      sum(packed.values()), by_type or "none", sum(dense.values()), held / 2**30, as_float32 / 2**30)
     if dense:
         reason = ("no packed kernel for the type" if packed_kernel_available(device)
                   else f"no packed kernel on {device.type}" if device.type != "cpu"
@@ -274,8 +275,8 @@ class GGUFModelLoader(BaseModelLoader):
         from pagedllm.model_loader.gguf_cache import store_converted, tee_float32
 
         model = build_model(model_config, device, attn_backend)
-        _startup_log.info("gguf: every tensor dequantized to %s (dense path: %s)", str(model_config.dtype).removeprefix("torch."),
-                    _dense_reason(model_config, device))
+        _startup_log.info("gguf: every tensor dequantized to %s (dense path: %s)",
+                          str(model_config.dtype).removeprefix("torch."), _dense_reason(model_config, device))
         weights = iter_gguf_weights(path, model_config.dtype, device)
         # Float32 loads keep an exact copy for the converted cache: the next start reads safetensors
         # instead of parsing metadata and dequantizing again.

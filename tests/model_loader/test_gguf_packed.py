@@ -324,9 +324,15 @@ def test_tensor_index_reader_reads_what_the_full_reader_reads(tmp_path) -> None:
 
 
 def test_engine_args_name_what_conflicts(tmp_path) -> None:
+    import argparse
+
     from tiny_models import make_tiny_model
 
     from pagedllm import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args(["--gguf-dequantize"])).gguf_dequantize
+    assert EngineArgs.from_cli_args(parser.parse_args(["--quantization", "gguf"])).quantization == "gguf"
 
     path = str(tmp_path / "m.gguf")
     write_gguf(path, "qwen2", mixed)

@@ -20,7 +20,6 @@ from torch import nn
 
 from pagedllm.kernels.cpu import gguf_gemm
 from pagedllm.layers.cpu_linear import PackedWeight, cpu_linear
-from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizedLinearMethod
 from pagedllm.layers.quantization.packed_params import _checkpoint_shards, _output_shard
 
@@ -63,7 +62,7 @@ def _placeholders(layer: nn.Module, loaders, expected: tuple) -> None:
     """Empty ``qweight``/``qweight_type`` parameters that only receive the file's shards (``finish_loading``
     replaces them); each counts as loaded once every shard in ``expected`` has arrived."""
     layer.gguf_types, layer.gguf_shards = {}, {}
-    for name, loader, seen in (("qweight_type", loaders[0], layer.gguf_types), ("qweight", loaders[1], layer.gguf_shards)):
+    for name, loader, seen in zip(("qweight_type", "qweight"), loaders, (layer.gguf_types, layer.gguf_shards)):
         param = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         param.weight_loader = loader
         param.all_loaded = lambda seen=seen: all(s in seen for s in expected)
