@@ -269,6 +269,25 @@ def test_tensor_parallel_shards_split_packed_rows(tmp_path) -> None:
             odd.qweight.weight_loader(odd.qweight, q8)
 
 
+@pytest.mark.slow  # two engines, one of them with two worker processes
+def test_tensor_parallel_engine_greedy_tokens_equal_one_process(tmp_path) -> None:
+    """TP=2 over gloo on a packed file: split QKV (one KV head, replicated), gate/up, o/down by whole blocks and
+    the tied embedding's vocabulary, the same tokens as one process."""
+    path = str(tmp_path / "gemma3.gguf")
+    write_gguf(path, "gemma3", lambda name: T.Q5_0 if "q_proj" in name or "k_proj" in name else T.Q8_0)
+
+    def run(**kwargs) -> list[list[int]]:
+        llm = LLM(model=path, dtype="float32", device="cpu", skip_tokenizer_init=True, max_model_len=256, **kwargs)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                                                  use_tqdm=False)]
+        finally:
+            llm.llm_engine.shutdown()
+
+    assert run(tensor_parallel_size=2) == run()
+
+
 # ------------------------------------------------------------------------------------- the real Gemma 3 270M
 
 
