@@ -29,9 +29,10 @@ _KV_CACHE_TORCH_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "f
 # Weight quantization methods, vLLM's names. The online ones are applied at load to a 16/32-bit checkpoint:
 # "fp8" holds every decoder linear in float8 e4m3 with one scale per output row and quantizes each activation row
 # on the fly; "int8" does the same in int8 (W8A8). The others name the layout a quantized checkpoint stores
-# (layers/quantization/), which its own quantization_config selects; passing one must match it.
+# (layers/quantization/), which its own quantization_config selects; passing one must match it. "gguf" is what a
+# GGUF file gets on the CPU: its matrices stay in their ggml blocks (EngineArgs.gguf_dequantize turns that off).
 ONLINE_QUANTIZATION_METHODS = ("fp8", "int8")
-QUANTIZATION_METHODS = ONLINE_QUANTIZATION_METHODS + ("awq", "gptq", "compressed-tensors")
+QUANTIZATION_METHODS = ONLINE_QUANTIZATION_METHODS + ("awq", "gptq", "compressed-tensors", "gguf")
 
 
 def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

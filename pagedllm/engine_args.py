@@ -41,6 +41,8 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    # A GGUF file's weights dequantized to dtype at load instead of kept in their blocks (the dense path).
+    gguf_dequantize: bool = False
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
@@ -85,7 +87,13 @@ class EngineArgs:
         parser.add_argument(
             "--quantization", "-q", type=str, default=None, choices=list(QUANTIZATION_METHODS),
             help="quantize the weights at load: fp8 keeps each decoder linear in float8 e4m3 with a scale per "
-            "output row and quantizes activations per token (half the weight bytes, float8 tensor-core products)",
+            "output row and quantizes activations per token (half the weight bytes, float8 tensor-core products); "
+            "a GGUF file gets gguf on the CPU (its weights stay in their quantized blocks) without the flag",
+        )
+        parser.add_argument(
+            "--gguf-dequantize", action="store_true",
+            help="dequantize a GGUF file's weights to --dtype at load and multiply them dense (more memory, slower "
+            "on the CPU; the reference path), instead of keeping them in their quantized blocks",
         )
         parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
         parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
@@ -172,14 +180,26 @@ class EngineArgs:
         self._check()
         graph_config = parse_compilation_config(self.compilation_config)  # its errors before any loading
         device = self._resolve_device()
-        src = load_model_source(self.model, self.tokenizer, self.load_format, self.download_dir, self.trust_remote_code)
+        gguf_packed = self._gguf_packed(device)
+        src = load_model_source(self.model, self.tokenizer, self.load_format, self.download_dir, self.trust_remote_code,
+                                gguf_packed=gguf_packed)
         hf_config = src.hf_config
         derived_max_len = _derive_max_model_len(hf_config)
         quantization = self.quantization
         from pagedllm.model_loader.quant_config import checkpoint_quant_config
 
         qconfig = checkpoint_quant_config(hf_config, warn=False)  # raises, naming it, for what is not supported
-        if qconfig is not None:
+        if src.gguf_file is not None:
+            if quantization == "gguf" and self.gguf_dequantize:
+                raise ValueError("quantization 'gguf' keeps a GGUF file's weights quantized and gguf_dequantize "
+                                 "(--gguf-dequantize) dequantizes them: pass one of the two")
+            # On a device without the packed kernel "gguf" loads dense, as gguf_dequantize does.
+            quantization = "gguf" if gguf_packed and src.load_format == "gguf" else (
+                None if quantization == "gguf" else quantization)
+        elif quantization == "gguf" or self.gguf_dequantize:
+            raise ValueError(f"{'quantization gguf' if quantization == 'gguf' else 'gguf_dequantize'} applies to GGUF "
+                             f"files, and {self.model} is not one")
+        elif qconfig is not None:
             if quantization not in (None, qconfig.name, qconfig.engine_method):
                 raise ValueError(f"quantization {quantization!r} conflicts with the checkpoint's quantization_config "
                                  f"(quant_method {qconfig.name!r})")
@@ -261,6 +281,15 @@ class EngineArgs:
             graph_config=graph_config,
             structured_outputs_config=StructuredOutputsConfig(reasoning_parser=self.reasoning_parser),
         )
+
+    def _gguf_packed(self, device: str) -> bool:
+        """Whether a GGUF file's matrices may stay in their blocks: on a device with the packed kernel, unless
+        dequantization is asked for or an online method (fp8, int8) requantizes the dequantized weights."""
+        if self.gguf_dequantize or self.quantization in ONLINE_QUANTIZATION_METHODS:
+            return False
+        from pagedllm.layers.quantization.gguf import packed_kernel_available
+
+        return packed_kernel_available(device)
 
     def _resolve_device(self) -> str:
         if self.device != "auto":

@@ -1,5 +1,15 @@
-"""Token embedding and LM head, with the vocabulary split across tensor-parallel ranks and optional tied weights."""
+"""Token embedding and LM head, with the vocabulary split across tensor-parallel ranks and optional tied weights.
+
+A quantized checkpoint that stores these tables its own way (GGUF) builds them under ``default_embedding_method``:
+its method then owns the table (``create_weights``), decodes the rows tokens pick (``embedding``) and computes
+the LM head's product (``apply``).
+"""
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -7,6 +17,20 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.cpu_linear import PackedWeight, cpu_linear
+
+
+# The method of embedding tables built without one: set while a quantized checkpoint's model is built.
+_DEFAULT_METHOD: ContextVar[Callable[[], Any] | None] = ContextVar("pagedllm_embedding_method", default=None)
+
+
+@contextmanager
+def default_embedding_method(factory: Callable[[], Any]) -> Iterator[None]:
+    """Embeddings and LM heads constructed inside take ``factory()`` as their method."""
+    token = _DEFAULT_METHOD.set(factory)
+    try:
+        yield
+    finally:
+        _DEFAULT_METHOD.reset(token)
 
 
 class VocabEmbedding(nn.Module):
@@ -32,7 +56,12 @@ class VocabEmbedding(nn.Module):
         self.shard_size = -(-num_embeddings // tp_size)
         self.vocab_start = tp_rank * self.shard_size
         self.vocab_end = max(min(self.vocab_start + self.shard_size, num_embeddings), self.vocab_start)
-        dtype = params_dtype or torch.get_default_dtype()
+        self.params_dtype = dtype = params_dtype or torch.get_default_dtype()
+        factory = _DEFAULT_METHOD.get()
+        self.quant_method = factory() if factory is not None else None
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self)
+            return
         self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
@@ -46,12 +75,18 @@ class VocabEmbedding(nn.Module):
         param.data[:rows].copy_(loaded_weight[self.vocab_start : self.vocab_end])
         param.data[rows:].zero_()
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:  # [T] int64, rows of this shard -> [T, E]
+        if self.quant_method is not None:
+            return self.quant_method.embedding(self, ids)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, E]
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_shard, input_ids - self.vocab_start, 0)
-        out = F.embedding(local_ids, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
+        out = self._lookup(local_ids)
+        out = out * in_shard.unsqueeze(-1).to(out.dtype)
         return self.tp_group.all_reduce(out)
 
     def extra_repr(self) -> str:
@@ -72,12 +107,13 @@ class ParallelLMHead(VocabEmbedding):
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, params_dtype, tp_rank, tp_size)
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.shard_size, dtype=self.weight.dtype), requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(self.shard_size, dtype=self.params_dtype), requires_grad=False)
             self.bias.weight_loader = self._bias_loader
         else:
             self.register_parameter("bias", None)
-        # The (possibly tied) weight in oneDNN's layout for CPU products, made on first use.
-        self.packed_weight = PackedWeight()
+        # The (possibly tied) weight in oneDNN's layout for CPU products, made on first use; a quantized
+        # table's method keeps its own.
+        self.packed_weight = PackedWeight() if self.quant_method is None else None
 
     def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         rows = self.vocab_end - self.vocab_start
@@ -86,6 +122,9 @@ class ParallelLMHead(VocabEmbedding):
 
     def tie_weights(self, embedding: VocabEmbedding) -> None:
         """Share the input embedding's table; the checkpoint then has no separate lm_head weight."""
+        if self.quant_method is not None:
+            self.quant_method.tie(self, embedding)
+            return
         self.weight = embedding.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -104,7 +143,9 @@ class ParallelLMHead(VocabEmbedding):
         so the argmax (first maximum included) is the same; a soft cap is always applied in float32.
         ``out``: the product of N > 1 rows is written into its first N rows (one rank only), by the same
         cuBLAS call as ``F.linear``; the logits returned may then be a view of it."""
-        if hidden_states.device.type == "cpu":
+        if self.quant_method is not None:
+            logits = self.quant_method.apply(self, hidden_states, self.bias)
+        elif hidden_states.device.type == "cpu":
             logits = cpu_linear(hidden_states, self.weight, self.bias, self.packed_weight)
         else:
             logits = None

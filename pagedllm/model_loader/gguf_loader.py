@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from pagedllm.model_loader.gguf_reader import ARCHITECTURES, open_gguf
 from pagedllm.model_loader.base import BaseModelLoader, build_model, check_all_loaded, finalize_model
 
 logger = logging.getLogger(__name__)
+_startup_log = logging.getLogger("pagedllm")  # which path the weights took: one line per decision
 
 # llama.cpp interleaves the rotary halves of these architectures' Q/K rows (its non-NeoX rope).
 _QK_PERMUTED = frozenset({"llama"})
@@ -74,6 +76,13 @@ def _config_beyond_transformers(reader: Any, arch: str, config: dict[str, Any]) 
         config["rope_scaling"] = rope_scaling  # the legacy key: config classes fold it into rope_parameters
 
 
+def _items_skipped(field: Any) -> bool:
+    """An array field read by ``open_gguf(skip_arrays=True)``: its length is known, its items are not."""
+    from gguf import GGUFValueType
+
+    return field.types[:1] == [GGUFValueType.ARRAY] and not field.data and int(field.parts[-1][0]) > 0
+
+
 def gguf_hf_config(path: str | os.PathLike, reader: Any = None) -> Any:
     """The transformers ``PretrainedConfig`` the GGUF metadata describes, with ``architectures`` set.
 
@@ -85,7 +94,7 @@ def gguf_hf_config(path: str | os.PathLike, reader: Any = None) -> Any:
     from transformers import CONFIG_MAPPING
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
-    reader = reader if reader is not None else open_gguf(path)
+    reader = reader if reader is not None else open_gguf(path, skip_arrays=True)
     arch = _architecture(reader, path)
     model_type, hf_arch = ARCHITECTURES[arch]
     config: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type) or GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {})
@@ -94,6 +103,8 @@ def gguf_hf_config(path: str | os.PathLike, reader: Any = None) -> Any:
         prefix, _, rest = key.partition(".")
         hf_key = tables.get(prefix, {}).get(rest)
         if hf_key is not None and hf_key != -1:
+            if _items_skipped(field):  # an array the fast reader left unread: read the file in full
+                return gguf_hf_config(path, open_gguf(path))
             config[hf_key] = field.contents()
     # llama.cpp writes an output projection only when it is not the tied embedding matrix.
     config["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
@@ -101,7 +112,7 @@ def gguf_hf_config(path: str | os.PathLike, reader: Any = None) -> Any:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         if tokens is None:
             raise ValueError(f"GGUF {path} states no vocab_size and has no tokenizer.ggml.tokens to count")
-        config["vocab_size"] = len(tokens.data)
+        config["vocab_size"] = int(tokens.parts[-1][0]) if _items_skipped(tokens) else len(tokens.data)
     _config_beyond_transformers(reader, arch, config)
     hf_config = CONFIG_MAPPING[model_type].from_dict(config)
     hf_config.architectures = [hf_arch]
@@ -140,13 +151,21 @@ def iter_gguf_weights(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     reader: Any = None,
+    keep_packed: Callable[[int], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields ``(hf_name, tensor)`` for every tensor of the file, dequantized to ``dtype`` on ``device``.
 
     Packed blocks are moved to ``device`` first, so a GPU decodes them. Tensors that need an edit
     are decoded to float32, edited, then cast, as transformers does.
+
+    With ``keep_packed`` (ggml type -> whether it stays packed) every matrix comes as the GGUF layers take it
+    (``layers/quantization/gguf.py``): ``<module>.qweight_type`` (its ggml type, or F32 for one dequantized
+    here), then ``<module>.qweight`` (its packed rows [N, row_bytes] uint8, or the dequantized [N, K]).
+    Q/K rows are un-permuted either way: the permutation moves whole rows.
     """
-    reader = reader if reader is not None else open_gguf(path)
+    from pagedllm.layers.quantization.gguf import F32
+
+    reader = reader if reader is not None else open_gguf(path, skip_arrays=True)
     arch = _architecture(reader, path)
     num_layers = int(_value(reader, f"{arch}.block_count"))
     names = gguf_to_hf_names(arch, num_layers)
@@ -169,28 +188,95 @@ def iter_gguf_weights(
             # The mapping is read-only; the bytes are only read (dequantize never aliases its input).
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(tensor.data)  # (out, bytes per row) uint8 blocks, or (out, in) F32/F16 values
-        raw = raw.to(device)
         base = tensor.name.rsplit(".", 1)[0]
-        if arch in _QK_PERMUTED and base.endswith((".attn_q", ".attn_k")):
+        permuted = arch in _QK_PERMUTED and base.endswith((".attn_q", ".attn_k"))
+        heads = n_heads if base.endswith(".attn_q") else n_kv_heads
+        matrix = keep_packed is not None and len(shape) == 2
+        if matrix and keep_packed(int(tensor.tensor_type)):
+            rows = raw.reshape(shape[0], -1)  # [N, row_bytes] uint8
+            module = names[tensor.name].rsplit(".", 1)[0]
+            yield module + ".qweight_type", torch.tensor(int(tensor.tensor_type))
+            yield module + ".qweight", (unpermute_qk(rows, heads) if permuted else rows).to(device)
+            continue
+        raw = raw.to(device)
+        if permuted:
             w = dequantize(raw, tensor.tensor_type, shape)  # (heads * head_dim, hidden) f32
-            w = unpermute_qk(w, n_heads if base.endswith(".attn_q") else n_kv_heads).to(dtype)
+            w = unpermute_qk(w, heads).to(dtype)
         elif arch in _NORM_PLUS_ONE and tensor.name.endswith("norm.weight"):
             w = (dequantize(raw, tensor.tensor_type, shape) - 1.0).to(dtype)
         else:
             w = dequantize(raw, tensor.tensor_type, shape, dtype)
-        yield names[tensor.name], w
+        if matrix:
+            module = names[tensor.name].rsplit(".", 1)[0]
+            yield module + ".qweight_type", torch.tensor(F32)
+            yield module + ".qweight", w
+        else:
+            yield names[tensor.name], w
+
+
+def _dense_reason(model_config: ModelConfig, device: torch.device) -> str:
+    from pagedllm.layers.quantization.gguf import packed_kernel_available
+
+    if device.type != "cpu":
+        return f"no packed kernel on {device.type}"
+    if not packed_kernel_available(device):
+        return "the packed CPU kernel is not available here"
+    if model_config.quantization is not None:
+        return f"quantization {model_config.quantization} holds the dequantized weights its own way"
+    return "gguf_dequantize"
+
+
+def _packing_summary(reader: Any, dtype: torch.dtype, keep_packed: Callable[[int], bool], device: torch.device) -> None:
+    """One log line per decision: the matrices kept packed by type, those dequantized and why, and weight bytes."""
+    from pagedllm.layers.quantization.gguf import packed_kernel_available
+
+    packed: Counter[str] = Counter()
+    dense: Counter[str] = Counter()
+    held = as_float32 = 0
+    for t in reader.tensors:
+        if t.name in _NO_HF_TENSOR:
+            continue
+        n = int(t.n_elements)
+        as_float32 += 4 * n
+        if len(t.shape) == 2 and keep_packed(int(t.tensor_type)):
+            packed[type_name(t.tensor_type)] += 1
+            held += int(t.n_bytes)
+        else:
+            held += n * dtype.itemsize
+            if len(t.shape) == 2:
+                dense[type_name(t.tensor_type)] += 1
+    by_type = ", ".join(f"{k} x {v}" for k, v in packed.most_common())
+    _startup_log.info("gguf: %d tensors kept packed (%s), %d dequantized; weights %.2f GiB "
+                      "(dense float32 would be %.2f GiB)",
+                      sum(packed.values()), by_type or "none", sum(dense.values()), held / 2**30, as_float32 / 2**30)
+    if dense:
+        reason = ("no packed kernel for the type" if packed_kernel_available(device)
+                  else f"no packed kernel on {device.type}" if device.type != "cpu"
+                  else "the packed CPU kernel is not available here")
+        for name, count in dense.most_common():
+            _startup_log.info("gguf: %d %s tensors dequantized to %s (dense path: %s)", count, name,
+                        str(dtype).removeprefix("torch."), reason)
 
 
 class GGUFModelLoader(BaseModelLoader):
-    """``load_format="gguf"``: the model for ``hf_config`` filled from ``model_config.gguf_file`` (or ``.model``)."""
+    """``load_format="gguf"``: the model for ``hf_config`` filled from ``model_config.gguf_file`` (or ``.model``).
+
+    Under ``quantization="gguf"`` matrices whose type the packed kernel reads stay in their blocks
+    (``layers/quantization/gguf.py``) and nothing is cached: reading the file is the whole start. Otherwise
+    every tensor is dequantized, and float32 loads keep a converted copy for later starts (``gguf_cache.py``).
+    """
 
     def load_model(
         self, model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]
     ) -> nn.Module:
+        path = model_config.gguf_file or model_config.model
+        if model_config.quantization == "gguf":
+            return self._load_packed(path, model_config, device, attn_backend)
         from pagedllm.model_loader.gguf_cache import store_converted, tee_float32
 
-        path = model_config.gguf_file or model_config.model
         model = build_model(model_config, device, attn_backend)
+        _startup_log.info("gguf: every tensor dequantized to %s (dense path: %s)",
+                          str(model_config.dtype).removeprefix("torch."), _dense_reason(model_config, device))
         weights = iter_gguf_weights(path, model_config.dtype, device)
         # Float32 loads keep an exact copy for the converted cache: the next start reads safetensors
         # instead of parsing metadata and dequantizing again.
@@ -202,3 +288,25 @@ class GGUFModelLoader(BaseModelLoader):
         if keep:
             store_converted(path, model_config.hf_config, keep)
         return finalize_model(model, device, model_config.quantization)
+
+    def _load_packed(
+        self, path: str, model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]
+    ) -> nn.Module:
+        from pagedllm.layers.embedding import default_embedding_method
+        from pagedllm.layers.linear import default_linear_method
+        from pagedllm.layers.quantization.gguf import GGUFConfig, finish_loading, keeps_packed
+
+        config = GGUFConfig()
+        with default_linear_method(config.linear_method), default_embedding_method(config.embedding_method):
+            model = build_model(model_config, device, attn_backend)
+        reader = open_gguf(path, skip_arrays=True)
+
+        def keep_packed(qtype: int) -> bool:
+            return keeps_packed(qtype, device)
+
+        _packing_summary(reader, model_config.dtype, keep_packed, device)
+        weights = iter_gguf_weights(path, model_config.dtype, device, reader, keep_packed)
+        loaded = model.load_weights(weights)
+        check_all_loaded(model, loaded, path)
+        finish_loading(model)
+        return finalize_model(model, device, None)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import struct
 from typing import Any
 
 import numpy as np
@@ -21,12 +22,16 @@ def _fast_reader_class() -> type:
 
     The reader slices its ``np.memmap`` once per value; memmap's Python-level ``__getitem__`` and
     ``__array_finalize__`` then dominate a 262k-token vocabulary (11 s -> 3.5 s for Gemma 3). Slicing a
-    plain ndarray view of the same mapping gives the same values (and tensor views) without that cost.
+    plain ndarray view of the same mapping gives the same values (and tensor views) without that cost, and
+    reading arrays whole rather than item by item takes Gemma 3's metadata to about a second.
     """
-    from gguf import GGUFReader
+    from gguf import GGUFReader, GGUFValueType
 
-    params = list(inspect.signature(GGUFReader._get).parameters) if hasattr(GGUFReader, "_get") else []
-    if params != ["self", "offset", "dtype", "count", "override_order"]:
+    def params(name: str) -> list[str]:
+        return list(inspect.signature(getattr(GGUFReader, name)).parameters) if hasattr(GGUFReader, name) else []
+
+    if (params("_get") != ["self", "offset", "dtype", "count", "override_order"]
+            or params("_get_field_parts") != ["self", "orig_offs", "raw_type"]):
         return GGUFReader  # a gguf-py whose internals differ: keep its own, slower, parsing
 
     class _FastGGUFReader(GGUFReader):
@@ -38,14 +43,78 @@ def _fast_reader_class() -> type:
             arr = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
+        def _get_field_parts(self, orig_offs, raw_type):
+            # gguf-py reads an array item by item (two reads per string); the vocabulary's 262k strings, scores
+            # and types then cost seconds. The same parts, views of the same bytes, come from one read per
+            # scalar array and one slice per string.
+            if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            count = self._get(orig_offs + 4, np.uint64)
+            itype, n, offs = GGUFValueType(int(raw_itype[0])), int(count[0]), orig_offs + 12
+            parts: list = [raw_itype, count]
+            if n == 0:
+                return offs - orig_offs, parts, [], [GGUFValueType.ARRAY]
+            plain = self.__dict__.get("_plain_data")
+            if plain is None:
+                plain = self._plain_data = self.data.view(np.ndarray)
+            if itype == GGUFValueType.STRING:
+                buf = memoryview(plain)
+                for _ in range(n):  # each item: a u64 length, then its bytes
+                    length = struct.unpack_from("=Q", buf, offs)[0]
+                    parts.append(plain[offs : offs + 8].view(np.uint64))
+                    parts.append(plain[offs + 8 : offs + 8 + length])
+                    offs += 8 + length
+                return offs - orig_offs, parts, list(range(3, 2 + 2 * n, 2)), [GGUFValueType.ARRAY, itype]
+            if itype in self.gguf_scalar_to_np:
+                dtype = np.dtype(self.gguf_scalar_to_np[itype])
+                items = plain[offs : offs + n * dtype.itemsize].view(dtype)
+                parts += list(items.reshape(n, 1))
+                return n * dtype.itemsize + 12, parts, list(range(2, 2 + n)), [GGUFValueType.ARRAY, itype]
+            return super()._get_field_parts(orig_offs, raw_type)
+
     return _FastGGUFReader
 
 
-def open_gguf(path: str | os.PathLike) -> Any:
-    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped: tensor bytes are read when touched)."""
+def _tensor_index_class() -> type:
+    """The fast reader, skipping the items of array fields (a 262k-token vocabulary's strings, scores and types):
+    for a caller that wants the tensors and scalar fields only, the metadata costs a walk over string lengths
+    instead of an object per item. Array fields are kept with their item type and length, and no items."""
+    from gguf import GGUFValueType
+
+    base = _fast_reader_class()
+    params = list(inspect.signature(base._get_field_parts).parameters)
+    if base.__name__ != "_FastGGUFReader" or params != ["self", "orig_offs", "raw_type"]:
+        return base  # internals differ: parse everything
+
+    class _TensorIndexReader(base):
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            count = self._get(orig_offs + 4, np.uint64)
+            itype, offs = GGUFValueType(int(raw_itype[0])), orig_offs + 12
+            if itype == GGUFValueType.STRING:
+                plain = memoryview(self.data.view(np.ndarray))
+                for _ in range(int(count[0])):  # each item: a u64 length, then its bytes
+                    offs += 8 + struct.unpack_from("<Q", plain, offs)[0]
+            elif itype in self.gguf_scalar_to_np:
+                offs += int(count[0]) * np.dtype(self.gguf_scalar_to_np[itype]).itemsize
+            else:  # arrays of arrays: rare, and walked in full
+                return super()._get_field_parts(orig_offs, raw_type)
+            return offs - orig_offs, [raw_itype, count], [], [GGUFValueType.ARRAY, itype]
+
+    return _TensorIndexReader
+
+
+def open_gguf(path: str | os.PathLike, skip_arrays: bool = False) -> Any:
+    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped: tensor bytes are read when touched).
+
+    ``skip_arrays``: array fields (the tokenizer's vocabulary) hold no items, for callers that read tensors and
+    scalar fields only; a fraction of the time on a large vocabulary."""
     from gguf import GGUFEndian
 
-    reader = _fast_reader_class()(os.fspath(path))
+    reader = (_tensor_index_class() if skip_arrays else _fast_reader_class())(os.fspath(path))
     if reader.endianess != GGUFEndian.LITTLE:
         raise ValueError(f"{path} is a big-endian GGUF; only little-endian files are supported")
     return reader

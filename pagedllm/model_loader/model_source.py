@@ -43,8 +43,12 @@ def load_model_source(
     load_format: str,
     download_dir: str | None,
     trust_remote_code: bool,
+    gguf_packed: bool = False,
 ) -> ModelSource:
-    """Resolves a model name (local dir, .gguf file, hub id, or None for the default model)."""
+    """Resolves a model name (local dir, .gguf file, hub id, or None for the default model).
+
+    ``gguf_packed``: a GGUF file will keep its weights packed, so it loads from the file itself; otherwise an
+    earlier start's dequantized copy (``gguf_cache.py``) is used when there is one."""
     from transformers import AutoConfig
 
     from pagedllm.model_loader.hub import resolve_model_path
@@ -62,7 +66,7 @@ def load_model_source(
         path = os.path.abspath(model)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF file {model!r} does not exist")
-        converted = find_converted(path) if load_format != "gguf" else None
+        converted = find_converted(path) if load_format != "gguf" and not gguf_packed else None
         if converted is not None:
             # An earlier start converted this file: load its float32 safetensors, skip the GGUF.
             return ModelSource(

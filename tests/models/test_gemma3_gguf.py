@@ -123,8 +123,9 @@ def test_config_matches_hf(gguf_path, reference):
 
 def test_greedy_matches_hf(gguf_path, reference):
     _, expected = reference
-    # Straight from the GGUF (this load also writes the converted float32 cache).
+    # Straight from the GGUF, its weights kept in their quantized blocks.
     llm = _llm(gguf_path, load_format="gguf")
+    assert llm.llm_engine.config.model_config.quantization == "gguf"
     texts = VARIED + SHARED + LONG
     # Text prompts: the engine's own tokenizer must produce HF's ids (BOS included).
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -138,12 +139,19 @@ def test_greedy_matches_hf(gguf_path, reference):
 def test_chunked_prefill_with_prefix_hits(gguf_path, reference):
     _, expected = reference
     # A budget of 16 tokens: every prompt is prefilled in chunks, the long ones in dozens of them.
-    llm = _llm(gguf_path, skip_tokenizer_init=True, max_num_batched_tokens=16)
-    # With the converted cache in place (written by the first load), auto loads its safetensors.
-    assert llm.llm_engine.config.load_config.load_format == "safetensors"
+    # The dense path (every tensor dequantized), whose first float32 load writes the converted cache.
+    llm = _llm(gguf_path, skip_tokenizer_init=True, max_num_batched_tokens=16, gguf_dequantize=True)
+    assert llm.llm_engine.config.model_config.quantization is None
     texts = VARIED[:2] + SHARED + LONG
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": expected[t][0]} for t in texts], params, use_tqdm=False)
     _check(outs, texts, expected)
     cached = {t: o.num_cached_tokens for t, o in zip(texts, outs)}
     assert all(cached[t] > 0 for t in SHARED[1:]) and cached[LONG[1]] > WINDOW
+    # With the converted cache in place the dense path loads its safetensors; the packed one still reads the file.
+    from pagedllm import EngineArgs
+
+    dense = EngineArgs(model=gguf_path, device="cpu", gguf_dequantize=True).create_engine_config()
+    assert dense.load_config.load_format == "safetensors" and dense.model_config.quantization is None
+    packed = EngineArgs(model=gguf_path, device="cpu").create_engine_config()
+    assert packed.load_config.load_format == "gguf" and packed.model_config.quantization == "gguf"

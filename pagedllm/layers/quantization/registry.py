@@ -12,6 +12,7 @@ _CONFIGS: dict[str, tuple[str, str]] = {
     "gptq": ("pagedllm.layers.quantization.gptq", "GPTQConfig"),
     "compressed-tensors": ("pagedllm.layers.quantization.compressed_tensors", "CompressedTensorsConfig"),
     "fp8": ("pagedllm.layers.quantization.fp8_config", "Fp8Config"),
+    "gguf": ("pagedllm.layers.quantization.gguf", "GGUFConfig"),
 }
 
 
