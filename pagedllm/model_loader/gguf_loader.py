@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import ModelConfig
-from pagedllm.model_loader.gguf_dequant import SUPPORTED_TYPES, dequantize, type_name
+from pagedllm.layers.quantization.gguf_dequant import SUPPORTED_TYPES, dequantize, type_name
 from pagedllm.model_loader.gguf_reader import ARCHITECTURES, open_gguf
 from pagedllm.model_loader.base import BaseModelLoader, build_model, check_all_loaded, finalize_model
 
@@ -217,10 +217,8 @@ def iter_gguf_weights(
 def _dense_reason(model_config: ModelConfig, device: torch.device) -> str:
     from pagedllm.layers.quantization.gguf import packed_kernel_available
 
-    if device.type != "cpu":
-        return f"no packed kernel on {device.type}"
     if not packed_kernel_available(device):
-        return "the packed CPU kernel is not available here"
+        return f"no packed kernel on {device.type} here"
     if model_config.quantization is not None:
         return f"quantization {model_config.quantization} holds the dequantized weights its own way"
     return "gguf_dequantize"
@@ -251,8 +249,7 @@ def _packing_summary(reader: Any, dtype: torch.dtype, keep_packed: Callable[[int
                       sum(packed.values()), by_type or "none", sum(dense.values()), held / 2**30, as_float32 / 2**30)
     if dense:
         reason = ("no packed kernel for the type" if packed_kernel_available(device)
-                  else f"no packed kernel on {device.type}" if device.type != "cpu"
-                  else "the packed CPU kernel is not available here")
+                  else f"no packed kernel on {device.type} here")
         for name, count in dense.most_common():
             _startup_log.info("gguf: %d %s tensors dequantized to %s (dense path: %s)", count, name,
                         str(dtype).removeprefix("torch."), reason)

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
 from pagedllm.kernels.gguf_triton import TRITON_BLOCKS, gguf_mm_triton
-from pagedllm.model_loader.gguf_dequant import dequantize
+from pagedllm.layers.quantization.gguf_dequant import dequantize
 
 # Byte offsets of each block's float16 fields (d, and Q4_K's dmin), set to finite values in random blocks.
 _HALF_FIELDS = {T.Q4_K: (0, 2), T.Q6_K: (208,)}

@@ -10,7 +10,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGML_QUANT_SIZES  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from pagedllm.model_loader.gguf_dequant import SUPPORTED_TYPES, dequantize  # noqa: E402
+from pagedllm.layers.quantization.gguf_dequant import SUPPORTED_TYPES, dequantize  # noqa: E402
 
 ALL_TYPES = sorted(SUPPORTED_TYPES)
 # Types gguf-py can also quantize, so the test data can be real quantizer output.

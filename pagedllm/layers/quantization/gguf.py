@@ -1,5 +1,6 @@
 """GGUF checkpoints (quantization ``gguf``): linears, the embedding and the LM head keep llama.cpp's ggml blocks as
-the file stores them and multiply through the CPU kernel (``kernels/cpu/gguf_gemm.py``).
+the file stores them and multiply through the CPU kernel (``kernels/cpu/gguf_gemm.py``) or, on a GPU, the Triton
+kernel (``kernels/gguf_triton.py``, which reads fewer types: the rest are dequantized there).
 
 A layer holds each tensor as uint8 rows of blocks [N, row_bytes] plus its ggml type, or, where no kernel reads
 that type (or the device is not the CPU), the tensor dequantized at load, stored under the type F32. A fused
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels.cpu import gguf_gemm
+from pagedllm.kernels.gguf_triton import TRITON_TYPES, gguf_mm_triton
+from pagedllm.layers.quantization.gguf_dequant import dequantize as torch_dequantize
 from pagedllm.layers.cpu_linear import PackedWeight, cpu_linear
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizedLinearMethod
 from pagedllm.layers.quantization.packed_params import _checkpoint_shards, _output_shard
@@ -27,13 +30,16 @@ F32 = 0  # ggml's type id of float32: a tensor dequantized at load is stored in 
 
 
 def packed_kernel_available(device: torch.device | str) -> bool:
-    """Whether GGUF tensors can stay packed on ``device``: the CPU, with the packed kernel usable here."""
-    return torch.device(device).type == "cpu" and gguf_gemm.available()
+    """Whether GGUF tensors can stay packed on ``device``: a GPU (the Triton kernel), or the CPU with the compiled
+    kernel usable here."""
+    kind = torch.device(device).type
+    return kind == "cuda" or (kind == "cpu" and gguf_gemm.available())
 
 
 def keeps_packed(qtype: int, device: torch.device | str) -> bool:
     """Whether a tensor of ggml type ``qtype`` stays packed on ``device`` (else it is dequantized at load)."""
-    return int(qtype) in gguf_gemm.KERNEL_TYPES and packed_kernel_available(device)
+    types = TRITON_TYPES if torch.device(device).type == "cuda" else gguf_gemm.KERNEL_TYPES
+    return int(qtype) in types and packed_kernel_available(device)
 
 
 def row_bytes(qtype: int, k: int) -> int:
@@ -185,18 +191,28 @@ def _product(x: torch.Tensor, w: torch.Tensor, qtype: int, dense_packed: PackedW
     if qtype == F32:
         y = cpu_linear(x, w, None, dense_packed) if x.device.type == "cpu" else F.linear(x.to(w.dtype), w)
         return y.float()
+    if w.device.type == "cuda":
+        return gguf_mm_triton(x, w, qtype)  # in x's dtype: the GPU keeps 16-bit activations
     return gguf_gemm.gguf_mm(x.float().contiguous(), w, qtype)
 
 
+def _columns(w: torch.Tensor, qtype: int) -> int:
+    block, size = gguf_gemm.BLOCKS[qtype]
+    return w.shape[1] // size * block
+
+
 def _dequantize(w: torch.Tensor, qtype: int) -> torch.Tensor:  # [N, row_bytes] -> [N, K] float32
-    return w.float() if qtype == F32 else gguf_gemm.gguf_dequantize(w, qtype)
+    if qtype == F32:
+        return w.float()
+    if w.device.type != "cpu":
+        return torch_dequantize(w, qtype, (w.shape[0], _columns(w, qtype)))
+    return gguf_gemm.gguf_dequantize(w, qtype)
 
 
 def _dequantize_rows(w: torch.Tensor, qtype: int, ids: torch.Tensor) -> torch.Tensor:  # ids [T] -> [T, K] float32
-    rows = getattr(gguf_gemm, "gguf_dequantize_rows", None)
-    if rows is not None:
-        return rows(w, qtype, ids)
-    return gguf_gemm.gguf_dequantize(w.index_select(0, ids), qtype)
+    if w.device.type != "cpu":
+        return torch_dequantize(w.index_select(0, ids), qtype, (ids.numel(), _columns(w, qtype)))
+    return gguf_gemm.gguf_dequantize_rows(w, qtype, ids)
 
 
 def gguf_type_name(qtype: int) -> str:
