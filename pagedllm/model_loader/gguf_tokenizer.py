@@ -50,16 +50,24 @@ def _sentencepiece_merges(tokens: list[str], types: list[int]) -> list[tuple[str
     rank), longer left part first. This reproduces Gemma 3's tokenizer.json merge list exactly.
     """
     ids = {t: i for i, t in enumerate(tokens)}
-    ranked = []
+    learned, user = [], []
     for merged, i in ids.items():
-        learned = types[i] == _NORMAL if types else True
-        for cut in range(1, len(merged)):
-            left, right = merged[:cut], merged[cut:]
-            if left in ids and right in ids:
-                key = (1, i, -cut, 0) if learned else (0, -cut, -len(right), i)
-                ranked.append((key, left, right))
-    ranked.sort(key=lambda r: r[0])
-    return [(left, right) for _, left, right in ranked]
+        is_learned = types[i] == _NORMAL if types else True
+        n = len(merged)
+        for cut in range(n - 1, 0, -1):  # longer left part first
+            left = merged[:cut]
+            if left in ids:
+                right = merged[cut:]
+                if right in ids:
+                    if is_learned:
+                        learned.append((i, left, right))
+                    else:
+                        user.append(((-cut, cut - n, i), left, right))
+    # Sorting on the id alone (stable) keeps each token's cuts in the order walked: a third faster than
+    # sorting every merge on a tuple.
+    user.sort(key=lambda r: r[0])
+    learned.sort(key=lambda r: r[0])
+    return [(left, right) for _, left, right in user] + [(left, right) for _, left, right in learned]
 
 
 def _gemma_tokenizer(reader: Any) -> Any:
