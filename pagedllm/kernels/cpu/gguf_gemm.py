@@ -39,7 +39,7 @@ SOURCE = Path(__file__).with_name("gguf_gemm.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
 # Rows of x up to which the fused decode-and-multiply runs; above, weight slices decoded for torch.mm.
-FUSED_MAX_ROWS = 8
+FUSED_MAX_ROWS = 16
 # Elements of W decoded per torch.mm slice: 1 MiB of float32, which stays in the L2 cache.
 SLICE_ELEMS = 1 << 18
 
