@@ -85,7 +85,7 @@ def _check_qweight(qweight: torch.Tensor, qtype: int) -> int:
     if not isinstance(qweight, torch.Tensor) or qweight.dtype != torch.uint8 or qweight.dim() != 2:
         what = f"{qweight.dtype} {tuple(qweight.shape)}" if isinstance(qweight, torch.Tensor) else type(qweight).__name__
         raise ValueError(f"qweight: {what}: must be a 2-D torch.uint8 tensor [N, row_bytes]")
-    if qweight.device.type != "cpu" or not qweight.is_contiguous():
+    if not qweight.is_cpu or not qweight.is_contiguous():
         raise ValueError(f"qweight: device {qweight.device}, contiguous={qweight.is_contiguous()}: "
                          "must be a contiguous CPU tensor")
     row_bytes = qweight.shape[1]
@@ -93,10 +93,6 @@ def _check_qweight(qweight: torch.Tensor, qtype: int) -> int:
         raise ValueError(f"qweight.shape[1]={row_bytes}: must be a multiple of {TYPE_NAMES[qtype]}'s "
                          f"{size}-byte block")
     return row_bytes // size * block
-
-
-def _threads() -> int:
-    return torch.get_num_threads()
 
 
 def gguf_dequantize_rows(qweight: torch.Tensor, qtype: int, ids: torch.Tensor) -> torch.Tensor:
@@ -130,7 +126,7 @@ def _rows(qweight: torch.Tensor, qtype: int, K: int, ids: torch.Tensor | None) -
         return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(T, K)
     out = torch.empty(T, K, dtype=torch.float32)
     bad = lib.gguf_dequant_rows(qtype, qweight.data_ptr(), qweight.shape[1], N, K,
-                                None if ids is None else ids.data_ptr(), T, out.data_ptr(), _threads())
+                                None if ids is None else ids.data_ptr(), T, out.data_ptr(), torch.get_num_threads())
     if bad:
         raise ValueError(f"ids: {int(ids[bad - 1])} is out of range: must be in [0, {N})")
     return out
@@ -138,29 +134,42 @@ def _rows(qweight: torch.Tensor, qtype: int, K: int, ids: torch.Tensor | None) -
 
 def gguf_mm(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:
     """``x @ W.T`` with W given by its ggml blocks: x [M, K] f32, qweight [N, row_bytes] u8 -> [M, N] f32."""
-    K = _check_qweight(qweight, qtype)
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
-        what = f"{x.dtype} {tuple(x.shape)} on {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"x: {what}: must be a 2-D torch.float32 CPU tensor [M, K]")
-    if x.shape[1] != K:
-        block, size = BLOCKS[qtype]
-        if x.shape[1] % block:
-            raise ValueError(f"x.shape[1]={x.shape[1]}: must be a multiple of {TYPE_NAMES[qtype]}'s {block}-element block")
-        raise ValueError(f"qweight.shape[1]={qweight.shape[1]}: must be {x.shape[1] // block * size} bytes, "
-                         f"the {TYPE_NAMES[qtype]} blocks of a row of K={x.shape[1]} (x.shape[1])")
+    blocks = BLOCKS.get(qtype)
+    # One expression for the common case: a decode step makes over a hundred of these calls.
+    valid = (blocks is not None and isinstance(x, torch.Tensor) and isinstance(qweight, torch.Tensor)
+             and x.dtype == torch.float32 and qweight.dtype == torch.uint8 and x.dim() == 2 and qweight.dim() == 2
+             and x.is_cpu and qweight.is_cpu and qweight.is_contiguous() and x.shape[1] % blocks[0] == 0
+             and x.shape[1] // blocks[0] * blocks[1] == qweight.shape[1])
+    if not valid:
+        _refuse_mm(x, qweight, qtype)
     lib = _library()
-    M, N = x.shape[0], qweight.shape[0]
+    (M, K), N = x.shape, qweight.shape[0]
     if lib is None:
         return x @ gguf_dequantize(qweight, qtype).t()
+    if M == 0 or N == 0:
+        return torch.zeros(M, N, dtype=torch.float32)
     x = x.contiguous()
     if M > FUSED_MAX_ROWS:
         return _mm_sliced(lib, x, qweight, qtype, K)
     y = torch.empty(M, N, dtype=torch.float32)
     status = lib.gguf_mm_f32(qtype, x.data_ptr(), M, K, qweight.data_ptr(), qweight.shape[1], N, y.data_ptr(),
-                             _threads())
+                             torch.get_num_threads())
     if status:
         raise MemoryError(f"gguf_mm: no memory for the {M} x {K} activation copy")
     return y
+
+
+def _refuse_mm(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> None:
+    """Raises the ValueError that names what is wrong with gguf_mm's arguments."""
+    K = _check_qweight(qweight, qtype)
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 2 or not x.is_cpu:
+        what = f"{x.dtype} {tuple(x.shape)} on {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x: {what}: must be a 2-D torch.float32 CPU tensor [M, K]")
+    block, size = BLOCKS[qtype]
+    if x.shape[1] % block:
+        raise ValueError(f"x.shape[1]={x.shape[1]}: must be a multiple of {TYPE_NAMES[qtype]}'s {block}-element block")
+    raise ValueError(f"qweight.shape[1]={qweight.shape[1]}: must be {x.shape[1] // block * size} bytes, "
+                     f"the {TYPE_NAMES[qtype]} blocks of a row of K={x.shape[1]} (x.shape[1]), not K={K}")
 
 
 def _mm_sliced(lib: ctypes.CDLL, x: torch.Tensor, qweight: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
@@ -169,7 +178,7 @@ def _mm_sliced(lib: ctypes.CDLL, x: torch.Tensor, qweight: torch.Tensor, qtype: 
     rows = max(8, SLICE_ELEMS // K)
     y = torch.empty(M, N, dtype=torch.float32)
     w = torch.empty(min(rows, N), K, dtype=torch.float32)
-    row_bytes, threads = qweight.shape[1], _threads()
+    row_bytes, threads = qweight.shape[1], torch.get_num_threads()
     base = qweight.data_ptr()
     for n0 in range(0, N, rows):
         n = min(rows, N - n0)
