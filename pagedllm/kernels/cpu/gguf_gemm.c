@@ -229,7 +229,6 @@ INLINE void mm_tile(const int type, const int MT, const float *xp, const float *
         for (int m = 0; m < MT; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nblocks; b++) {
             const uint8_t *blk = row + b * bb;
-            _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
             Scales s;
             block_scales(type, blk, &s);
 #pragma GCC unroll 8
