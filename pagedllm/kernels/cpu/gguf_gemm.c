@@ -329,16 +329,22 @@ static void thread_range(const int64_t n, const int64_t align, int64_t *lo, int6
     *hi = b * align < n ? b * align : n;
 }
 
+/* Rows of W per work item of a product: about 8 items per thread, handed out as threads ask, so that a
+   thread the OS runs late (the cores are shared) leaves its items to the others instead of holding up all. */
+static int64_t row_chunk(const int64_t N, const int nthreads) {
+    const int64_t want = (N + 8 * nthreads - 1) / (8 * nthreads);
+    return want < 16 ? 16 : (want + 7) / 8 * 8;
+}
+
 /* One entry point per type, so that each inlined kernel is specialised on its constant type (the type
    must be a literal inside the parallel region, which the compiler outlines before inlining). */
 #define DEFINE_TYPE(T)                                                                                     \
     static void mm_##T(const float *xp, const float *xs, int64_t M, int64_t K, const uint8_t *w,          \
                        int64_t row_bytes, int64_t N, float *y, int nthreads) {                             \
-        _Pragma("omp parallel num_threads(nthreads)") {                                                     \
-            int64_t lo, hi;                                                                                 \
-            thread_range(N, 8, &lo, &hi);                                                                   \
-            mm_rows(T, xp, xs, M, K, w, row_bytes, lo, hi, y, N);                                           \
-        }                                                                                                   \
+        const int64_t chunk = row_chunk(N, nthreads), chunks = (N + chunk - 1) / chunk;                     \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")                              \
+        for (int64_t c = 0; c < chunks; c++)                                                                \
+            mm_rows(T, xp, xs, M, K, w, row_bytes, c * chunk, c * chunk + chunk < N ? c * chunk + chunk : N, y, N); \
     }                                                                                                       \
     static void rows_##T(const uint8_t *w, int64_t row_bytes, int64_t K, const int64_t *ids, int64_t rows, \
                          float *out, int nthreads) {                                                        \
