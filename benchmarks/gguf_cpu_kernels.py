@@ -7,7 +7,12 @@ valid blocks (the kernels' speed does not depend on the values). Each entry is t
 calls (at least --min-reps, more while under --seconds), so that other load on the machine shows less.
 GB/s counts the packed weight's bytes once per call; ``dense`` is ``torch.mm`` with the float32 weight.
 
+With ``--model FILE.gguf`` it times instead one decode step's products of that model: every quantized
+2-D weight of the file (the embedding as the tied LM head) once, at M rows, in file order, packed weights
+loaded into memory first: the kernels' share of a step, against the file's bytes.
+
     PYTHONPATH=$PWD python benchmarks/gguf_cpu_kernels.py [--m 1,4,16,64,512] [--threads 2] [--shapes lm_head,q]
+    PYTHONPATH=$PWD python benchmarks/gguf_cpu_kernels.py --model ~/.cache/pagedllm/models/gemma-3-270m-q4_k_m.gguf --m 1,16
 """
 from __future__ import annotations
 
@@ -62,7 +67,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=0.5, help="keep repeating an entry for this long")
     parser.add_argument("--no-dense", action="store_true", help="skip the float32 torch.mm column")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--model", default=None, help="a .gguf file: time one decode step's products instead")
     args = parser.parse_args()
+    if args.model:
+        return model_step(args)
 
     from pagedllm.kernels.cpu.gguf_gemm import TYPE_NAMES, available, gguf_dequantize, gguf_mm
 
@@ -92,6 +100,34 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+
+
+def model_step(args: argparse.Namespace) -> None:
+    """Every quantized matrix of the file once per step, at each M: the kernels' part of a decode step."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from pagedllm.kernels.cpu.gguf_gemm import KERNEL_TYPES, available, gguf_mm
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not available():
+        raise SystemExit("the GGUF CPU kernels are not available here (see the log line above)")
+    weights = []  # (qtype, K, packed [N, row_bytes])
+    for t in GGUFReader(args.model).tensors:
+        if int(t.tensor_type) in KERNEL_TYPES and len(t.shape) == 2:
+            weights.append((int(t.tensor_type), int(t.shape[0]), torch.from_numpy(np.array(t.data))))
+    nbytes = sum(w.numel() for _, _, w in weights)
+    print(f"threads {torch.get_num_threads()}: {len(weights)} matrices, {nbytes / 1e6:.1f} MB packed")
+    for m in (int(v) for v in args.m.split(",")):
+        xs = {k: torch.randn(m, k) for k in {k for _, k, _ in weights}}
+
+        def step():
+            for qtype, k, w in weights:
+                gguf_mm(xs[k], w, qtype)
+
+        ms = best_ms(step, args.min_reps, args.seconds)
+        print(f"M={m:4d}: {ms:8.2f} ms per step, {nbytes / ms / 1e6:5.1f} GB/s", flush=True)
 
 
 if __name__ == "__main__":
