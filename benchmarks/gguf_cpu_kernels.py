@@ -6,6 +6,9 @@ q/gate/up/k Q5_0, v Q8_0, o and some down Q4_K, the other down Q6_K), at M rows 
 valid blocks (the kernels' speed does not depend on the values). Each entry is the fastest of repeated
 calls (at least --min-reps, more while under --seconds), so that other load on the machine shows less.
 GB/s counts the packed weight's bytes once per call; ``dense`` is ``torch.mm`` with the float32 weight.
+As in a model's step, where each weight is read once, successive calls go to different copies of the
+weight, enough to overflow the last-level cache (--cold-mb), so that small weights are read from memory
+and not from the cache (``--cold-mb 0``: one copy, hot).
 
 With ``--model FILE.gguf`` it times instead one decode step's products of that model: every quantized
 2-D weight of the file (the embedding as the tied LM head) once, at M rows, in file order, packed weights
@@ -17,7 +20,9 @@ loaded into memory first: the kernels' share of a step, against the file's bytes
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import time
 
 import torch
@@ -47,6 +52,12 @@ def random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
     return w.view(n, -1)
 
 
+def copies(t: torch.Tensor, total_mb: float):
+    """An endless cycle over enough copies of t to fill total_mb (t itself when that is one)."""
+    count = max(1, math.ceil(total_mb * 1e6 / (t.numel() * t.element_size())))
+    return itertools.cycle([t] + [t.clone() for _ in range(count - 1)])
+
+
 def best_ms(fn, min_reps: int, seconds: float) -> float:
     fn()  # warm: first touch of the output, the built library, the thread pool
     best, start, reps = float("inf"), time.perf_counter(), 0
@@ -66,6 +77,7 @@ def main() -> None:
     parser.add_argument("--min-reps", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=0.5, help="keep repeating an entry for this long")
     parser.add_argument("--no-dense", action="store_true", help="skip the float32 torch.mm column")
+    parser.add_argument("--cold-mb", type=float, default=96, help="MB of weight copies cycled through per entry")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--model", default=None, help="a .gguf file: time one decode step's products instead")
     args = parser.parse_args()
@@ -84,11 +96,13 @@ def main() -> None:
     for name in args.shapes.split(","):
         qtype, k, n = SHAPES[name]
         w = random_blocks(qtype, n, k)
-        dense = None if args.no_dense else gguf_dequantize(w, qtype)
+        packed = copies(w, args.cold_mb)
+        dense = None if args.no_dense else copies(gguf_dequantize(w, qtype), args.cold_mb)
         for m in (int(v) for v in args.m.split(",")):
             x = torch.randn(m, k)
-            ms = best_ms(lambda: gguf_mm(x, w, qtype), args.min_reps, args.seconds)
-            dense_ms = None if dense is None else best_ms(lambda: torch.mm(x, dense.t()), args.min_reps, args.seconds)
+            ms = best_ms(lambda: gguf_mm(x, next(packed), qtype), args.min_reps, args.seconds)
+            dense_ms = None if dense is None else best_ms(lambda: torch.mm(x, next(dense).t()), args.min_reps,
+                                                          args.seconds)
             row = {"shape": name, "k": k, "n": n, "type": TYPE_NAMES[qtype], "m": m, "ms": round(ms, 4),
                    "gb_s": round(w.numel() / ms / 1e6, 2), "dense_ms": dense_ms and round(dense_ms, 4)}
             rows.append(row)
