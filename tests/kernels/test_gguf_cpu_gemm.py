@@ -76,6 +76,19 @@ def test_mm_equals_the_dense_product(qtype, m):
     assert ((y.double() - exact).abs() <= bound).all(), float(((y.double() - exact).abs() / bound).max())
 
 
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K], ids=["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("m", [9, 16])
+def test_mm_of_long_rows_summed_in_spans(qtype, m):
+    # K = 2304 is walked in spans of 512 (the last one shorter) at 8 rows of x or more.
+    n, k = 21, 2304
+    raw = _weight(qtype, n, k, seed=m)
+    w = torch.from_numpy(dequantize(raw, T(qtype)).astype(np.float32)).double()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    exact = x.double() @ w.t()
+    err = (gg.gguf_mm(x, torch.from_numpy(raw), qtype).double() - exact).abs()
+    assert (err <= 2 * RTOL * (x.double().abs() @ w.abs().t())).all()
+
+
 def test_mm_does_not_depend_on_the_thread_count():
     raw = torch.from_numpy(_weight(T.Q4_K, 101, 512))
     x = torch.randn(5, 512)

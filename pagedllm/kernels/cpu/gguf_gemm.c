@@ -216,18 +216,18 @@ INLINE float hsum(const __m256 a) {
    into weights once, then one FMA per vector and row. */
 INLINE void mm_tile(const int type, const int MT, const float *xp, const float *xs, const int64_t K,
                     const uint8_t *w, const int64_t row_bytes, const int64_t n0, const int64_t n1, float *y,
-                    const int64_t N) {
+                    const int64_t N, const int64_t b0, const int64_t b1, const int add) {
     const int factored = MT <= 2;
     // The min term's own accumulator shortens the dependency chain when there are few.
     const int nacc = factored && has_min(type) ? 2 : 1;
     const int groups = block_elems(type) / 32, bb = block_bytes(type);
-    const int64_t nblocks = K / block_elems(type), xs_stride = K / 4;
+    const int64_t xs_stride = K / 4;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * row_bytes;
         __m256 acc[8][2];
 #pragma GCC unroll 8
         for (int m = 0; m < MT; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nblocks; b++) {
+        for (int64_t b = b0; b < b1; b++) {
             const uint8_t *blk = row + b * bb;
             Scales s;
             block_scales(type, blk, &s);
@@ -266,23 +266,37 @@ INLINE void mm_tile(const int type, const int MT, const float *xp, const float *
             }
         }
 #pragma GCC unroll 8
-        for (int m = 0; m < MT; m++) y[m * N + n] = hsum(nacc == 2 ? _mm256_add_ps(acc[m][0], acc[m][1]) : acc[m][0]);
+        for (int m = 0; m < MT; m++) {
+            const float sum = hsum(nacc == 2 ? _mm256_add_ps(acc[m][0], acc[m][1]) : acc[m][0]);
+            y[m * N + n] = add ? y[m * N + n] + sum : sum;
+        }
     }
 }
+
+/* Elements of K per span of a product with several rows of x: 8 rows of x and their sums, 20 KiB. */
+enum { KSPAN = 512 };
 
 INLINE void mm_rows(const int type, const float *xp, const float *xs, const int64_t M, const int64_t K,
                     const uint8_t *w, const int64_t row_bytes, const int64_t n0, const int64_t n1, float *y,
                     const int64_t N) {
-    int64_t m = 0;
-#define TILE(MT)                                                                                   \
-    mm_tile(type, MT, xp + m * K, xs + m * (K / 4), K, w, row_bytes, n0, n1, y + m * N, N);       \
-    m += MT
-    while (M - m >= 8) { TILE(8); }
-    const int64_t rest = M - m;
-    if (rest >= 4) { TILE(4); }
-    if (rest & 2) { TILE(2); }
-    if (rest & 1) { TILE(1); }
+    // With 8 rows of x or more and a long K, K is walked in spans whose slice of x stays in the L1 cache
+    // while it meets every weight row of [n0, n1); the partial sums add up in y. (Measured on Zen 3: K = 2048
+    // at 8 and 16 rows took 10-25% less time; K <= 1024, or fewer rows, took more.)
+    const int64_t nblocks = K / block_elems(type);
+    const int64_t span = M >= 8 && K >= 4 * KSPAN ? KSPAN / block_elems(type) : nblocks;
+    for (int64_t b0 = 0; b0 < nblocks; b0 += span) {
+        const int64_t b1 = b0 + span < nblocks ? b0 + span : nblocks;
+        int64_t m = 0;
+#define TILE(MT)                                                                                         \
+        mm_tile(type, MT, xp + m * K, xs + m * (K / 4), K, w, row_bytes, n0, n1, y + m * N, N, b0, b1, b0 > 0); \
+        m += MT
+        while (M - m >= 8) { TILE(8); }
+        const int64_t rest = M - m;
+        if (rest >= 4) { TILE(4); }
+        if (rest & 2) { TILE(2); }
+        if (rest & 1) { TILE(1); }
 #undef TILE
+    }
 }
 
 /* xp [M, K]: x with each group of 32 reordered for bytes_to_floats_strided (position 8k + i holds element
