@@ -10,12 +10,11 @@ Contract (callers in layers/ depend on exactly this):
 
 The work is done by ``gguf_gemm.c``, built at first use (``build.py``) for AVX2 + FMA + F16C with OpenMP,
 on ``torch.get_num_threads()`` threads. Decoded weights equal gguf-py's ``dequantize`` bit for bit; a product
-differs from ``x @ gguf_dequantize(W).T`` only by float32 rounding: x is not quantized, and each output is
-computed by one thread in a fixed order, so results do not depend on the thread count. Up to
-``FUSED_MAX_ROWS`` rows of x (decode) are multiplied while the blocks are decoded, each block read once
-for all rows; more rows (prefill) decode the weight in slices of rows that ``torch.mm`` multiplies (the
-crossover measured on a 2-core AVX2 EPYC: the fused product is faster to 16 rows, even at 32, slower at
-64 where the float32 product's register blocking wins).
+differs from ``x @ gguf_dequantize(W).T`` only by float32 rounding (x is not quantized). Up to
+``FUSED_MAX_ROWS`` rows of x (decode), and for weights too large to decode whole, the blocks are decoded
+while they are multiplied, each block read once for all rows, each output computed by one thread in a
+fixed order (results do not depend on the thread count). More rows of a weight of at most
+``DECODED_MAX_ELEMS`` (prefill) decode it whole for one ``torch.mm``.
 Without the built library (no compiler, no AVX2/FMA, a failed build) every function still answers, through
 gguf-py and torch, slowly; ``available()`` is then False and says why once in the log.
 """
@@ -41,10 +40,13 @@ TYPE_NAMES = {2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K
 SOURCE = Path(__file__).with_name("gguf_gemm.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
-# Rows of x up to which the fused decode-and-multiply runs; above, weight slices decoded for torch.mm.
+# Above FUSED_MAX_ROWS rows of x, a weight of at most DECODED_MAX_ELEMS elements (16 MiB as float32: every
+# matrix of a small model but its embedding) is decoded whole for one torch.mm, whose register-blocked
+# product is faster there; larger weights, and fewer rows, take the fused product (measured on a 2-core
+# Zen 3: at 32 rows the two are even, at 64 and 512 rows torch.mm is 1.1-1.7x faster for the 640 x 2048
+# shapes; for the 262144 x 640 LM head the fused product stays faster up to 512 rows).
 FUSED_MAX_ROWS = 16
-# Elements of W decoded per torch.mm slice: 1 MiB of float32, which stays in the L2 cache.
-SLICE_ELEMS = 1 << 18
+DECODED_MAX_ELEMS = 1 << 22
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -152,8 +154,8 @@ def gguf_mm(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:
     if M == 0 or N == 0:
         return torch.zeros(M, N, dtype=torch.float32)
     x = x.contiguous()
-    if M > FUSED_MAX_ROWS:
-        return _mm_sliced(lib, x, qweight, qtype, K)
+    if M > FUSED_MAX_ROWS and N * K <= DECODED_MAX_ELEMS:
+        return x @ _rows(qweight, qtype, K, None).t()
     y = torch.empty(M, N, dtype=torch.float32)
     status = lib.gguf_mm_f32(qtype, x.data_ptr(), M, K, qweight.data_ptr(), qweight.shape[1], N, y.data_ptr(),
                              torch.get_num_threads())
@@ -173,18 +175,3 @@ def _refuse_mm(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> None:
         raise ValueError(f"x.shape[1]={x.shape[1]}: must be a multiple of {TYPE_NAMES[qtype]}'s {block}-element block")
     raise ValueError(f"qweight.shape[1]={qweight.shape[1]}: must be {x.shape[1] // block * size} bytes, "
                      f"the {TYPE_NAMES[qtype]} blocks of a row of K={x.shape[1]} (x.shape[1]), not K={K}")
-
-
-def _mm_sliced(lib: ctypes.CDLL, x: torch.Tensor, qweight: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
-    """Many rows of x: slices of W decoded (L2-sized) and multiplied by torch.mm."""  # x [M, K] -> [M, N]
-    M, N = x.shape[0], qweight.shape[0]
-    rows = max(8, SLICE_ELEMS // K)
-    y = torch.empty(M, N, dtype=torch.float32)
-    w = torch.empty(min(rows, N), K, dtype=torch.float32)
-    row_bytes, threads = qweight.shape[1], torch.get_num_threads()
-    base = qweight.data_ptr()
-    for n0 in range(0, N, rows):
-        n = min(rows, N - n0)
-        lib.gguf_dequant_rows(qtype, base + n0 * row_bytes, row_bytes, n, K, None, n, w.data_ptr(), threads)
-        y[:, n0:n0 + n] = x @ w[:n].t()
-    return y
