@@ -23,9 +23,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 enum { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -330,19 +327,6 @@ INLINE void decode_row(const int type, const uint8_t *row, const int64_t K, floa
     }
 }
 
-/* This thread's share [*lo, *hi) of n items, in chunks that are multiples of `align`. */
-static void thread_range(const int64_t n, const int64_t align, int64_t *lo, int64_t *hi) {
-#ifdef _OPENMP
-    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-#else
-    const int64_t nt = 1, t = 0;
-#endif
-    const int64_t units = (n + align - 1) / align;
-    const int64_t a = units * t / nt, b = units * (t + 1) / nt;
-    *lo = a * align < n ? a * align : n;
-    *hi = b * align < n ? b * align : n;
-}
-
 /* Rows of W per work item of a product: about 8 items per thread, handed out as threads ask, so that a
    thread the OS runs late (the cores are shared) leaves its items to the others instead of holding up all. */
 static int64_t row_chunk(const int64_t N, const int nthreads) {
@@ -362,11 +346,8 @@ static int64_t row_chunk(const int64_t N, const int nthreads) {
     }                                                                                                       \
     static void rows_##T(const uint8_t *w, int64_t row_bytes, int64_t K, const int64_t *ids, int64_t rows, \
                          float *out, int nthreads) {                                                        \
-        _Pragma("omp parallel num_threads(nthreads)") {                                                     \
-            int64_t lo, hi;                                                                                 \
-            thread_range(rows, 1, &lo, &hi);                                                                \
-            for (int64_t t = lo; t < hi; t++) decode_row(T, w + (ids ? ids[t] : t) * row_bytes, K, out + t * K); \
-        }                                                                                                   \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                                  \
+        for (int64_t t = 0; t < rows; t++) decode_row(T, w + (ids ? ids[t] : t) * row_bytes, K, out + t * K);   \
     }
 
 DEFINE_TYPE(Q4_0)
