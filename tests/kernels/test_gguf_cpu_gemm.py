@@ -204,3 +204,17 @@ def test_the_default_models_weights_decode_and_multiply_as_gguf_py_reads_them():
         err = (gg.gguf_mm(x, torch.from_numpy(raw), qtype).double() - exact).abs()
         assert (err <= RTOL * (x.double().abs() @ w.abs().t())).all(), t.name
     assert seen == {T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K}
+
+
+@pytest.mark.skipif(build_mod.compiler() is None, reason="no C compiler")
+def test_the_source_builds_without_optimization(tmp_path, monkeypatch):
+    # Intrinsics' immediates must be constants in the source, not only after the optimizer unrolls a loop.
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("no AVX2 on this machine")
+    monkeypatch.setattr(build_mod, "_cache_dir", tmp_path)
+    flags = tuple("-O0" if f == "-O3" else f for f in gg.FLAGS)
+    lib = gg.declare(build_mod.build(gg.SOURCE, flags))
+    raw = _weight(T.Q6_K, 3, 256)
+    out = torch.empty(3, 256)
+    assert lib.gguf_dequant_rows(int(T.Q6_K), raw.ctypes.data, raw.shape[1], 3, 256, None, 3, out.data_ptr(), 1) == 0
+    np.testing.assert_array_equal(out.numpy().view(np.uint32), dequantize(raw, T.Q6_K).view(np.uint32))

@@ -191,11 +191,19 @@ INLINE void bytes_to_floats_strided(const int type, const __m256i b, __m256 v[4]
 INLINE void decode_group(const int type, const uint8_t *blk, const Scales *s, const int g, __m256 v[4]) {
     bytes_to_floats(_mm256_sub_epi8(group_ints(type, blk, g), _mm256_set1_epi8((char)q_offset(type))), v);
     const __m256 a = group_vec(type, s->a, g), c = group_vec(type, s->c, g);
-    for (int i = 0; i < 4; i++) {
-        // Vectors 0-1 are elements 0-15, vectors 2-3 elements 16-31.
-        const __m256 ai = _mm256_permute2f128_ps(a, a, i < 2 ? 0x00 : 0x11);
-        const __m256 ci = _mm256_permute2f128_ps(c, c, i < 2 ? 0x00 : 0x11);
-        v[i] = has_min(type) ? _mm256_fmsub_ps(ai, v[i], ci) : _mm256_mul_ps(ai, v[i]);
+    // Vectors 0-1 are elements 0-15 (the low half of a and c), vectors 2-3 elements 16-31 (the high half).
+    const __m256 a_lo = _mm256_permute2f128_ps(a, a, 0x00), a_hi = _mm256_permute2f128_ps(a, a, 0x11);
+    const __m256 c_lo = _mm256_permute2f128_ps(c, c, 0x00), c_hi = _mm256_permute2f128_ps(c, c, 0x11);
+    if (has_min(type)) {
+        v[0] = _mm256_fmsub_ps(a_lo, v[0], c_lo);
+        v[1] = _mm256_fmsub_ps(a_lo, v[1], c_lo);
+        v[2] = _mm256_fmsub_ps(a_hi, v[2], c_hi);
+        v[3] = _mm256_fmsub_ps(a_hi, v[3], c_hi);
+    } else {
+        v[0] = _mm256_mul_ps(a_lo, v[0]);
+        v[1] = _mm256_mul_ps(a_lo, v[1]);
+        v[2] = _mm256_mul_ps(a_hi, v[2]);
+        v[3] = _mm256_mul_ps(a_hi, v[3]);
     }
 }
 

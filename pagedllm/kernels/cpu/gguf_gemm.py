@@ -51,6 +51,15 @@ DECODED_MAX_ELEMS = 1 << 22
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Gives the built library's entry points their C signatures (ctypes would pass 32-bit ints)."""
+    lib.gguf_mm_f32.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int]
+    lib.gguf_mm_f32.restype = ctypes.c_int
+    lib.gguf_dequant_rows.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int]
+    lib.gguf_dequant_rows.restype = _i64
+    return lib
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     capability = torch.backends.cpu.get_cpu_capability()
@@ -62,11 +71,7 @@ def _library() -> ctypes.CDLL | None:
         except BuildError as e:
             reason = str(e)
         else:
-            lib.gguf_mm_f32.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int]
-            lib.gguf_mm_f32.restype = ctypes.c_int
-            lib.gguf_dequant_rows.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int]
-            lib.gguf_dequant_rows.restype = _i64
-            return lib
+            return declare(lib)
     logger.warning("GGUF CPU kernels unavailable (%s): quantized weights take the dense path", reason)
     return None
 
