@@ -17,6 +17,7 @@ NAME = re.compile(r"PAGEDLLM_[A-Z0-9_]+")
 OTHER_ENVIRONMENT_READERS = {
     "pagedllm/envs.py": "pagedllm's own variables",
     "pagedllm/kernels/launch.py": "TRITON_INTERPRET, once (kernels may not import pagedllm.envs)",
+    "pagedllm/kernels/cpu/build.py": "XDG_CACHE_HOME, the default folder of compiled CPU kernels",
     "pagedllm/model_loader/hub.py": "Hugging Face's HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE",
     "pagedllm/engine/core_proc.py": "sets library variables for the engine core process",
 }

@@ -1,0 +1,411 @@
+/* Products and row decodes of GGUF-quantized weights kept in their packed ggml blocks (AVX2 + FMA + F16C).
+
+   A weight row is a run of blocks; each block is read as groups of 32 consecutive elements. Every weight
+   is w = a * q - c for a small integer q read from the bits, a scale a and an offset c: the products the
+   format defines (f16 scale times integer scale, times q) are exact in float32, so a fused multiply-
+   subtract rounds exactly where gguf-py's dequantize does, and decoded weights equal its output bit for
+   bit. Products read the blocks directly: for one or two rows of x, q is multiplied into x and each
+   group's sum scaled once (sum_j w_j x_j = a * sum_j q_j x_j - c * sum_j x_j); for more rows, each group is
+   decoded once into weights shared by all rows. Only float32 rounding differs from x @ W.T.
+
+   Block layouts (bytes) and the weight of element j of group g:
+     Q4_0 (18):  f16 d, u8 qs[16]           q = qs[j] & 15 (j < 16), qs[j - 16] >> 4;    w = d * (q - 8)
+     Q5_0 (22):  f16 d, u32 qh, u8 qs[16]   as Q4_0, plus bit j of qh as bit 4;          w = d * (q - 16)
+     Q8_0 (34):  f16 d, i8 qs[32]                                                        w = d * qs[j]
+     Q4_K (144): f16 d, f16 dmin, u8 scales[12] (eight 6-bit scales sc and mins m), u8 qs[128]:
+                 q = nibble of qs[32 * (g / 2) + j], low for even g;                   w = d*sc[g] * q - dmin*m[g]
+     Q5_K (176): as Q4_K with u8 qh[32] before qs, bit g of qh[j] as bit 4 of q
+     Q6_K (210): u8 ql[128], u8 qh[64], i8 scales[16], f16 d; group g = 4h + k: q = nibble of
+                 ql[64h + 32(k % 2) + j] (low for k < 2) | bits 2k, 2k+1 of qh[32h + j] << 4;
+                 w = d*scales[2g + j / 16] * (q - 32)
+*/
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE int block_elems(const int type) { return type >= Q4_K ? 256 : 32; }
+
+INLINE int block_bytes(const int type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q5_0: return 22;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    default: return 210;
+    }
+}
+
+INLINE int has_min(const int type) { return type == Q4_K || type == Q5_K; }
+
+/* What is subtracted from q before scaling (Q4_0, Q5_0, Q6_K), else 0. */
+INLINE int q_offset(const int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : 0; }
+
+INLINE float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* A block's scales: a[i] multiplies the integers of scale unit i (the whole block for Q4_0 / Q5_0 / Q8_0,
+   group i for Q4_K / Q5_K, 16 elements for Q6_K) and c[i] is subtracted after: a times the offset, or
+   Q4_K / Q5_K's dmin * min. */
+typedef struct {
+    float a[16] __attribute__((aligned(32)));
+    float c[16] __attribute__((aligned(32)));
+} Scales;
+
+INLINE void block_scales(const int type, const uint8_t *blk, Scales *s) {
+    switch (type) {
+    case Q4_0:
+    case Q5_0:
+    case Q8_0:
+        s->a[0] = half_at(blk);
+        s->c[0] = s->a[0] * (float)q_offset(type);
+        break;
+    case Q4_K:
+    case Q5_K: {
+        // Bytes 0-3 / 4-7: six low bits of scales / mins 0-3, their top two bits the high bits of scales /
+        // mins 4-7; bytes 8-11: the low nibble of scale 4 + i and the high nibble of min 4 + i.
+        uint32_t w0, w1, w2;
+        memcpy(&w0, blk + 4, 4);
+        memcpy(&w1, blk + 8, 4);
+        memcpy(&w2, blk + 12, 4);
+        const uint64_t sc = (uint64_t)(w0 & 0x3F3F3F3Fu)
+                          | (uint64_t)((w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u)) << 32;
+        const uint64_t mn = (uint64_t)(w1 & 0x3F3F3F3Fu)
+                          | (uint64_t)(((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u)) << 32;
+        const __m256 fs = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
+        const __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)));
+        _mm256_store_ps(s->a, _mm256_mul_ps(_mm256_set1_ps(half_at(blk)), fs));
+        _mm256_store_ps(s->c, _mm256_mul_ps(_mm256_set1_ps(half_at(blk + 2)), fm));
+        break;
+    }
+    default: { /* Q6_K */
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256 d = _mm256_set1_ps(half_at(blk + 208)), off = _mm256_set1_ps(32.0f);
+        const __m256 lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        const __m256 hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc))));
+        _mm256_store_ps(s->a, lo);
+        _mm256_store_ps(s->a + 8, hi);
+        _mm256_store_ps(s->c, _mm256_mul_ps(lo, off));
+        _mm256_store_ps(s->c + 8, _mm256_mul_ps(hi, off));
+        break;
+    }
+    }
+}
+
+/* Byte j of the result is 0x10 where bit j of the 32-bit little-endian word at p is set, else 0. */
+INLINE __m256i bit4_from_bits(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    // Byte j takes byte j/8 of the word, then is tested against its own bit, 1 << (j % 8).
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+/* Group g (32 elements) of the block at blk as 32 bytes in element order, each the element's q: signed for
+   Q8_0, 0..63 for the others (the offset is not subtracted here). */
+INLINE __m256i group_ints(const int type, const uint8_t *blk, const int g) {
+    switch (type) {
+    case Q4_0:
+    case Q5_0: {
+        // Both 128-bit halves get the 16 bytes; the high half shifted by 4 keeps their high nibbles, so byte
+        // j of the vector is element j without a cross-lane shuffle.
+        const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + (type == Q4_0 ? 2 : 6))));
+        __m256i q = _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0)),
+                                     _mm256_set1_epi8(0x0F));
+        if (type == Q5_0) q = _mm256_or_si256(q, bit4_from_bits(blk + 2));
+        return q;
+    }
+    case Q8_0:
+        return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    case Q4_K:
+    case Q5_K: {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (type == Q4_K ? 16 : 48) + 32 * (g >> 1)));
+        if (g & 1) q = _mm256_srli_epi16(q, 4);
+        q = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+        if (type == Q5_K) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+            const __m256i bit = _mm256_set1_epi8((char)(1 << g));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+            q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+        }
+        return q;
+    }
+    default: { /* Q6_K */
+        const int h = g >> 2, k = g & 3;
+        __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (k & 1)));
+        if (k >> 1) lo = _mm256_srli_epi16(lo, 4);
+        lo = _mm256_and_si256(lo, _mm256_set1_epi8(0x0F));
+        __m256i hi = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        hi = _mm256_and_si256(_mm256_srli_epi16(hi, 2 * k), _mm256_set1_epi8(0x03));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    }
+    }
+}
+
+/* Group g's a (or c) per lane of a strided vector: lanes 0-3 hold elements of 0-15, lanes 4-7 of 16-31. */
+INLINE __m256 group_vec(const int type, const float *v, const int g) {
+    if (type == Q6_K) return _mm256_set_m128(_mm_broadcast_ss(&v[2 * g + 1]), _mm_broadcast_ss(&v[2 * g]));
+    return _mm256_broadcast_ss(&v[has_min(type) ? g : 0]);
+}
+
+/* 32 bytes -> four vectors of floats in element order (dequantize's order). */
+INLINE void bytes_to_floats(const __m256i b, __m256 v[4]) {
+    const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+}
+
+/* 32 bytes -> four vectors, v[k] holding elements 4i + k (i = 0..7): shifts within 32-bit lanes instead of
+   cross-lane shuffles; products pair them with x in the same order (permute_x). Q8_0's bytes are signed. */
+INLINE void bytes_to_floats_strided(const int type, const __m256i b, __m256 v[4]) {
+    if (type == Q8_0) {
+        v[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 24), 24));
+        v[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 16), 24));
+        v[2] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 8), 24));
+        v[3] = _mm256_cvtepi32_ps(_mm256_srai_epi32(b, 24));
+    } else {
+        const __m256i byte = _mm256_set1_epi32(0xFF);
+        v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b, byte));
+        v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 8), byte));
+        v[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 16), byte));
+        v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 24));
+    }
+}
+
+/* Group g as gguf-py dequantizes it, in element order. The offset is subtracted from the integers, as
+   gguf-py does, so that a zero weight keeps the sign of its scale (a * q - a * offset would be +0). */
+INLINE void decode_group(const int type, const uint8_t *blk, const Scales *s, const int g, __m256 v[4]) {
+    bytes_to_floats(_mm256_sub_epi8(group_ints(type, blk, g), _mm256_set1_epi8((char)q_offset(type))), v);
+    const __m256 a = group_vec(type, s->a, g), c = group_vec(type, s->c, g);
+    // Vectors 0-1 are elements 0-15 (the low half of a and c), vectors 2-3 elements 16-31 (the high half).
+    const __m256 a_lo = _mm256_permute2f128_ps(a, a, 0x00), a_hi = _mm256_permute2f128_ps(a, a, 0x11);
+    const __m256 c_lo = _mm256_permute2f128_ps(c, c, 0x00), c_hi = _mm256_permute2f128_ps(c, c, 0x11);
+    if (has_min(type)) {
+        v[0] = _mm256_fmsub_ps(a_lo, v[0], c_lo);
+        v[1] = _mm256_fmsub_ps(a_lo, v[1], c_lo);
+        v[2] = _mm256_fmsub_ps(a_hi, v[2], c_hi);
+        v[3] = _mm256_fmsub_ps(a_hi, v[3], c_hi);
+    } else {
+        v[0] = _mm256_mul_ps(a_lo, v[0]);
+        v[1] = _mm256_mul_ps(a_lo, v[1]);
+        v[2] = _mm256_mul_ps(a_hi, v[2]);
+        v[3] = _mm256_mul_ps(a_hi, v[3]);
+    }
+}
+
+INLINE float hsum(const __m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* y[m, n] for MT rows of x and weight rows [n0, n1), each group decoded once for all MT rows in the strided
+   order of bytes_to_floats_strided, x permuted to match (xp). Factored (MT <= 2): the integers meet x and
+   a group's sum is scaled once, its offset term taken from xs (per row of x and group: eight floats that
+   sum to the group's x; negated offset times that for Q4_0 / Q5_0 / Q6_K). Otherwise the group is scaled
+   into weights once, then one FMA per vector and row. */
+INLINE void mm_tile(const int type, const int MT, const float *xp, const float *xs, const int64_t K,
+                    const uint8_t *w, const int64_t row_bytes, const int64_t n0, const int64_t n1, float *y,
+                    const int64_t N, const int64_t b0, const int64_t b1, const int add) {
+    const int factored = MT <= 2;
+    // The min term's own accumulator shortens the dependency chain when there are few.
+    const int nacc = factored && has_min(type) ? 2 : 1;
+    const int groups = block_elems(type) / 32, bb = block_bytes(type);
+    const int64_t xs_stride = K / 4;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        __m256 acc[8][2];
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+        for (int64_t b = b0; b < b1; b++) {
+            const uint8_t *blk = row + b * bb;
+            Scales s;
+            block_scales(type, blk, &s);
+#pragma GCC unroll 8
+            for (int g = 0; g < groups; g++) {
+                __m256 v[4];
+                bytes_to_floats_strided(type, group_ints(type, blk, g), v);
+                const __m256 a = group_vec(type, s.a, g);
+                const int64_t k0 = b * block_elems(type) + 32 * g;
+                if (factored) {
+#pragma GCC unroll 2
+                    for (int m = 0; m < MT; m++) {
+                        const float *xk = xp + m * K + k0, *xsum = xs + m * xs_stride + k0 / 4;
+                        __m256 t = q_offset(type) ? _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xk), _mm256_loadu_ps(xsum))
+                                                  : _mm256_mul_ps(v[0], _mm256_loadu_ps(xk));
+                        t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xk + 8), t);
+                        t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xk + 16), t);
+                        t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xk + 24), t);
+                        acc[m][0] = _mm256_fmadd_ps(a, t, acc[m][0]);
+                        if (has_min(type))
+                            acc[m][nacc - 1] = _mm256_fnmadd_ps(_mm256_broadcast_ss(&s.c[g]), _mm256_loadu_ps(xsum),
+                                                                acc[m][nacc - 1]);
+                    }
+                } else {
+                    const __m256 c = group_vec(type, s.c, g);
+#pragma GCC unroll 4
+                    for (int i = 0; i < 4; i++)
+                        v[i] = type == Q8_0 ? _mm256_mul_ps(a, v[i]) : _mm256_fmsub_ps(a, v[i], c);
+#pragma GCC unroll 8
+                    for (int m = 0; m < MT; m++) {
+                        const float *xk = xp + m * K + k0;
+#pragma GCC unroll 4
+                        for (int i = 0; i < 4; i++) acc[m][0] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xk + 8 * i), acc[m][0]);
+                    }
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; m++) {
+            const float sum = hsum(nacc == 2 ? _mm256_add_ps(acc[m][0], acc[m][1]) : acc[m][0]);
+            y[m * N + n] = add ? y[m * N + n] + sum : sum;
+        }
+    }
+}
+
+/* Elements of K per span of a product with several rows of x: 8 rows of x and their sums, 20 KiB. */
+enum { KSPAN = 512 };
+
+INLINE void mm_rows(const int type, const float *xp, const float *xs, const int64_t M, const int64_t K,
+                    const uint8_t *w, const int64_t row_bytes, const int64_t n0, const int64_t n1, float *y,
+                    const int64_t N) {
+    // With 8 rows of x or more and a long K, K is walked in spans whose slice of x stays in the L1 cache
+    // while it meets every weight row of [n0, n1); the partial sums add up in y. (Measured on Zen 3: K = 2048
+    // at 8 and 16 rows took 10-25% less time; K <= 1024, or fewer rows, took more.)
+    const int64_t nblocks = K / block_elems(type);
+    const int64_t span = M >= 8 && K >= 4 * KSPAN ? KSPAN / block_elems(type) : nblocks;
+    for (int64_t b0 = 0; b0 < nblocks; b0 += span) {
+        const int64_t b1 = b0 + span < nblocks ? b0 + span : nblocks;
+        int64_t m = 0;
+#define TILE(MT)                                                                                         \
+        mm_tile(type, MT, xp + m * K, xs + m * (K / 4), K, w, row_bytes, n0, n1, y + m * N, N, b0, b1, b0 > 0); \
+        m += MT
+        while (M - m >= 8) { TILE(8); }
+        const int64_t rest = M - m;
+        if (rest >= 4) { TILE(4); }
+        if (rest & 2) { TILE(2); }
+        if (rest & 1) { TILE(1); }
+#undef TILE
+    }
+}
+
+/* xp [M, K]: x with each group of 32 reordered for bytes_to_floats_strided (position 8k + i holds element
+   4i + k); xs [M, K / 4]: per group, the lane-wise sum of its four vectors, times -offset where the type
+   has one (its term of the factored product). */
+static void permute_x(const int type, const float *x, const int64_t M, const int64_t K, float *xp, float *xs) {
+    const float factor = q_offset(type) ? -(float)q_offset(type) : 1.0f;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k0 = 0; k0 < K; k0 += 32) {
+            const float *src = x + m * K + k0;
+            float *dst = xp + m * K + k0, *sum = xs + m * (K / 4) + k0 / 4;
+            for (int k = 0; k < 4; k++)
+                for (int i = 0; i < 8; i++) dst[8 * k + i] = src[4 * i + k];
+            for (int i = 0; i < 8; i++) sum[i] = factor * ((dst[i] + dst[8 + i]) + (dst[16 + i] + dst[24 + i]));
+        }
+}
+
+INLINE void decode_row(const int type, const uint8_t *row, const int64_t K, float *out) {
+    const int groups = block_elems(type) / 32, bb = block_bytes(type);
+    const int64_t nblocks = K / block_elems(type);
+    for (int64_t b = 0; b < nblocks; b++) {
+        Scales s;
+        block_scales(type, row + b * bb, &s);
+#pragma GCC unroll 8
+        for (int g = 0; g < groups; g++) {
+            __m256 v[4];
+            decode_group(type, row + b * bb, &s, g, v);
+            float *o = out + b * block_elems(type) + 32 * g;
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, v[i]);
+        }
+    }
+}
+
+/* Rows of W per work item of a product: about 8 items per thread, handed out as threads ask, so that a
+   thread the OS runs late (the cores are shared) leaves its items to the others instead of holding up all. */
+static int64_t row_chunk(const int64_t N, const int nthreads) {
+    const int64_t want = (N + 8 * nthreads - 1) / (8 * nthreads);
+    return want < 16 ? 16 : (want + 7) / 8 * 8;
+}
+
+/* One entry point per type, so that each inlined kernel is specialised on its constant type (the type
+   must be a literal inside the parallel region, which the compiler outlines before inlining). */
+#define DEFINE_TYPE(T)                                                                                     \
+    static void mm_##T(const float *xp, const float *xs, int64_t M, int64_t K, const uint8_t *w,          \
+                       int64_t row_bytes, int64_t N, float *y, int nthreads) {                             \
+        const int64_t chunk = row_chunk(N, nthreads), chunks = (N + chunk - 1) / chunk;                     \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")                              \
+        for (int64_t c = 0; c < chunks; c++)                                                                \
+            mm_rows(T, xp, xs, M, K, w, row_bytes, c * chunk, c * chunk + chunk < N ? c * chunk + chunk : N, y, N); \
+    }                                                                                                       \
+    static void rows_##T(const uint8_t *w, int64_t row_bytes, int64_t K, const int64_t *ids, int64_t rows, \
+                         float *out, int nthreads) {                                                        \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                                  \
+        for (int64_t t = 0; t < rows; t++) decode_row(T, w + (ids ? ids[t] : t) * row_bytes, K, out + t * K);   \
+    }
+
+DEFINE_TYPE(Q4_0)
+DEFINE_TYPE(Q5_0)
+DEFINE_TYPE(Q8_0)
+DEFINE_TYPE(Q4_K)
+DEFINE_TYPE(Q5_K)
+DEFINE_TYPE(Q6_K)
+
+enum { SERIAL_MACS = 1 << 18 };
+
+/* y [M, N] = x [M, K] @ W.T for W [N, row_bytes] of `type` blocks. Returns 0, -1 for an unknown type, -2
+   when the permuted copy of x cannot be allocated. */
+int gguf_mm_f32(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t row_bytes, int64_t N,
+                float *y, int nthreads) {
+    // Below ~20 us of work (the 640 x 256 products at one row) two threads measured no faster than one,
+    // and one never waits for a second that the OS runs late.
+    if (M * N * K < SERIAL_MACS) nthreads = 1;
+    float *xp = aligned_alloc(64, ((size_t)(M * K + M * (K / 4)) * sizeof(float) + 63) / 64 * 64);
+    if (!xp) return -2;
+    float *xs = xp + M * K;
+    permute_x(type, x, M, K, xp, xs);
+    int status = 0;
+    switch (type) {
+    case Q4_0: mm_Q4_0(xp, xs, M, K, w, row_bytes, N, y, nthreads); break;
+    case Q5_0: mm_Q5_0(xp, xs, M, K, w, row_bytes, N, y, nthreads); break;
+    case Q8_0: mm_Q8_0(xp, xs, M, K, w, row_bytes, N, y, nthreads); break;
+    case Q4_K: mm_Q4_K(xp, xs, M, K, w, row_bytes, N, y, nthreads); break;
+    case Q5_K: mm_Q5_K(xp, xs, M, K, w, row_bytes, N, y, nthreads); break;
+    case Q6_K: mm_Q6_K(xp, xs, M, K, w, row_bytes, N, y, nthreads); break;
+    default: status = -1;
+    }
+    free(xp);
+    return status;
+}
+
+/* out [T, K] = rows ids[0..T) of W (rows 0..T) when ids is NULL) decoded. Returns 0, -1 for an unknown type,
+   or 1 + t for the first ids[t] outside [0, N). */
+int64_t gguf_dequant_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const int64_t *ids,
+                          int64_t T, float *out, int nthreads) {
+    if (ids)
+        for (int64_t t = 0; t < T; t++)
+            if (ids[t] < 0 || ids[t] >= N) return 1 + t;
+    switch (type) {
+    case Q4_0: rows_Q4_0(w, row_bytes, K, ids, T, out, nthreads); return 0;
+    case Q5_0: rows_Q5_0(w, row_bytes, K, ids, T, out, nthreads); return 0;
+    case Q8_0: rows_Q8_0(w, row_bytes, K, ids, T, out, nthreads); return 0;
+    case Q4_K: rows_Q4_K(w, row_bytes, K, ids, T, out, nthreads); return 0;
+    case Q5_K: rows_Q5_K(w, row_bytes, K, ids, T, out, nthreads); return 0;
+    case Q6_K: rows_Q6_K(w, row_bytes, K, ids, T, out, nthreads); return 0;
+    default: return -1;
+    }
+}
