@@ -17,13 +17,15 @@ does first: assemble the default model, prepare its weights and tokenizer), the 
 token and to its exit, then once more on the now-filled cache. --no-serve runs (d) alone.
 
 Prints one table (metric | llama.cpp | pagedllm | ratio | target | met?) where the ratio is pagedllm over
-llama.cpp, the form the targets take; --out writes every figure, the commands, the machine and its load average
-(`uptime`) before each phase as JSON.
+llama.cpp, the form the targets take; --out writes every figure, the commands, the machine, `uptime`, and for each
+phase its load average at the start and the CPU cores that other processes took during it, as JSON (the cores may
+be shared: --quiet-cores X waits, before each server, until the machine's busy CPU is under X cores).
 
     benchmarks/build_llama_cpp.sh                  # once: builds llama-server into ~/.cache/pagedllm/llama.cpp
     PYTHONPATH=$PWD python benchmarks/cpu_vs_llama_cpp.py [--model FILE.gguf] [--threads 2] [--cold-start]
         [--out benchmarks/results/cpu_vs_llama_cpp.json] [--llama-server PATH] [--output-len 128]
         [--concurrency 16 --requests 32] [--ctx-per-slot 512] [--pagedllm-flags "..."] [--llama-flags "..."]
+        [--quiet-cores 0.3 --quiet-wait 600]
 """
 from __future__ import annotations
 
@@ -79,6 +81,79 @@ def make_prompts(n: int, words: int, seed: int) -> list[str]:
 
 def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def cpu_busy_s() -> float:
+    """Seconds of CPU time the whole machine has spent busy since boot (all cores, /proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    busy = sum(fields[:8]) - fields[3] - fields[4]  # user nice system [idle iowait] irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(pid: int | None) -> float:
+    import psutil
+
+    if pid is None:
+        return 0.0
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        for p in (root, *root.children(recursive=True)):
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+    except psutil.NoSuchProcess:
+        pass
+    return total
+
+
+def own_cpu_s() -> float:
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class Phase:
+    """Records a phase's load average at its start and the CPU that processes other than this benchmark and the
+    server under test took during it (in cores), since the machine's cores are shared."""
+
+    def __init__(self, phases: dict, name: str, server_pid: int | None = None) -> None:
+        self.phases, self.name, self.pid = phases, name, server_pid
+
+    def __enter__(self) -> "Phase":
+        self.load  # noqa: B018 - taken now, at the start
+        self.t0, self.busy0 = time.perf_counter(), cpu_busy_s()
+        self.tree0, self.own0 = tree_cpu_s(self.pid), own_cpu_s()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = time.perf_counter() - self.t0
+        ours = (tree_cpu_s(self.pid) - self.tree0) + (own_cpu_s() - self.own0)
+        others = max(0.0, (cpu_busy_s() - self.busy0) - ours) / max(wall, 1e-9)
+        self.phases[self.name] = {"loadavg_at_start": self.load, "wall_s": round(wall, 2),
+                                  "other_processes_cpu_cores": round(others, 2)}
+
+    @property
+    def load(self) -> list[float]:
+        if not hasattr(self, "_load"):
+            self._load = loadavg()
+        return self._load
+
+
+def wait_quiet(max_cores: float, timeout: float, window: float = 5.0) -> float:
+    """Waits until the whole machine's busy CPU over `window` s is under `max_cores`, at most `timeout` s;
+    returns the last window's busy cores."""
+    end = time.perf_counter() + timeout
+    while True:
+        b0, t0 = cpu_busy_s(), time.perf_counter()
+        time.sleep(window)
+        busy = (cpu_busy_s() - b0) / (time.perf_counter() - t0)
+        if busy < max_cores or time.perf_counter() >= end:
+            return busy
 
 
 def machine() -> dict:
@@ -300,7 +375,7 @@ async def concurrent_run(target: Target, prompts: list[str], max_tokens: int, co
             "prompt_tokens": sum(r["prompt_tokens"] for r in done), "requests": done}
 
 
-def drive(target: Target, args, prompts: dict, phases: dict) -> dict:
+def drive(target: Target, args, prompts: dict, phases: dict, pid: int) -> dict:
     """Warm-up, then (a) and (b) against one healthy server."""
     import httpx
 
@@ -310,22 +385,23 @@ def drive(target: Target, args, prompts: dict, phases: dict) -> dict:
         streamed(client, target, prompts["warmup"][0], 8)
         asyncio.run(concurrent_run(target, prompts["warmup"][:args.concurrency], 8, args.concurrency))
 
-        phases[f"{target.name} single stream"] = loadavg()
-        singles = [streamed(client, target, p, args.output_len) for p in prompts["single"]]
+        with Phase(phases, f"{target.name} single stream", pid):
+            singles = [streamed(client, target, p, args.output_len) for p in prompts["single"]]
         tokens = sum(s["completion_tokens"] for s in singles)
         res["single_stream"] = {
             "tok_s": tokens / sum(s["total_s"] for s in singles),
             "decode_tok_s": sum(s["completion_tokens"] - 1 for s in singles) / sum(s["decode_s"] for s in singles),
             "output_tokens": tokens, "requests": singles}
 
-        phases[f"{target.name} ttft"] = loadavg()
-        ttfts = [streamed(client, target, p, args.ttft_output_len) for p in prompts["short"]]
+        with Phase(phases, f"{target.name} ttft", pid):
+            ttfts = [streamed(client, target, p, args.ttft_output_len) for p in prompts["short"]]
         res["ttft"] = {"median_s": statistics.median(t["ttft_s"] for t in ttfts),
                        "min_s": min(t["ttft_s"] for t in ttfts), "max_s": max(t["ttft_s"] for t in ttfts),
                        "requests": ttfts}
 
-    phases[f"{target.name} concurrent"] = loadavg()
-    res["concurrent"] = asyncio.run(concurrent_run(target, prompts["concurrent"], args.output_len, args.concurrency))
+    with Phase(phases, f"{target.name} concurrent", pid):
+        res["concurrent"] = asyncio.run(concurrent_run(target, prompts["concurrent"], args.output_len,
+                                                       args.concurrency))
     short = [r for r in (*singles, *res["concurrent"]["requests"]) if r["completion_tokens"] != args.output_len]
     res["wrong_length_completions"] = len(short)
     return res
@@ -363,14 +439,20 @@ def llama_server_version(binary: str) -> str:
 def run_server(name: str, cmd: list[str], env: dict, port: int, args, prompts: dict, phases: dict,
                extra: dict) -> dict:
     log_path = os.path.join(args.log_dir, f"{name}.log")
+    if args.quiet_cores is not None:
+        busy = wait_quiet(args.quiet_cores, args.quiet_wait)
+        print(f"[{name}] machine busy {busy:.2f} cores before the start", flush=True)
     print(f"[{name}] {shlex.join(cmd)}", flush=True)
-    phases[f"{name} start"] = loadavg()
+    phase = Phase(phases, f"{name} start-up")
+    phase.__enter__()
     server = ServerProcess(name, cmd, env, port, log_path, args.sample_interval)
+    phase.pid = server.proc.pid
     try:
         ready_s = server.wait_healthy(args.start_timeout)
+        phase.__exit__(None, None, None)
         print(f"[{name}] healthy after {ready_s:.1f} s", flush=True)
         target = Target(name, server.url, model_id(server.url), extra)
-        res = drive(target, args, prompts, phases)
+        res = drive(target, args, prompts, phases, server.proc.pid)
     finally:
         server.stop()
     mem = server.memory
@@ -445,12 +527,14 @@ def generate_once(cache_dir: str, args) -> dict:
 def cold_start(args, phases: dict) -> dict:
     parent = args.cold_cache_parent or tempfile.gettempdir()
     with tempfile.TemporaryDirectory(prefix="pagedllm-cold-", dir=parent) as cache:
-        phases["cold start"] = loadavg()
-        cold = generate_once(cache, args)
+        if args.quiet_cores is not None:
+            wait_quiet(args.quiet_cores, args.quiet_wait)
+        with Phase(phases, "cold start"):
+            cold = generate_once(cache, args)
         print(f"[cold start] first token {cold['first_token_s']:.1f} s, exit {cold['exit_s']:.1f} s "
               f"({cold['own_timing']})", flush=True)
-        phases["warm start"] = loadavg()
-        warm = generate_once(cache, args)
+        with Phase(phases, "warm start"):
+            warm = generate_once(cache, args)
         print(f"[warm start] first token {warm['first_token_s']:.1f} s, exit {warm['exit_s']:.1f} s", flush=True)
     return {"cold": cold, "warm": warm}
 
@@ -532,6 +616,10 @@ def main() -> None:
     p.add_argument("--llama-flags", default="", help="more llama-server flags")
     p.add_argument("--sample-interval", type=float, default=0.25, help="seconds between memory samples")
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--quiet-cores", type=float,
+                   help="before each server (and the cold start), wait until the machine's busy CPU over 5 s is "
+                        "under this many cores (others share it), at most --quiet-wait s")
+    p.add_argument("--quiet-wait", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", help="servers' logs (default: a temp folder, kept)")
     p.add_argument("--out", help="write the figures as JSON here")
@@ -572,7 +660,7 @@ def main() -> None:
         "config": {k: getattr(args, k) for k in ("threads", "output_len", "prompt_words", "single_requests",
                                                  "ttft_requests", "ttft_output_len", "requests", "concurrency",
                                                  "ctx_per_slot", "seed", "sample_interval")},
-        "loadavg_before": phases,
+        "phases": phases,
     }
     try:
         from importlib.metadata import version
@@ -616,7 +704,10 @@ def main() -> None:
     if "identical_greedy_completions" in result:
         print(f"identical greedy completions of the {args.requests} concurrent prompts: "
               f"{result['identical_greedy_completions']}")
-    print(f"load average at the start of each phase: {json.dumps(phases)}")
+    print("phases (load average at the start; CPU cores other processes took during it):")
+    for name, ph in phases.items():
+        print(f"  {name}: load {ph['loadavg_at_start']}, others {ph['other_processes_cpu_cores']} cores, "
+              f"{ph['wall_s']} s")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
