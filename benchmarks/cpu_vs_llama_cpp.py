@@ -172,8 +172,9 @@ def machine() -> dict:
 
 def git_commit() -> str:
     try:
-        head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        # The last commit that changed the engine, not the benchmark's own.
+        head = subprocess.run(["git", "-C", REPO, "log", "-1", "--format=%h", "--", "pagedllm"], capture_output=True,
+                              text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "pagedllm"], capture_output=True,
                                text=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
