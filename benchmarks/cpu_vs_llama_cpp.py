@@ -54,7 +54,7 @@ from serve_process import CLI, REPO, child_env, free_port, tail  # noqa: E402 - 
 
 LLAMA_CPP_VERSION = "0.3.36"  # build_llama_cpp.sh's default: the llama-cpp-python sdist the binary comes from
 COLD_PROMPT = "Once upon a time"
-# Issue 35's bounds, as pagedllm / llama.cpp ratios (cold start: seconds).
+# The CPU path's targets, as pagedllm / llama.cpp ratios (cold start: seconds).
 TARGETS = {
     "single_stream_tok_s": (">=", 0.8),
     "ttft_short_prompt_s": ("<=", 2.0),
