@@ -51,7 +51,7 @@ def test_inconsistent_configs_are_refused_naming_field_and_value(cfg: dict, mess
 
 
 def test_unknown_method_names_the_supported_list() -> None:
-    with pytest.raises(NotImplementedError, match="'hqq'.*awq, compressed-tensors, fp8, gptq.*fp8, int8"):
+    with pytest.raises(NotImplementedError, match="'hqq'.*awq, compressed-tensors, fp8, gguf, gptq.*fp8, int8"):
         parse_quantization_config({"quant_method": "hqq"})
 
 
