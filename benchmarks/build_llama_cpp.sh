@@ -4,7 +4,7 @@
 #
 #   benchmarks/build_llama_cpp.sh [--version 0.3.36] [--cache-dir DIR] [--jobs 2]
 #
-# The binary lands in DIR/<version>/bin/llama-server (DIR: $PAGEDLLM_LLAMA_CPP_DIR or
+# The binary lands in DIR/<version>/bin/llama-server (DIR: $LLAMA_CPP_BUILD_DIR or
 # ~/.cache/pagedllm/llama.cpp). A second run finds it and only prints the path. The version is pinned so that
 # figures recorded in docs/performance.md can be rebuilt; `--version` picks another release of the sdist.
 # Build options: x86-64 with AVX2/FMA/F16C, not tuned to the build machine (-DGGML_NATIVE=OFF), no HTTPS,
@@ -12,7 +12,7 @@
 set -euo pipefail
 
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-cache_root="${PAGEDLLM_LLAMA_CPP_DIR:-$HOME/.cache/pagedllm/llama.cpp}"
+cache_root="${LLAMA_CPP_BUILD_DIR:-$HOME/.cache/pagedllm/llama.cpp}"
 jobs=2
 
 while [ $# -gt 0 ]; do

@@ -444,7 +444,7 @@ def find_llama_server(path: str | None) -> str:
         if not (os.path.isfile(path) and os.access(path, os.X_OK)):
             sys.exit(f"--llama-server {path!r} is not an executable file")
         return path
-    root = os.environ.get("PAGEDLLM_LLAMA_CPP_DIR", os.path.expanduser("~/.cache/pagedllm/llama.cpp"))
+    root = os.environ.get("LLAMA_CPP_BUILD_DIR", os.path.expanduser("~/.cache/pagedllm/llama.cpp"))
     preferred = os.path.join(root, LLAMA_CPP_VERSION, "bin", "llama-server")
     found = [preferred] if os.access(preferred, os.X_OK) else sorted(glob.glob(os.path.join(root, "*", "bin",
                                                                                           "llama-server")))
