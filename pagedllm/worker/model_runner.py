@@ -444,10 +444,11 @@ class ModelRunner:
         the rows sampled change every step, and each new largest count used to take a new segment from
         the caching allocator (a cudaMalloc on the host's path) through a batch's first steps. Every use
         of a step's logits is launched before the next step's product, on the same stream."""
-        if self.device.type != "cuda" or hidden.shape[0] > self.max_num_seqs:
+        lm = self.model.lm_head
+        # A quantized head (GGUF blocks) computes its product through its method, which takes no ``out``.
+        if self.device.type != "cuda" or hidden.shape[0] > self.max_num_seqs or lm.quant_method is not None:
             return self.model.compute_logits(hidden, float32=False)
         if self._logits_out is None:
-            lm = self.model.lm_head
             self._logits_out = torch.empty(self.max_num_seqs, lm.weight.shape[0], dtype=lm.weight.dtype,
                                            device=self.device)
         return self.model.compute_logits(hidden, float32=False, out=self._logits_out)

@@ -6,7 +6,17 @@ square tiles with more warps. Float32 halves ``BLOCK_K`` to stay within register
 """
 from __future__ import annotations
 
+import functools
+import json
+import math
+import os
+import re
+
 import torch
+
+# Tuned tables written by ``benchmarks/moe_kernels.py --sweep --write``: one JSON file per device name, holding
+# for each layer shape ("E=<experts>,N=<intermediate>,K=<hidden>") the best config at each token count measured.
+TUNED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
 
 # (largest average rows per expert, config); the last row takes every larger step.
 _TABLE: tuple[tuple[int, dict[str, int]], ...] = (
@@ -17,8 +27,36 @@ _TABLE: tuple[tuple[int, dict[str, int]], ...] = (
 )
 
 
-def get_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> dict[str, int]:
-    """The launch configuration for ``num_tokens`` tokens routed to ``top_k`` of ``num_experts`` experts."""
+def device_file_name(device_name: str) -> str:
+    """``"NVIDIA H200"`` -> ``"NVIDIA_H200.json"``: the tuned table's file for a device."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json"
+
+
+def shape_key(num_experts: int, intermediate: int, hidden: int) -> str:
+    return f"E={num_experts},N={intermediate},K={hidden}"
+
+
+@functools.cache
+def _tuned_table(device_name: str) -> dict[str, list[tuple[int, dict[str, int]]]]:
+    path = os.path.join(TUNED_DIR, device_file_name(device_name))
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        shapes = json.load(f)["shapes"]
+    return {key: sorted((int(tokens), config) for tokens, config in rows.items()) for key, rows in shapes.items()}
+
+
+def get_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
+               shape: tuple[int, int] | None = None) -> dict[str, int]:
+    """The launch configuration for ``num_tokens`` tokens routed to ``top_k`` of ``num_experts`` experts.
+
+    ``shape`` (intermediate, hidden): with it, a 16-bit step on a CUDA device whose tuned table holds this layer
+    takes the config tuned at the nearest token count (by ratio); otherwise the rows-per-expert table above."""
+    if shape is not None and dtype != torch.float32 and torch.cuda.is_available():
+        rows = _tuned_table(torch.cuda.get_device_name()).get(shape_key(num_experts, *shape))
+        if rows:
+            _, config = min(rows, key=lambda r: abs(math.log2(r[0] / max(num_tokens, 1))))
+            return dict(config)
     rows_per_expert = num_tokens * top_k / num_experts
     config = next(c for bound, c in _TABLE if rows_per_expert <= bound)
     if dtype == torch.float32:

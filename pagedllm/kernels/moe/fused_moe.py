@@ -35,7 +35,7 @@ def fused_experts(
     top_k = topk_ids.shape[1]
     if tokens == 0:
         return torch.zeros_like(hidden_states)
-    config = config or get_config(tokens, top_k, num_experts, hidden_states.dtype)
+    config = config or get_config(tokens, top_k, num_experts, hidden_states.dtype, shape=(two_i // 2, hidden))
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids.to(torch.int32), num_experts,
                                                               config["BLOCK_M"])
     num_pairs = tokens * top_k
