@@ -131,6 +131,9 @@ class ParallelConfig:
     # "uni": one worker in the engine's process; "mp": one spawned process per rank on this host;
     # "ray": refused for now. None: "uni" for one rank, "mp" for more.
     distributed_executor_backend: str | None = None
+    # A MoE layer's experts split whole between a stage's tensor-parallel ranks (tokens sent to them by
+    # all-to-all) instead of each expert's rows split between them.
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -177,6 +180,15 @@ class ParallelConfig:
                 raise ValueError(f"the model's {name} {size} is not divisible by tensor_parallel_size {tp}")
         if layers < pp:
             raise ValueError(f"the model's {layers} layers are fewer than pipeline_parallel_size {pp}")
+        experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+        if isinstance(experts, int) and experts > 0 and tp > 1:
+            moe_inter = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", None)
+            if self.enable_expert_parallel and experts % tp:
+                raise ValueError(f"the model's {experts} experts are not divisible by tensor_parallel_size {tp} "
+                                 "(enable_expert_parallel gives each rank whole experts)")
+            if not self.enable_expert_parallel and isinstance(moe_inter, int) and moe_inter % tp:
+                raise ValueError(f"the model's moe_intermediate_size {moe_inter} is not divisible by "
+                                 f"tensor_parallel_size {tp}")
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    enable_expert_parallel: bool = False
     download_dir: str | None = None
     attention_backend: str | None = None
     num_gpu_blocks_override: int | None = None
@@ -115,6 +116,8 @@ class EngineArgs:
             help="how workers run: uni (in this process; one rank only), mp (a spawned process per rank on "
             "this host; the default for more than one rank); ray is not implemented yet",
         )
+        parser.add_argument("--enable-expert-parallel", action="store_true",
+                            help="MoE layers: each tensor-parallel rank holds whole experts, tokens sent to them")
         parser.add_argument("--download-dir", type=str, default=None)
         parser.add_argument("--attention-backend", type=str, default=None, choices=["cpu", "torch_ref", "triton"])
         parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -172,6 +175,7 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
+            enable_expert_parallel=self.enable_expert_parallel,
         )
 
     def create_engine_config(self) -> EngineConfig:

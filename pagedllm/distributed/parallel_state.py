@@ -2,7 +2,8 @@
 
 Global rank ``r`` of a world of ``tp * pp`` ranks is tensor rank ``r % tp`` of pipeline stage ``r // tp``:
 a stage's tensor-parallel ranks are neighbours, and a pipeline group joins the ranks of one tensor rank
-across stages. Before ``init_model_parallel`` (one process, no torch.distributed) every group is a
+across stages. With expert parallelism the expert-parallel group is the tensor-parallel group: a stage's
+ranks split its MoE layers' experts between them instead of each expert's rows. Before ``init_model_parallel`` (one process, no torch.distributed) every group is a
 group of one whose collectives return their input, so layers call them unconditionally.
 """
 from __future__ import annotations
@@ -59,6 +60,15 @@ class GroupCoordinator:
         dist.gather(x, parts, dst=self.ranks[dst], group=self.device_group)
         return torch.cat(parts, dim=dim) if parts is not None else None
 
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """Rows of ``x`` [sum(send_counts), ...] sent in runs to the members in order; returns the rows received
+        [sum(recv_counts), ...], the members' runs in member order."""
+        if self.world_size == 1:
+            return x
+        out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=self.device_group)
+        return out
+
     def send(self, x: torch.Tensor, dst_global: int) -> None:
         dist.send(x.contiguous(), dst=dst_global, group=self.device_group)
 
@@ -78,6 +88,7 @@ _SINGLE = GroupCoordinator([0], 0, None)
 _TP: GroupCoordinator = _SINGLE
 _PP: GroupCoordinator = _SINGLE
 _WORLD: GroupCoordinator = _SINGLE
+_EP: GroupCoordinator = _SINGLE
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -92,15 +103,20 @@ def get_world_group() -> GroupCoordinator:
     return _WORLD
 
 
+def get_ep_group() -> GroupCoordinator:
+    """The ranks that split a MoE layer's experts: the tensor-parallel group under expert parallelism, else one."""
+    return _EP
+
+
 def init_model_parallel(
     tensor_parallel_size: int, pipeline_parallel_size: int, rank: int, init_method: str, backend: str = "gloo",
-    timeout_s: float = 600.0,
+    timeout_s: float = 600.0, enable_expert_parallel: bool = False,
 ) -> None:
     """Joins the world of ``tp * pp`` ranks at ``init_method`` (e.g. ``tcp://127.0.0.1:PORT``) and builds the
     groups. Every rank must call it: each ``new_group`` is itself a collective over the whole world."""
     import datetime
 
-    global _TP, _PP, _WORLD
+    global _TP, _PP, _WORLD, _EP
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     world = tp * pp
     if not 0 <= rank < world:
@@ -121,10 +137,12 @@ def init_model_parallel(
         group = dist.new_group(ranks) if pp > 1 else None
         if rank in ranks:
             _PP = GroupCoordinator(ranks, rank, group)
+    if enable_expert_parallel:
+        _EP = _TP
 
 
 def destroy_model_parallel() -> None:
-    global _TP, _PP, _WORLD
-    _TP = _PP = _WORLD = _SINGLE
+    global _TP, _PP, _WORLD, _EP
+    _TP = _PP = _WORLD = _EP = _SINGLE
     if dist.is_initialized():
         dist.destroy_process_group()

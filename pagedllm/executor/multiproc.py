@@ -253,7 +253,7 @@ def _serve(config: EngineConfig, rank: int, init_method: str, conn, encoder) -> 
     if not cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.world_size))
     init_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size, rank, init_method,
-                        backend="nccl" if cuda else "gloo")
+                        backend="nccl" if cuda else "gloo", enable_expert_parallel=pc.enable_expert_parallel)
     worker = Worker(config, local_rank=local_rank)
     worker.load_model()
     conn.send_bytes(encoder.encode(m.Ready(rank, os.getpid())))

@@ -92,6 +92,7 @@ class Worker:
             self.memory.weights = torch.cuda.memory_allocated()
         self.startup.add("load", time.perf_counter() - t0)
         logger.info("model weights loaded in %.2f s", self.startup.phases["load"])
+        _log_experts(self.model_runner.model)
         if self.device.type == "cpu":
             t0 = time.perf_counter()
             packed = self.model_runner.prepack_cpu_weights()
@@ -228,3 +229,15 @@ class Worker:
 
     def reset(self) -> None:
         self.model_runner.reset()
+
+
+def _log_experts(model: torch.nn.Module) -> None:
+    """A MoE model's start-up line: its MoE layers and the experts this rank holds of each."""
+    from pagedllm.layers.fused_moe import MoEExperts
+
+    layers = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    if layers:
+        first = layers[0]
+        logger.info("moe: %d layers of %d experts (top-%d); this rank holds experts %d-%d of each (%d per rank)",
+                    len(layers), first.num_experts, first.top_k, first.first_expert,
+                    first.first_expert + first.num_local_experts - 1, first.num_local_experts)

@@ -4,12 +4,19 @@ The experts' weights live in ``w13_weight`` [E, 2I, H] (each expert's gate rows,
 ``w2_weight`` [E, H, I]; checkpoints that store one tensor per expert and projection are stacked into them
 at load, through ``weight_loader`` with the expert id. On CUDA the Triton kernels of ``kernels/moe``
 run the experts; elsewhere the per-expert reference does.
+
+Under tensor parallelism each rank holds every expert's share of the intermediate rows (as the dense MLP's
+gate/up and down split) and the partial outputs are summed over the group. Under expert parallelism
+(``get_ep_group()`` of more than one rank) each rank holds whole experts, a contiguous range of them, and
+tokens travel to them (``expert_parallel.py``); a rank reads only its own experts from the checkpoint.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import get_ep_group, get_tp_group
+from pagedllm.layers.fused_moe.expert_parallel import expert_parallel_experts
 from pagedllm.layers.fused_moe.reference import fused_experts_ref
 from pagedllm.layers.fused_moe.router import select_experts
 
@@ -27,10 +34,17 @@ class MoEExperts(nn.Module):
         renormalize: bool,
         activation: str = "silu",
         params_dtype: torch.dtype | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
         super().__init__()
+        self.ep_group = get_ep_group()
+        self.tp_group = get_tp_group()
+        if self.ep_group.world_size > 1:  # whole experts per rank: no split of their rows
+            tp_rank, tp_size = 0, 1
+        else:
+            tp_rank = self.tp_group.rank_in_group if tp_rank is None else tp_rank
+            tp_size = self.tp_group.world_size if tp_size is None else tp_size
         if num_experts < 1:
             raise ValueError(f"num_experts must be at least 1; got {num_experts}")
         if not 1 <= top_k <= num_experts:
@@ -38,7 +52,13 @@ class MoEExperts(nn.Module):
         if intermediate_size % tp_size:
             raise ValueError(f"moe intermediate size {intermediate_size} is not divisible by tensor parallel size "
                              f"{tp_size}")
+        ep = self.ep_group.world_size
+        if num_experts % ep:
+            raise ValueError(f"the model's {num_experts} experts are not divisible by the {ep} expert-parallel ranks "
+                             "(tensor_parallel_size with enable_expert_parallel)")
         self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep
+        self.first_expert = self.ep_group.rank_in_group * self.num_local_experts
         self.top_k = top_k
         self.hidden_size = hidden_size
         self.intermediate_size_per_partition = intermediate_size // tp_size
@@ -48,14 +68,15 @@ class MoEExperts(nn.Module):
         dtype = params_dtype or torch.get_default_dtype()
         i = self.intermediate_size_per_partition
         # Empty, not initialized: a checkpoint or the dummy loader overwrites them.
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i, dtype=dtype), requires_grad=False)
+        local = self.num_local_experts
+        self.w13_weight = nn.Parameter(torch.empty(local, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, i, dtype=dtype), requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
         # (shard id, expert id) pieces loaded so far: a checkpoint missing one expert must not pass as loaded.
         self._filled: dict[str, set[tuple[str, int]]] = {"w13": set(), "w2": set()}
-        self.w13_weight.all_loaded = lambda: len(self._filled["w13"]) == 2 * num_experts
-        self.w2_weight.all_loaded = lambda: len(self._filled["w2"]) == num_experts
+        self.w13_weight.all_loaded = lambda: len(self._filled["w13"]) == 2 * local
+        self.w2_weight.all_loaded = lambda: len(self._filled["w2"]) == local
 
     def weight_loader(
         self,
@@ -70,19 +91,22 @@ class MoEExperts(nn.Module):
             if loaded_weight.shape[0] != self.num_experts:
                 raise ValueError(f"stacked expert weight of shape {tuple(loaded_weight.shape)} has "
                                  f"{loaded_weight.shape[0]} experts; the model has {self.num_experts}")
-            for e in range(self.num_experts):
+            for e in range(self.first_expert, self.first_expert + self.num_local_experts):
                 self._load_whole_expert(param, loaded_weight[e], e)
             return
         if shard_id not in SHARD_IDS:
             raise ValueError(f"expert shard id must be one of {', '.join(SHARD_IDS)}; got {shard_id!r}")
         if expert_id is None or not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert id must be in [0, {self.num_experts}); got {expert_id!r}")
+        local_id = expert_id - self.first_expert
+        if not 0 <= local_id < self.num_local_experts:
+            return  # another expert-parallel rank's expert
         i = self.intermediate_size_per_partition
         if shard_id == "w2":
-            dst = param.data[expert_id]  # [H, I]
+            dst = param.data[local_id]  # [H, I]
             src = loaded_weight.narrow(1, self.tp_rank * i, i) if self.tp_size > 1 else loaded_weight
         else:
-            dst = param.data[expert_id].narrow(0, 0 if shard_id == "w1" else i, i)  # [I, H]
+            dst = param.data[local_id].narrow(0, 0 if shard_id == "w1" else i, i)  # [I, H]
             src = loaded_weight.narrow(0, self.tp_rank * i, i) if self.tp_size > 1 else loaded_weight
         if dst.shape != src.shape:
             raise ValueError(f"shape mismatch loading expert {expert_id} {shard_id}: parameter {tuple(dst.shape)}, "
@@ -105,6 +129,18 @@ class MoEExperts(nn.Module):
         router_logits: torch.Tensor,  # [T, E]
     ) -> torch.Tensor:  # [T, H]
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if self.ep_group.world_size > 1:
+            return expert_parallel_experts(hidden_states, topk_weights, topk_ids, self.ep_group,
+                                           self.num_local_experts, self._local_experts)
+        out = self._local_experts(hidden_states, topk_weights, topk_ids)
+        return self.tp_group.all_reduce(out) if self.tp_size > 1 else out
+
+    def _local_experts(
+        self,
+        hidden_states: torch.Tensor,  # [T, H]
+        topk_weights: torch.Tensor,  # [T, K] float32
+        topk_ids: torch.Tensor,  # [T, K] ids of this rank's experts
+    ) -> torch.Tensor:  # [T, H]
         if hidden_states.is_cuda:
             from pagedllm.kernels.moe import fused_experts, usable
 
@@ -116,4 +152,4 @@ class MoEExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size_per_partition}, renormalize={self.renormalize}, "
-                f"tp={self.tp_size}")
+                f"tp={self.tp_size}, experts_per_rank={self.num_local_experts}")
