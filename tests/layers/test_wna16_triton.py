@@ -123,3 +123,40 @@ def test_bad_input_names_field():
         wna16_matmul(torch.zeros(1, 32), qw, s, s, 3, 32)
     with pytest.raises(ValueError, match="qweight"):
         wna16_matmul(torch.zeros(1, 16), qw, s, s, 4, 32)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "gptq-act-order", "gptq-8bit-one-group", "ct-w4a16-asym",
+                                    "ct-w8a16-sym-channel"])
+def test_linear_method_kernel_path_equals_torch_path(method):
+    """A row-parallel rank's linear (act-order: global group ids) gives the torch path's output once moved to the
+    kernel layout, as process_weights_after_loading does on CUDA."""
+    from pagedllm.layers.linear import RowParallelLinear
+    from pagedllm.layers.quantization.awq import AWQLinearMethod
+    from pagedllm.layers.quantization.compressed_tensors import PackedWeightOnlyLinearMethod
+    from pagedllm.layers.quantization.gptq import GPTQLinearMethod
+
+    make = {
+        "awq": lambda: AWQLinearMethod(32),
+        "gptq": lambda: GPTQLinearMethod(4, 32, desc_act=False, zero_offset=1),
+        "gptq-act-order": lambda: GPTQLinearMethod(4, 32, desc_act=True, zero_offset=1),
+        "gptq-8bit-one-group": lambda: GPTQLinearMethod(8, -1, desc_act=False, zero_offset=0),
+        "ct-w4a16-asym": lambda: PackedWeightOnlyLinearMethod(4, 32, symmetric=False),
+        "ct-w8a16-sym-channel": lambda: PackedWeightOnlyLinearMethod(8, None, symmetric=True),
+    }[method]
+    k, n = 256, 48
+    layer = RowParallelLinear(k, n, bias=False, quant_method=make(), tp_rank=1, tp_size=2)
+    gen = torch.Generator().manual_seed(3)
+    for p in layer.parameters():
+        if p.dtype == torch.int32:
+            p.data = torch.randint(-2**31, 2**31 - 1, p.shape, generator=gen, dtype=torch.int64).to(torch.int32)
+        else:
+            p.data = torch.rand(p.shape, generator=gen) * 0.02 + 0.005
+    if method == "gptq-act-order":
+        layer.g_idx.data = (torch.randperm(k, generator=gen)[:k // 2] // 32).int()
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(3, k // 2, generator=gen)
+    want = layer.quant_method.apply(layer, x, None)
+    layer.quant_method.to_kernel_layout(layer)
+    assert hasattr(layer, "wna16")
+    got = layer.quant_method.apply(layer, x, None)
+    assert torch.allclose(got, want, atol=1e-3, rtol=1e-3), (got - want).abs().max()
