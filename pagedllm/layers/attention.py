@@ -52,6 +52,11 @@ class Attention(nn.Module):
         self.impl = attn_backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap
         )
+        # The float8 cache holds k / k_scale and v / v_scale (``layers/kv_scales.py``); 1.0 unless a
+        # checkpoint carries scales and the cache is float8.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self._scaled_norms: tuple | None = None  # (q_norm, k_norm, their copies with k_scale folded in)
 
     def forward(
         self,
@@ -69,6 +74,16 @@ class Attention(nn.Module):
         given. The backend applies them, in its own launches where it can (``AttentionImpl.forward_qk``);
         query and key may be rewritten in place."""
         num_tokens = query.shape[0]
+        scaled_v = self.v_scale != 1.0
+        if self.k_scale != 1.0:
+            # Per-head norms undo a scale on their input: fold it into their weights instead.
+            if q_norm is not None or k_norm is not None:
+                q_norm, k_norm = self._norms_with_k_scale(q_norm, k_norm)
+            else:
+                query = query * self.k_scale
+                key = key / self.k_scale
+        if scaled_v:
+            value = value / self.v_scale
         out = self.impl.forward_qk(
             positions,
             query.view(num_tokens, self.num_heads, self.head_size),
@@ -78,7 +93,15 @@ class Attention(nn.Module):
             attn_metadata,
             qk_transform(rotary, q_norm, k_norm, self.head_size),
         )
-        return out.reshape(num_tokens, self.num_heads * self.head_size)
+        out = out.reshape(num_tokens, self.num_heads * self.head_size)
+        return out * self.v_scale if scaled_v else out
+
+    def _norms_with_k_scale(self, q_norm: nn.Module | None, k_norm: nn.Module | None) -> tuple:
+        cached = self._scaled_norms
+        if cached is None or cached[0] is not q_norm or cached[1] is not k_norm:
+            cached = (q_norm, k_norm, _scaled_norm(q_norm, self.k_scale), _scaled_norm(k_norm, 1.0 / self.k_scale))
+            self._scaled_norms = cached
+        return cached[2], cached[3]
 
     def extra_repr(self) -> str:
         return (
@@ -86,3 +109,21 @@ class Attention(nn.Module):
             f"scale={self.scale:.4g}, sliding_window={self.sliding_window}, "
             f"soft_cap={self.logits_soft_cap}, backend={getattr(self.backend, 'name', self.backend.__name__)}"
         )
+
+
+def _scaled_norm(norm: nn.Module | None, factor: float) -> nn.Module | None:
+    """A copy of a per-head RMS norm whose output is ``factor`` times the original's."""
+    if norm is None or factor == 1.0:
+        return norm
+    import copy
+
+    scaled = copy.deepcopy(norm)
+    with torch.no_grad():
+        if type(norm) is GemmaRMSNorm:  # output * (1 + w)
+            scaled.weight.copy_((1.0 + norm.weight.float()) * factor - 1.0)
+        elif type(norm) is RMSNorm:
+            scaled.weight.mul_(factor)
+        else:
+            raise NotImplementedError(f"KV-cache scales with a {type(norm).__name__} q/k norm; supported: RMSNorm, "
+                                      f"GemmaRMSNorm")
+    return scaled

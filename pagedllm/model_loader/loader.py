@@ -14,6 +14,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import LoadConfig, ModelConfig
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
+from pagedllm.layers.kv_scales import attach_kv_scales, collect_kv_scales
 from pagedllm.model_loader.base import BaseModelLoader, build_model, check_all_loaded, finalize_model
 from pagedllm.model_loader.weight_utils import iterate_weights
 
@@ -50,11 +51,15 @@ class DefaultModelLoader(BaseModelLoader):
         # only its stage's tensors.
         sharded = get_tp_group().world_size * get_pp_group().world_size > 1
         weights = iterate_weights(model_config.model, self.load_config.load_format, lazy=sharded)
+        # KV-cache scales go to the attention layers, not through the parameter loaders.
+        kv_scales: dict[str, dict[str, float]] = {}
+        weights = collect_kv_scales(weights, kv_scales)
         if qconfig is not None and qconfig.skip_suffixes():
             skip = qconfig.skip_suffixes()
             weights = ((n, t) for n, t in weights if not n.endswith(skip))
         loaded = model.load_weights(weights)
         check_all_loaded(model, loaded, model_config.model)
+        attach_kv_scales(model, kv_scales)
         if qconfig is not None:
             from pagedllm.layers.quantization.base import process_loaded_weights
 

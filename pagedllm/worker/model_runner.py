@@ -102,10 +102,12 @@ class ModelRunner:
         self.time_steps = device.type == "cuda" and sc.submit_just_in_time
 
     def load_model(self) -> None:
+        from pagedllm.layers.kv_scales import use_kv_scales
         from pagedllm.model_loader.loader import get_model
         from pagedllm.sample.sampler import Sampler
 
         self.model = get_model(self.model_config, self.config.load_config, self.device, self.attn_backend)
+        use_kv_scales(self.model, self.config.kv_cache_dtype)
         self.sampler = Sampler()
 
     def prepack_cpu_weights(self) -> int:

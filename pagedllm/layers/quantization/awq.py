@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizedLinearMethod, config_error
+from pagedllm.layers.quantization import wna16_layout
 from pagedllm.layers.quantization.packed_params import PackedParam
 from pagedllm.layers.quantization.unpack import awq_dequantize
 
@@ -63,5 +64,21 @@ class AWQLinearMethod(QuantizedLinearMethod):
             PackedParam("scales", (input_size // g, output_size), None, 1, 1, 0, g),
         ]
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        # On CUDA the weight moves to the common packed layout the Triton kernel reads.
+        if wna16_layout.use_kernel(layer):
+            self.to_kernel_layout(layer)
+
+    def to_kernel_layout(self, layer: nn.Module) -> None:
+        w = wna16_layout.from_awq(layer.qweight, layer.qzeros, layer.scales, self.group_size)
+        wna16_layout.attach(layer, w, ("qweight", "qzeros", "scales"))
+
     def dequantize(self, layer: nn.Module) -> torch.Tensor:  # [N, K]
+        if hasattr(layer, "wna16"):
+            return layer.wna16.dequantize()
         return awq_dequantize(layer.qweight, layer.qzeros, layer.scales, self.group_size)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [T, K] -> [T, N]
+        if hasattr(layer, "wna16"):
+            return wna16_layout.apply(layer, x, bias)
+        return super().apply(layer, x, bias)

@@ -62,7 +62,8 @@ def config_error(method: str, field: str, value, supported: str) -> ValueError:
 class QuantizedLinearMethod(LinearMethodBase):
     """A linear stored quantized in the checkpoint. Subclasses list their parameters (``packed_params``) and
     dequantize them; ``apply`` here is the torch path (dequantize, then a float matmul), which is also the
-    oracle any fused kernel is tested against. On CUDA it runs the same way until such kernels exist."""
+    oracle any fused kernel is tested against. AWQ, GPTQ and pack-quantized weights take a Triton kernel on
+    CUDA (``wna16_layout.py``); the other methods run this path there too."""
 
     def packed_params(self, input_size: int, output_size: int, full_input_size: int) -> list[PackedParam]:
         """This rank's parameters, for ``input_size`` of the layer's ``full_input_size`` inputs."""

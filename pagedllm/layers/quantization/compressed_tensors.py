@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizedLinearMethod, config_error
 from pagedllm.layers.quantization.fp8_config import STATIC_NOTE, UNUSED_SCALE_SUFFIXES
+from pagedllm.layers.quantization import wna16_layout
 from pagedllm.layers.quantization.packed_params import PackedParam
 from pagedllm.layers.quantization.unpack import ct_pack_dequantize
 
@@ -145,8 +146,27 @@ class PackedWeightOnlyLinearMethod(QuantizedLinearMethod):
                                       grouped_dim, g))
         return params
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        # On CUDA the weight moves to the common packed layout the Triton kernel reads.
+        if wna16_layout.use_kernel(layer):
+            self.to_kernel_layout(layer)
+
+    def to_kernel_layout(self, layer: nn.Module) -> None:
+        zp = None if self.symmetric else layer.weight_zero_point
+        w = wna16_layout.from_compressed_tensors(layer.weight_packed, layer.weight_scale, zp, self.bits,
+                                                 self.group_size)
+        names = ("weight_packed", "weight_scale") + (() if self.symmetric else ("weight_zero_point",))
+        wna16_layout.attach(layer, w, names)
+
     def dequantize(self, layer: nn.Module) -> torch.Tensor:  # [N, K]
+        if hasattr(layer, "wna16"):
+            return layer.wna16.dequantize()
         k = layer.weight_packed.shape[1] * self.pack
         g = k if self.group_size is None else self.group_size
         zp = None if self.symmetric else layer.weight_zero_point
         return ct_pack_dequantize(layer.weight_packed, layer.weight_scale, zp, self.bits, g)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [T, K] -> [T, N]
+        if hasattr(layer, "wna16"):
+            return wna16_layout.apply(layer, x, bias)
+        return super().apply(layer, x, bias)

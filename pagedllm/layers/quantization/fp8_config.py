@@ -5,8 +5,8 @@ from __future__ import annotations
 from pagedllm.layers.quantization.base import QuantizationConfig, config_error
 
 # Checkpoint tensors of these suffixes hold scales the float8 linears do not use (activations are always
-# quantized per token at run time; KV-cache scales are not read).
-UNUSED_SCALE_SUFFIXES = (".input_scale", ".output_scale", ".k_scale", ".v_scale", ".kv_scale")
+# quantized per token at run time). KV-cache scales are read by the loader (``layers/kv_scales.py``).
+UNUSED_SCALE_SUFFIXES = (".input_scale", ".output_scale")
 STATIC_NOTE = ("checkpoint has static activation scales; pagedllm quantizes activations per token at run time "
                "instead and leaves the input_scale tensors unused")
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizedLinearMethod, config_error
+from pagedllm.layers.quantization import wna16_layout
 from pagedllm.layers.quantization.packed_params import PackedParam
 from pagedllm.layers.quantization.unpack import gptq_dequantize
 
@@ -90,6 +91,21 @@ class GPTQLinearMethod(QuantizedLinearMethod):
             g = k if self.group_size == -1 else self.group_size
             layer.register_buffer("g_idx", torch.arange(k, dtype=torch.int32, device=layer.qweight.device) // g,
                                   persistent=False)
+        # On CUDA the weight moves to the common packed layout the Triton kernel reads (act-order rows permuted).
+        if wna16_layout.use_kernel(layer):
+            self.to_kernel_layout(layer)
+
+    def to_kernel_layout(self, layer: nn.Module) -> None:
+        w = wna16_layout.from_gptq(layer.qweight, layer.qzeros, layer.scales, layer.g_idx if self.desc_act else None,
+                                   self.bits, self.group_size, self.zero_offset)
+        wna16_layout.attach(layer, w, ("qweight", "qzeros", "scales", "g_idx"))
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:  # [N, K]
+        if hasattr(layer, "wna16"):
+            return layer.wna16.dequantize()
         return gptq_dequantize(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, self.bits, self.zero_offset)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [T, K] -> [T, N]
+        if hasattr(layer, "wna16"):
+            return wna16_layout.apply(layer, x, bias)
+        return super().apply(layer, x, bias)

@@ -1,0 +1,141 @@
+"""Triton product ``y = x @ W^T`` for 4/8-bit weight-only quantized linears (W4A16, W8A16) kept packed on the GPU.
+
+The weight is in the engine's common packed layout (``layers/quantization/wna16_layout.py``): int32 words
+``qweight`` [K / pack, N] holding ``pack = 32 // bits`` unsigned values along the input, value ``i`` of a
+word in bits ``[i * bits, (i + 1) * bits)``; ``scales`` [G, N] and ``zeros`` [G, N] (float) per group of
+input channels; ``w[n, k] = (q[k, n] - zeros[g, n]) * scales[g, n]`` with ``g = k // group_size`` or, when
+a group index is given, ``g = g_idx[k]``.
+
+Each program owns a BLOCK_M x BLOCK_N output tile and walks its share of the input BLOCK_K rows at a time:
+it loads the words covering those rows once per row (the repeats hit cache), shifts and masks the values out
+in registers, subtracts the zero point, scales, casts to the activation dtype and multiplies on the tensor
+cores with float32 accumulation. The weight never exists unpacked in memory. For few tokens (decode) the
+input is split over ``SPLIT_K`` programs per tile so that the grid fills the device; their float32 partial
+sums are added afterwards.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_BITS = (2, 4, 8)
+
+
+@triton.jit
+def _wna16_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, out_ptr,
+    M, N, K, K_PER_SPLIT,
+    stride_xm, stride_om, stride_os,
+    GROUP: tl.constexpr, BITS: tl.constexpr, HAS_GIDX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_start = pid_s * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_end
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [BM, BK]
+        wk_ok = k_ok[:, None] & n_ok[None, :]
+        words = tl.load(qw_ptr + (offs_k // PACK)[:, None] * N + offs_n[None, :], mask=wk_ok, other=0)  # [BK, BN]
+        shift = ((offs_k % PACK) * BITS)[:, None]
+        q = ((words >> shift) & MASK).to(tl.float32)
+        if HAS_GIDX:
+            g = tl.load(gidx_ptr + offs_k, mask=k_ok, other=0)
+        else:
+            g = offs_k // GROUP
+        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=wk_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=wk_ok, other=0.0).to(tl.float32)
+        w = ((q - z) * s).to(a.dtype)  # [BK, BN], rounded to the activation dtype as the torch path's weight
+        if DOT_FP32:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    out = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps, num_stages) for an M x N x K product."""
+    if m <= 16:
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 3
+    elif m <= 64:
+        bm, bn, bk, warps, stages = 32, 64, 64, 4, 3
+    elif m <= 256:
+        bm, bn, bk, warps, stages = 64, 128, 64, 4, 3
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 32, 8, 3
+    split = 1
+    if device.type == "cuda":
+        # Few output tiles leave most SMs idle; split the input until about two waves of programs run.
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        while tiles * split * 2 <= 2 * sms and k // (split * 2) >= 4 * bk:
+            split *= 2
+    return bm, bn, bk, split, warps, stages
+
+
+def wna16_matmul(
+    x: torch.Tensor,  # [M, K] float16 / bfloat16 / float32
+    qweight: torch.Tensor,  # [K / (32 // bits), N] int32
+    scales: torch.Tensor,  # [G, N]
+    zeros: torch.Tensor,  # [G, N] float
+    bits: int,
+    group_size: int,  # input channels a group; K for one group
+    g_idx: torch.Tensor | None = None,  # [K] int32 group of each input, overriding k // group_size
+    split_k: int | None = None,  # None: chosen from the shape
+    block: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K); None: chosen from the shape
+) -> torch.Tensor:  # [M, N] in x's dtype
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"wna16: activation dtype {x.dtype} is not one of {SUPPORTED_DTYPES}")
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"wna16: bits {bits} is not one of {SUPPORTED_BITS}")
+    m, k = x.shape
+    pack = 32 // bits
+    n = qweight.shape[1]
+    if qweight.shape[0] * pack != k:
+        raise ValueError(f"wna16: qweight has {qweight.shape[0]} words a column ({qweight.shape[0] * pack} inputs) "
+                         f"for {k} activation columns")
+    if scales.shape != zeros.shape or scales.shape[1] != n:
+        raise ValueError(f"wna16: scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} must both be [G, {n}]")
+    if group_size <= 0:
+        raise ValueError(f"wna16: group_size {group_size} must be a positive number of inputs")
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
+        if not t.is_contiguous():
+            raise ValueError(f"wna16: {name} must be contiguous (rows of {n} columns), got strides {t.stride()}")
+    x = x.contiguous()
+    bm, bn, bk, split, warps, stages = _config(m, n, k, x.device)
+    if block is not None:
+        bm, bn, bk = block
+    if split_k is not None:
+        split = split_k
+    # Every split owns a whole number of BLOCK_K runs.
+    k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_per_split)
+    out_dtype = x.dtype if split == 1 else torch.float32
+    out = torch.empty((split, m, n), dtype=out_dtype, device=x.device)
+    has_gidx = g_idx is not None
+    gidx = g_idx if has_gidx else qweight  # any pointer; not read without HAS_GIDX
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+    _wna16_kernel[grid](
+        x, qweight, scales, zeros, gidx, out, m, n, k, k_per_split,
+        x.stride(0), out.stride(1), out.stride(0),
+        GROUP=group_size, BITS=bits, HAS_GIDX=has_gidx,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32,
+        num_warps=warps, num_stages=stages,
+    )
+    if split == 1:
+        return out[0]
+    return out.sum(0).to(x.dtype)

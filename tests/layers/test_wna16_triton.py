@@ -1,0 +1,162 @@
+"""The Triton W4A16/W8A16 kernel (interpreted) against the torch unpack oracle, for AWQ, GPTQ and compressed-tensors
+tensors converted to the common packed layout."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from pagedllm.kernels.wna16 import wna16_matmul
+from pagedllm.layers.quantization import wna16_layout as layout
+from pagedllm.layers.quantization.unpack import (AWQ_REVERSE_ORDER, awq_dequantize, ct_pack_dequantize,
+                                                 gptq_dequantize, pack_int32)
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU runs need TRITON_INTERPRET=1")
+
+
+def _run(w: layout.WNA16Weights, x: torch.Tensor, **kw) -> torch.Tensor:
+    if w.perm is not None:
+        x = x.index_select(1, w.perm)
+    return wna16_matmul(x, w.qweight, w.scales, w.zeros, w.bits, w.group_size, w.g_idx, **kw)
+
+
+def _check(w: layout.WNA16Weights, oracle: torch.Tensor, m: int, dtype: torch.dtype, gen, **kw) -> None:
+    k = oracle.shape[1]
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    want = torch.nn.functional.linear(x.float(), oracle.to(dtype).float())
+    assert torch.allclose(w.dequantize(), oracle, atol=1e-5)
+    got = _run(w, x, **kw).float()
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got, want, atol=tol * k ** 0.5, rtol=tol), (got - want).abs().max()
+
+
+def _awq_pack(vals: torch.Tensor) -> torch.Tensor:  # [R, C] in 0..15 -> [R, C/8] AWQ-interleaved words
+    order = torch.arange(vals.shape[1]).view(-1, 8)[:, list(AWQ_REVERSE_ORDER)].reshape(-1)
+    inter = torch.empty_like(vals)
+    inter[:, order] = vals
+    return pack_int32(inter, 4, 1)
+
+
+@pytest.mark.parametrize("m,n,k,g,dtype", [(1, 72, 96, 32, torch.float32), (3, 40, 128, 64, torch.float16),
+                                           (17, 136, 256, 128, torch.float32)])
+def test_awq(m, n, k, g, dtype):
+    gen = torch.Generator().manual_seed(m)
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    z = torch.randint(0, 16, (k // g, n), generator=gen)
+    s = (torch.rand(k // g, n, generator=gen) * 0.02 + 0.005).to(dtype)
+    qw, qz = _awq_pack(q), _awq_pack(z)
+    oracle = awq_dequantize(qw, qz, s, g)
+    _check(layout.from_awq(qw, qz, s, g), oracle, m, dtype, gen)
+
+
+@pytest.mark.parametrize("bits,g,act_order,sym,m", [
+    (4, 32, False, True, 1), (4, 64, True, False, 3), (8, 128, True, True, 17), (8, -1, False, False, 3),
+    (4, 128, False, False, 17), (4, -1, True, True, 1), (8, 32, False, True, 1)])
+def test_gptq(bits, g, act_order, sym, m):
+    gen = torch.Generator().manual_seed(bits * 100 + m)
+    n, k = 40, 256
+    groups = 1 if g == -1 else k // g
+    q = torch.randint(0, 1 << bits, (k, n), generator=gen)
+    if sym:
+        z = torch.full((groups, n), (1 << (bits - 1)) - 1)  # stored minus one (checkpoint_format gptq)
+    else:
+        z = torch.randint(0, (1 << bits) - 1, (groups, n), generator=gen)
+    s = torch.rand(groups, n, generator=gen) * 0.02 + 0.005
+    gs = k if g == -1 else g
+    g_idx = (torch.arange(k) // gs).int()
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=gen)].contiguous()
+    qw, qz = pack_int32(q, bits, 0), pack_int32(z, bits, 1)
+    oracle = gptq_dequantize(qw, qz, s, g_idx, bits, 1)
+    w = layout.from_gptq(qw, qz, s, g_idx if act_order else None, bits, g, 1)
+    assert (w.perm is not None) == (act_order and g != -1)
+    _check(w, oracle, m, torch.float32, gen)
+
+
+def test_gptq_uneven_groups_keep_g_idx():
+    """Act-order groups of unequal sizes: the sorted group index is read per row."""
+    gen = torch.Generator().manual_seed(5)
+    n, k, bits = 24, 64, 4
+    g_idx = torch.randint(0, 4, (k,), generator=gen).int()
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    z = torch.randint(0, 15, (4, n), generator=gen)
+    s = torch.rand(4, n, generator=gen) * 0.02
+    qw, qz = pack_int32(q, bits, 0), pack_int32(z, bits, 1)
+    w = layout.from_gptq(qw, qz, s, g_idx, bits, 16, 1)
+    assert w.g_idx is not None
+    _check(w, gptq_dequantize(qw, qz, s, g_idx, bits, 1), 3, torch.float32, gen)
+
+
+@pytest.mark.parametrize("bits,g,sym,m,dtype", [(4, 32, True, 1, torch.float16), (4, None, False, 17, torch.float32),
+                                                (8, 64, False, 3, torch.float32)])
+def test_compressed_tensors(bits, g, sym, m, dtype):
+    gen = torch.Generator().manual_seed(bits + m)
+    n, k = 48, 192
+    groups = 1 if g is None else k // g
+    q = torch.randint(0, 1 << bits, (n, k), generator=gen)
+    s = (torch.rand(n, groups, generator=gen) * 0.02 + 0.005).to(dtype)
+    zp = None if sym else pack_int32(torch.randint(0, 1 << bits, (n, groups), generator=gen), bits, 0)
+    wp = pack_int32(q, bits, 1)
+    oracle = ct_pack_dequantize(wp, s, zp, bits, k if g is None else g)
+    _check(layout.from_compressed_tensors(wp, s, zp, bits, g), oracle, m, dtype, gen)
+
+
+def test_split_k_and_odd_tiles():
+    """Split-K partial sums and N, K tails that fill no whole block."""
+    gen = torch.Generator().manual_seed(9)
+    n, k, g = 56, 320, 32
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    z = torch.randint(0, 16, (k // g, n), generator=gen)
+    s = torch.rand(k // g, n, generator=gen) * 0.02
+    qw, qz = _awq_pack(q), _awq_pack(z)
+    w = layout.from_awq(qw, qz, s, g)
+    _check(w, awq_dequantize(qw, qz, s, g), 5, torch.float32, gen, split_k=3, block=(16, 32, 64))
+
+
+def test_bad_input_names_field():
+    qw = torch.zeros(4, 8, dtype=torch.int32)
+    s = torch.ones(1, 8)
+    with pytest.raises(ValueError, match="bits 3"):
+        wna16_matmul(torch.zeros(1, 32), qw, s, s, 3, 32)
+    with pytest.raises(ValueError, match="qweight"):
+        wna16_matmul(torch.zeros(1, 16), qw, s, s, 4, 32)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "gptq-act-order", "gptq-8bit-one-group", "ct-w4a16-asym",
+                                    "ct-w8a16-sym-channel"])
+def test_linear_method_kernel_path_equals_torch_path(method):
+    """A row-parallel rank's linear (act-order: global group ids) gives the torch path's output once moved to the
+    kernel layout, as process_weights_after_loading does on CUDA."""
+    from pagedllm.layers.linear import RowParallelLinear
+    from pagedllm.layers.quantization.awq import AWQLinearMethod
+    from pagedllm.layers.quantization.compressed_tensors import PackedWeightOnlyLinearMethod
+    from pagedllm.layers.quantization.gptq import GPTQLinearMethod
+
+    make = {
+        "awq": lambda: AWQLinearMethod(32),
+        "gptq": lambda: GPTQLinearMethod(4, 32, desc_act=False, zero_offset=1),
+        "gptq-act-order": lambda: GPTQLinearMethod(4, 32, desc_act=True, zero_offset=1),
+        "gptq-8bit-one-group": lambda: GPTQLinearMethod(8, -1, desc_act=False, zero_offset=0),
+        "ct-w4a16-asym": lambda: PackedWeightOnlyLinearMethod(4, 32, symmetric=False),
+        "ct-w8a16-sym-channel": lambda: PackedWeightOnlyLinearMethod(8, None, symmetric=True),
+    }[method]
+    k, n = 256, 48
+    layer = RowParallelLinear(k, n, bias=False, quant_method=make(), tp_rank=1, tp_size=2)
+    gen = torch.Generator().manual_seed(3)
+    for p in layer.parameters():
+        if p.dtype == torch.int32:
+            p.data = torch.randint(-2**31, 2**31 - 1, p.shape, generator=gen, dtype=torch.int64).to(torch.int32)
+        else:
+            p.data = torch.rand(p.shape, generator=gen) * 0.02 + 0.005
+    if method == "gptq-act-order":
+        layer.g_idx.data = (torch.randperm(k, generator=gen)[:k // 2] // 32).int()
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(3, k // 2, generator=gen)
+    want = layer.quant_method.apply(layer, x, None)
+    layer.quant_method.to_kernel_layout(layer)
+    assert hasattr(layer, "wna16")
+    got = layer.quant_method.apply(layer, x, None)
+    assert torch.allclose(got, want, atol=1e-3, rtol=1e-3), (got - want).abs().max()
