@@ -38,6 +38,7 @@ class DPRouter:
         self.block_size = block_size
         self.max_imbalance = max_imbalance
         self.queued_tokens = [0] * num_cores
+        self.num_routed = [0] * num_cores  # requests ever sent to each core
         self.running = [0] * num_cores
         self._requests: dict[str, _Outstanding] = {}
         self._prefix_home: OrderedDict[bytes, int] = OrderedDict()
@@ -75,6 +76,7 @@ class DPRouter:
         self._requests[request_id] = _Outstanding(core, len(prompt_token_ids))
         self.queued_tokens[core] += len(prompt_token_ids)
         self.running[core] += 1
+        self.num_routed[core] += 1
         key = self.prefix_key(prompt_token_ids)
         if key is not None:
             self._prefix_home[key] = core
