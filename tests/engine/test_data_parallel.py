@@ -54,6 +54,17 @@ def test_dp2_same_greedy_tokens_as_dp1_and_both_cores_used(model_path):
     assert _children_alive(pids) == []
 
 
+def test_each_core_gets_its_own_devices():
+    from pagedllm.engine.dp_client import core_devices
+    from pagedllm.engine_args import EngineArgs
+
+    args = EngineArgs(model="unused", tensor_parallel_size=2, data_parallel_size=2)
+    assert core_devices(args, 0, None) == "0,1" and core_devices(args, 1, None) == "2,3"
+    assert core_devices(args, 1, "4, 5,6,7") == "6,7"  # positions in the front-end's visible list
+    with pytest.raises(ValueError, match="needs 4 devices; CUDA_VISIBLE_DEVICES lists 3"):
+        core_devices(args, 1, "0,1,2")
+
+
 def test_dp_size_is_validated():
     with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1, got 0"):
         LLM(model="unused", data_parallel_size=0)
