@@ -7,15 +7,13 @@ import asyncio
 import os
 import re
 import signal
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import psutil
 import pytest
-from serve_helpers import Server, make_model
+from serve_helpers import Server, make_model, sse_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 MODEL = "tiny-dp"
@@ -62,17 +60,19 @@ def test_dp2_serves_with_both_cores_then_dies_cleanly(tmp_path: Path):
         assert set(by_engine) == {"0", "1"}, by_engine
         assert all(v > 0 for v in by_engine.values()) and sum(by_engine.values()) == 48, by_engine
 
-        # A core dies mid-request: the request fails fast, the server goes unhealthy and exits 1.
-        body = {"model": MODEL, "prompt": "Doomed", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
-        result: dict = {}
-        thread = threading.Thread(
-            target=lambda: result.setdefault("r", httpx.post(f"{server.url}/v1/completions", json=body, timeout=60))
-        )
-        thread.start()
-        time.sleep(1.0)
-        os.kill(cores[1], signal.SIGKILL)
-        thread.join(60)
-        assert result["r"].status_code == 500 and result["r"].json()["error"]["code"] == "engine_dead"
+        # A core dies mid-request: the stream ends in an engine_dead error, the server goes unhealthy, exits 1.
+        body = {"model": MODEL, "prompt": "Doomed", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines, killed = [], False
+            for line in r.iter_lines():
+                lines.append(line)
+                if not killed and len([ln for ln in lines if ln.startswith("data: ")]) == 2:
+                    killed = True
+                    os.kill(cores[1], signal.SIGKILL)  # whichever core runs it: every request fails
+            events = sse_events(lines)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_dead", events[-3:]
         health = httpx.get(f"{server.url}/health", timeout=5)
         assert health.status_code == 503
         assert server.proc.wait(timeout=20) == 1
