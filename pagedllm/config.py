@@ -124,6 +124,10 @@ class ModelConfig:
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
+# Each data-parallel core is a process holding a whole model copy; more than this is a typo, not a plan.
+MAX_DATA_PARALLEL_SIZE = 64
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -134,6 +138,8 @@ class ParallelConfig:
     # A MoE layer's experts split whole between a stage's tensor-parallel ranks (tokens sent to them by
     # all-to-all) instead of each expert's rows split between them.
     enable_expert_parallel: bool = False
+    # Independent engine cores (each with its own tensor/pipeline-parallel group) behind one front-end.
+    data_parallel_size: int = 1
 
     @property
     def world_size(self) -> int:
@@ -147,7 +153,7 @@ class ParallelConfig:
 
     def check(self) -> None:
         """Sizes and backend alone, before any model is read."""
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -157,6 +163,9 @@ class ParallelConfig:
                              f"or None; got {backend!r}")
         if backend == "ray":
             raise NotImplementedError("distributed_executor_backend='ray' is not implemented yet; use 'mp'")
+        if self.data_parallel_size > MAX_DATA_PARALLEL_SIZE:
+            raise ValueError(f"data_parallel_size must be <= {MAX_DATA_PARALLEL_SIZE} (one engine-core process each), "
+                             f"got {self.data_parallel_size}")
         if backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size "
                              f"{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size} "

@@ -58,6 +58,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     enable_expert_parallel: bool = False
+    data_parallel_size: int = 1
     download_dir: str | None = None
     attention_backend: str | None = None
     num_gpu_blocks_override: int | None = None
@@ -116,6 +117,9 @@ class EngineArgs:
             help="how workers run: uni (in this process; one rank only), mp (a spawned process per rank on "
             "this host; the default for more than one rank); ray is not implemented yet",
         )
+        parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                            help="engine cores behind one front-end, each with its own TP x PP group; a request "
+                            "goes to the least-loaded core or the one holding its prompt's prefix")
         parser.add_argument("--enable-expert-parallel", action="store_true",
                             help="MoE layers: each tensor-parallel rank holds whole experts, tokens sent to them")
         parser.add_argument("--download-dir", type=str, default=None)
@@ -176,6 +180,7 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             enable_expert_parallel=self.enable_expert_parallel,
+            data_parallel_size=self.data_parallel_size,
         )
 
     def create_engine_config(self) -> EngineConfig:

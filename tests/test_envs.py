@@ -20,6 +20,7 @@ OTHER_ENVIRONMENT_READERS = {
     "pagedllm/kernels/cpu/build.py": "XDG_CACHE_HOME, the default folder of compiled CPU kernels",
     "pagedllm/model_loader/hub.py": "Hugging Face's HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE",
     "pagedllm/engine/core_proc.py": "sets library variables for the engine core process",
+    "pagedllm/engine/dp_client.py": "CUDA_VISIBLE_DEVICES: each data-parallel core's devices, set for its spawn",
 }
 
 

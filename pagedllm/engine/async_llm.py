@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Callable
 
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.core_client import CoreClient, EngineDeadError
+from pagedllm.engine.dp_client import DPCoreClient, sum_stats
 from pagedllm.engine.heap import freeze_start_up_heap, unfreeze_heap
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
@@ -55,11 +56,19 @@ class _ChildTimes:
     last_token: float | None = None
 
 
+def make_core_client(engine_args: EngineArgs) -> CoreClient | DPCoreClient:
+    """One engine-core process, or data_parallel_size of them behind a router."""
+    if engine_args.data_parallel_size > 1:
+        engine_args._parallel_config().check()  # names a bad size before K processes start
+        return DPCoreClient(engine_args)
+    return CoreClient(engine_args)
+
+
 class AsyncLLM:
     def __init__(self, engine_args: EngineArgs, startup_timeout_s: float = 900.0) -> None:
         self.engine_args = engine_args
         # Start the core first: its imports and model load overlap with the front-end's own set-up.
-        self.core = CoreClient(engine_args)
+        self.core = make_core_client(engine_args)
         try:
             self.config = engine_args.create_engine_config()
             self.model_config = self.config.model_config
@@ -76,7 +85,8 @@ class AsyncLLM:
         self._unstarted: set[str] = set()
         self._output_task: asyncio.Task | None = None
         self._dead_callbacks: list[Callable[[str], None]] = []
-        self.latest_stats = SchedulerStats()
+        self.latest_stats = SchedulerStats()  # all data-parallel cores together
+        self._core_stats: dict[int, SchedulerStats] = {}
         self.core.wait_ready(startup_timeout_s)
         self.core.on_dead = self._on_dead
         freeze_start_up_heap()  # the front-end's full collections would stall its event loop (heap.py)
@@ -173,7 +183,7 @@ class AsyncLLM:
         for cid in children:
             ct = self._children.pop(cid, None)
             if ct is not None:
-                self._record("record_finished", "abort", now - ct.parent.arrival)
+                self._record("record_finished", "abort", now - ct.parent.arrival, engine=self.core.core_of(cid))
         if children and not self.core.is_dead:
             try:
                 self.core.abort(children)
@@ -200,26 +210,27 @@ class AsyncLLM:
 
         try:
             while not self.core.is_dead:
-                msg = await self.core.recv()
+                engine, msg = await self.core.recv_indexed()
                 if isinstance(msg, CoreOutputs):
                     outs = msg.outputs
                     for start in range(0, max(len(outs), 1), _OUTPUT_SLICE):
                         if start:
                             await asyncio.sleep(0)
-                        self._handle_outputs(outs[start : start + _OUTPUT_SLICE])
+                        self._handle_outputs(outs[start : start + _OUTPUT_SLICE], engine)
                     for seconds in msg.queue_times.values():
-                        self._record("record_queue_time", seconds)
+                        self._record("record_queue_time", seconds, engine=engine)
                     for seconds in msg.prefill_times.values():
-                        self._record("record_prefill_time", seconds)
-                    self.latest_stats = msg.stats
-                    self._record("record_scheduler_stats", msg.stats)
+                        self._record("record_prefill_time", seconds, engine=engine)
+                    self._core_stats[engine] = msg.stats
+                    self.latest_stats = sum_stats(list(self._core_stats.values()))
+                    self._record("record_scheduler_stats", msg.stats, engine=engine)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a broken output path leaves the engine unusable
             logger.exception("output processing failed")
             self.core.mark_dead(f"output processing failed: {type(e).__name__}: {e}")
 
-    def _handle_outputs(self, outputs: list) -> None:
+    def _handle_outputs(self, outputs: list, engine: int = 0) -> None:
         now = time.monotonic()
         for out in outputs:
             ct = self._children.get(out.req_id)
@@ -229,20 +240,20 @@ class AsyncLLM:
             if n:
                 if ct.parent.first_token is None:
                     ct.parent.first_token = now
-                    self._record("record_prompt_tokens", ct.parent.num_prompt_tokens)
-                    self._record("record_first_token", now - ct.parent.arrival)
+                    self._record("record_prompt_tokens", ct.parent.num_prompt_tokens, engine=engine)
+                    self._record("record_first_token", now - ct.parent.arrival, engine=engine)
                 if ct.last_token is not None:
-                    self._record("record_inter_token", now - ct.last_token)
+                    self._record("record_inter_token", now - ct.last_token, engine=engine)
                 ct.last_token = now
-                self._record("record_generation_tokens", n)
+                self._record("record_generation_tokens", n, engine=engine)
             if out.finished:
                 del self._children[out.req_id]
-                self._record("record_finished", out.finish_reason, now - ct.parent.arrival)
+                self._record("record_finished", out.finish_reason, now - ct.parent.arrival, engine=engine)
         request_outputs, stops = self.output_processor.process_outputs(outputs)
         for child_id, stop in stops:
             ct = self._children.pop(child_id, None)
             if ct is not None:
-                self._record("record_finished", "stop", now - ct.parent.arrival)
+                self._record("record_finished", "stop", now - ct.parent.arrival, engine=engine)
             self.core.finish_by_stop_string(child_id, stop)
         for ro in request_outputs:
             self._unstarted.discard(ro.request_id)
@@ -250,10 +261,10 @@ class AsyncLLM:
             if queue is not None:
                 queue.put_nowait(ro)
 
-    def _record(self, hook: str, *args: Any) -> None:
+    def _record(self, hook: str, *args: Any, engine: int = 0) -> None:
         for sl in self.stat_loggers:
             try:
-                getattr(sl, hook)(*args)
+                getattr(sl, hook)(*args, engine=engine)
             except Exception:  # noqa: BLE001 - metrics must never break serving
                 logger.exception("stat logger %s.%s failed", type(sl).__name__, hook)
 

@@ -163,6 +163,10 @@ class CoreClient:
             )
         )
 
+    def core_of(self, request_id: str) -> int:
+        """The data-parallel core a request runs on: always 0 here (see DPCoreClient)."""
+        return 0
+
     def abort(self, request_ids: list[str]) -> None:
         if request_ids and not self.is_dead:
             self._send(m.Abort(list(request_ids)))
@@ -198,6 +202,13 @@ class CoreClient:
         if isinstance(msg, m.EngineDead):
             self.mark_dead(msg.message)
         return msg
+
+    async def recv_indexed(self) -> tuple[int, m.CoreOutputs | m.EngineDead]:
+        """(0, the next CoreOutputs or EngineDead): the one-core form of DPCoreClient.recv_indexed."""
+        while True:
+            msg = await self.recv()
+            if msg is not None:
+                return 0, msg
 
     # ---- shutdown ----------------------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 5.0) -> None:

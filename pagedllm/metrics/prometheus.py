@@ -15,87 +15,116 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+class _EngineSeries:
+    """The children of every metric family for one engine core (label engine="i")."""
+
+    def __init__(self, families: dict, model_name: str, engine: int) -> None:
+        lv = {"model_name": model_name, "engine": str(engine)}
+        for attr, family in families.items():
+            if attr == "success":
+                # Every label set exists from the start, so a dashboard sees zeros rather than no series.
+                self.success = {r: family.labels(finished_reason=r, **lv) for r in FINISH_REASONS}
+            else:
+                setattr(self, attr, family.labels(**lv))
+        self.last = SchedulerStats()
+
+
 class PrometheusStatLogger(StatLogger):
-    def __init__(self, model_name: str, registry=None) -> None:
+    """Every series carries `model_name` and `engine` (the data-parallel core index, "0" without
+    data parallelism), so per-core load is visible and sum() over `engine` gives the server's."""
+
+    def __init__(self, model_name: str, registry=None, num_engines: int = 1) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = registry if registry is not None else CollectorRegistry()
-        labels = ["model_name"]
-        lv = {"model_name": model_name}
+        labels = ["model_name", "engine"]
 
         def gauge(name: str, doc: str):
-            return Gauge(f"pagedllm:{name}", doc, labels, registry=self.registry).labels(**lv)
+            return Gauge(f"pagedllm:{name}", doc, labels, registry=self.registry)
 
         def counter(name: str, doc: str):
-            return Counter(f"pagedllm:{name}", doc, labels, registry=self.registry).labels(**lv)
+            return Counter(f"pagedllm:{name}", doc, labels, registry=self.registry)
 
         def histogram(name: str, doc: str, buckets):
-            return Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(**lv)
+            return Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets, registry=self.registry)
 
-        self.num_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.preemptions = counter("num_preemptions", "Preemptions (a running request evicted to free blocks).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        success = Counter(
-            "pagedllm:request_success", "Finished sequences by finish reason.", labels + ["finished_reason"],
-            registry=self.registry,
-        )
-        # Every label set exists from the start, so a dashboard sees zeros rather than no series.
-        self.success = {r: success.labels(model_name=model_name, finished_reason=r) for r in FINISH_REASONS}
-        self._success_family = success
+        self._families = {
+            "num_running": gauge("num_requests_running", "Requests in the running batch."),
+            "num_waiting": gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted)."),
+            "kv_usage": gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)."),
+            "prefix_queries": counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+            "prefix_hits": counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+            "preemptions": counter("num_preemptions", "Preemptions (a running request evicted to free blocks)."),
+            "prompt_tokens": counter("prompt_tokens", "Prompt tokens processed."),
+            "generation_tokens": counter("generation_tokens", "Tokens generated."),
+            "success": Counter(
+                "pagedllm:request_success", "Finished sequences by finish reason.", labels + ["finished_reason"],
+                registry=self.registry,
+            ),
+            "ttft": histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS),
+            "itl": histogram("inter_token_latency_seconds", "Time between consecutive outputs of a sequence.", _ITL_BUCKETS),
+            "e2e": histogram("e2e_request_latency_seconds", "Arrival to finish, per sequence.", _REQUEST_BUCKETS),
+            "queue_time": histogram(
+                "request_queue_time_seconds", "Time waiting in the core before first scheduled.", _REQUEST_BUCKETS
+            ),
+            "prefill_time": histogram(
+                "request_prefill_time_seconds", "First scheduled to first token, in the core.", _TTFT_BUCKETS
+            ),
+        }
         self._model_name = model_name
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive outputs of a sequence.", _ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish, per sequence.", _REQUEST_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Time waiting in the core before first scheduled.", _REQUEST_BUCKETS)
-        self.prefill_time = histogram(
-            "request_prefill_time_seconds", "First scheduled to first token, in the core.", _TTFT_BUCKETS
-        )
-        self._last = SchedulerStats()
+        self._engines: dict[int, _EngineSeries] = {}
+        for i in range(num_engines):
+            self._of(i)
 
-    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        self.num_running.set(stats.num_running_reqs)
-        self.num_waiting.set(stats.num_waiting_reqs)
-        self.kv_usage.set(stats.kv_cache_usage)
-        last = self._last
+    def _of(self, engine: int) -> _EngineSeries:
+        series = self._engines.get(engine)
+        if series is None:
+            series = self._engines[engine] = _EngineSeries(self._families, self._model_name, engine)
+        return series
+
+    def record_scheduler_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
+        e = self._of(engine)
+        e.num_running.set(stats.num_running_reqs)
+        e.num_waiting.set(stats.num_waiting_reqs)
+        e.kv_usage.set(stats.kv_cache_usage)
+        last = e.last
         for counter, now, before in (
-            (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
-            (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
-            (self.preemptions, stats.num_preemptions, last.num_preemptions),
+            (e.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
+            (e.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+            (e.preemptions, stats.num_preemptions, last.num_preemptions),
         ):
             if now > before:
                 counter.inc(now - before)
-        self._last = stats
+        e.last = stats
 
-    def record_queue_time(self, seconds: float) -> None:
-        self.queue_time.observe(seconds)
+    def record_queue_time(self, seconds: float, engine: int = 0) -> None:
+        self._of(engine).queue_time.observe(seconds)
 
-    def record_prefill_time(self, seconds: float) -> None:
-        self.prefill_time.observe(seconds)
+    def record_prefill_time(self, seconds: float, engine: int = 0) -> None:
+        self._of(engine).prefill_time.observe(seconds)
 
-    def record_prompt_tokens(self, num_tokens: int) -> None:
-        self.prompt_tokens.inc(num_tokens)
+    def record_prompt_tokens(self, num_tokens: int, engine: int = 0) -> None:
+        self._of(engine).prompt_tokens.inc(num_tokens)
 
-    def record_first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
+    def record_first_token(self, seconds: float, engine: int = 0) -> None:
+        self._of(engine).ttft.observe(seconds)
 
-    def record_generation_tokens(self, num_tokens: int) -> None:
-        self.generation_tokens.inc(num_tokens)
+    def record_generation_tokens(self, num_tokens: int, engine: int = 0) -> None:
+        self._of(engine).generation_tokens.inc(num_tokens)
 
-    def record_inter_token(self, seconds: float) -> None:
-        self.itl.observe(seconds)
+    def record_inter_token(self, seconds: float, engine: int = 0) -> None:
+        self._of(engine).itl.observe(seconds)
 
-    def record_finished(self, finish_reason: str, e2e_seconds: float) -> None:
-        child = self.success.get(finish_reason)
+    def record_finished(self, finish_reason: str, e2e_seconds: float, engine: int = 0) -> None:
+        e = self._of(engine)
+        child = e.success.get(finish_reason)
         if child is None:
-            child = self._success_family.labels(model_name=self._model_name, finished_reason=finish_reason)
-            self.success[finish_reason] = child
+            child = self._families["success"].labels(
+                model_name=self._model_name, engine=str(engine), finished_reason=finish_reason
+            )
+            e.success[finish_reason] = child
         child.inc()
-        self.e2e.observe(e2e_seconds)
+        e.e2e.observe(e2e_seconds)
 
     def exposition(self) -> tuple[bytes, str]:
         """The /metrics body and its content type."""

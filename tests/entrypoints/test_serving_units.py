@@ -209,12 +209,18 @@ def test_prometheus_logger_counters_and_dashboard_names():
     a.record_first_token(0.1)
     a.record_prefill_time(0.08)
     text = a.exposition()[0].decode()
-    assert 'pagedllm:request_prefill_time_seconds_count{model_name="m"} 1.0' in text
-    assert 'pagedllm:prefix_cache_queries_total{model_name="m"} 48.0' in text
-    assert 'pagedllm:num_preemptions_total{model_name="m"} 1.0' in text
-    assert 'pagedllm:num_requests_running{model_name="m"} 0.0' in text
-    assert 'pagedllm:request_success_total{finished_reason="length",model_name="m"} 1.0' in text
+    assert 'pagedllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 1.0' in text
+    assert 'pagedllm:prefix_cache_queries_total{engine="0",model_name="m"} 48.0' in text
+    assert 'pagedllm:num_preemptions_total{engine="0",model_name="m"} 1.0' in text
+    assert 'pagedllm:num_requests_running{engine="0",model_name="m"} 0.0' in text
+    assert 'pagedllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 1.0' in text
     assert "pagedllm:prefix_cache_queries_total" in b.exposition()[0].decode()
+    # A second data-parallel core has series of its own.
+    c = PrometheusStatLogger("m", num_engines=2)
+    c.record_generation_tokens(3, engine=1)
+    text_c = c.exposition()[0].decode()
+    assert 'pagedllm:generation_tokens_total{engine="1",model_name="m"} 3.0' in text_c
+    assert 'pagedllm:generation_tokens_total{engine="0",model_name="m"} 0.0' in text_c
     dashboard = json.loads((REPO_ROOT / "docs/grafana/pagedllm.json").read_text())
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
     names = set(re.findall(r"pagedllm:[a-z_]+", exprs))

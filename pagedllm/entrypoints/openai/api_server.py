@@ -57,7 +57,7 @@ def build_app(
     from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
     from pagedllm.metrics.prometheus import PrometheusStatLogger
 
-    metrics = PrometheusStatLogger(settings.served_model_names[0])
+    metrics = PrometheusStatLogger(settings.served_model_names[0], num_engines=engine.engine_args.data_parallel_size)
     engine.add_stat_logger(metrics)
     completion = OpenAIServingCompletion(engine, settings)
     chat = OpenAIServingChat(
