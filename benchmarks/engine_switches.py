@@ -6,7 +6,8 @@ Variants over the defaults (``base``): ``nopdl`` turns programmatic dependent la
 on by default on sm90), ``nogcfreeze`` leaves the engine's start-up objects in the garbage collector's
 full collections (PAGEDLLM_GC_FREEZE=0, ``engine/heap.py``); ``fp8kv`` keeps the KV cache in float8 e4m3
 (``kv_cache_dtype="fp8"``), ``fp8w`` quantizes the weights to float8 at load (``quantization="fp8"``),
-``fp8all`` does both; ``buckets8`` captures decode graphs every 8 requests, as vLLM does, through
+``fp8all`` does both, ``int8w`` quantizes them to int8 (W8A8) at load; ``awq4`` and ``gptq4`` run the 8B's
+shape as a 4-bit group-128 AWQ / GPTQ checkpoint (random packed weights, the wna16 kernel); ``buckets8`` captures decode graphs every 8 requests, as vLLM does, through
 ``compilation_config``. Each variant runs (1) workload 3, Llama-3-8B batch 1, 1000-token prompt, time
 per output token, and (2) workload 1, Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s; with
 ``--workload2`` also (3) workload 2, with ``--batches 2,4,...`` the 8B's time per output token at those
@@ -35,12 +36,16 @@ VARIANTS = {
     "fp8kv": {"BENCH_KV_CACHE_DTYPE": "fp8"},
     "fp8w": {"BENCH_QUANTIZATION": "fp8"},
     "fp8all": {"BENCH_QUANTIZATION": "fp8", "BENCH_KV_CACHE_DTYPE": "fp8"},
+    "int8w": {"BENCH_QUANTIZATION": "int8"},
+    # Checkpoint formats: the 8B's shape with the quantization_config of a published AWQ / GPTQ checkpoint.
+    "awq4": {"BENCH_LLAMA_SHAPE": "llama-3-8b-awq"},
+    "gptq4": {"BENCH_LLAMA_SHAPE": "llama-3-8b-gptq"},
     # Decode graphs every 8 requests (vLLM's default buckets) instead of at powers of two.
     "buckets8": {"BENCH_COMPILATION_CONFIG": json.dumps(
         {"cudagraph_capture_sizes": [1, 2, 4] + list(range(8, 257, 8))})},
 }
 _BENCH_SWITCHES = ("PAGEDLLM_PDL", "PAGEDLLM_GC_FREEZE", "BENCH_KV_CACHE_DTYPE", "BENCH_QUANTIZATION",
-                   "BENCH_COMPILATION_CONFIG")
+                   "BENCH_COMPILATION_CONFIG", "BENCH_LLAMA_SHAPE")
 
 
 def run_variant(args) -> dict:
@@ -56,7 +61,9 @@ def run_variant(args) -> dict:
                  "compilation_config": os.environ.get("BENCH_COMPILATION_CONFIG") or None}
     if args.only_workload1:
         return {"workload1": _workload1(args, engine_kw)}
-    llama = make_llm(args.smoke_model or LLAMA, args.smoke, **engine_kw)
+    shape = os.environ.get("BENCH_LLAMA_SHAPE")
+    llama = make_llm(args.smoke_model or (os.path.join(HERE, "shapes", shape) if shape else LLAMA), args.smoke,
+                     **engine_kw)
     in_len, out_len = (1000, 256) if not args.smoke else (20, 8)
     out["batch1"] = measure_latency(llama, 1, in_len, out_len, num_iters=2, num_warmup=1)
     for b in (int(v) for v in args.batches.split(",") if v):

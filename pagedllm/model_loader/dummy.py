@@ -14,10 +14,16 @@ def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float =
 
     Values are drawn in float32 and then cast, so one seed gives the same weights in any dtype on
     a given device type. The small range keeps activations far from overflow in half precision.
+    Integer tensors (a quantized checkpoint's packed values, zero points, group indices) are set to zero,
+    which every format accepts; the products still run their packed kernels, so such a model times
+    like the real checkpoint.
     """
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for param in model.parameters():
+            if not param.dtype.is_floating_point:
+                param.zero_()
+                continue
             gen = generators.get(param.device)
             if gen is None:
                 gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
