@@ -7,8 +7,8 @@ input channels; ``w[n, k] = (q[k, n] - zeros[g, n]) * scales[g, n]`` with ``g = 
 a group index is given, ``g = g_idx[k]``.
 
 Each program owns a BLOCK_M x BLOCK_N output tile and walks its share of the input BLOCK_K rows at a time:
-it loads the words covering those rows once per row (the repeats hit cache), shifts and masks the values out
-in registers, subtracts the zero point, scales, casts to the activation dtype and multiplies on the tensor
+it loads the words covering those rows once, shifts and masks each word's values out into consecutive rows
+in registers, subtracts the zero point, scales (one row of scales per tile when the tile lies in one group), casts to the activation dtype and multiplies on the tensor
 cores with float32 accumulation. The weight never exists unpacked in memory. For few tokens (decode) the
 input is split over ``SPLIT_K`` programs per tile so that the grid fills the device; their float32 partial
 sums are added afterwards.
@@ -28,11 +28,12 @@ def _wna16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, out_ptr,
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_om, stride_os,
-    GROUP: tl.constexpr, BITS: tl.constexpr, HAS_GIDX: tl.constexpr,
+    GROUP: tl.constexpr, BITS: tl.constexpr, ROW_GROUPS: tl.constexpr, HAS_GIDX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
+    WORDS: tl.constexpr = BLOCK_K // PACK
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -42,29 +43,88 @@ def _wna16_kernel(
     n_ok = offs_n < N
     k_start = pid_s * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    shifts = tl.arange(0, PACK) * BITS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < k_end
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0)  # [BM, BK]
-        wk_ok = k_ok[:, None] & n_ok[None, :]
-        words = tl.load(qw_ptr + (offs_k // PACK)[:, None] * N + offs_n[None, :], mask=wk_ok, other=0)  # [BK, BN]
-        shift = ((offs_k % PACK) * BITS)[:, None]
-        q = ((words >> shift) & MASK).to(tl.float32)
-        if HAS_GIDX:
-            g = tl.load(gidx_ptr + offs_k, mask=k_ok, other=0)
+        # Each word is read once and its PACK values are shifted out into PACK consecutive rows.
+        offs_w = k0 // PACK + tl.arange(0, WORDS)
+        words = tl.load(qw_ptr + offs_w[:, None] * N + offs_n[None, :],
+                        mask=(offs_w * PACK < k_end)[:, None] & n_ok[None, :], other=0)  # [BK / PACK, BN]
+        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N)).to(tl.float32)
+        if ROW_GROUPS:
+            # Groups change inside the tile (act-order indices, or groups smaller than BLOCK_K): per-row gathers.
+            if HAS_GIDX:
+                g = tl.load(gidx_ptr + offs_k, mask=k_ok, other=0)
+            else:
+                g = offs_k // GROUP
+            wk_ok = k_ok[:, None] & n_ok[None, :]
+            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=wk_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=wk_ok, other=0.0).to(tl.float32)
+            w = ((q - z) * s).to(a.dtype)  # [BK, BN], rounded to the activation dtype as the torch path's weight
         else:
-            g = offs_k // GROUP
-        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=wk_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=wk_ok, other=0.0).to(tl.float32)
-        w = ((q - z) * s).to(a.dtype)  # [BK, BN], rounded to the activation dtype as the torch path's weight
+            # The whole tile lies in one group: one row of scales and zero points.
+            g0 = k0 // GROUP
+            s1 = tl.load(s_ptr + g0 * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            z1 = tl.load(z_ptr + g0 * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            w = ((q - z1[None, :]) * s1[None, :]).to(a.dtype)
         if DOT_FP32:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
     out = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _wna16_dequant_kernel(
+    qw_ptr, s_ptr, z_ptr, gidx_ptr, w_ptr, N, K,
+    GROUP: tl.constexpr, BITS: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Writes the dense weight w [K, N] (kernel row order) in the activation dtype."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    WORDS: tl.constexpr = BLOCK_K // PACK
+    offs_w = tl.program_id(0) * WORDS + tl.arange(0, WORDS)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    k_ok = offs_k < K
+    words = tl.load(qw_ptr + offs_w[:, None] * N + offs_n[None, :], mask=(offs_w * PACK < K)[:, None] & n_ok[None, :],
+                    other=0)
+    shifts = tl.arange(0, PACK) * BITS
+    q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N)).to(tl.float32)
+    if HAS_GIDX:
+        g = tl.load(gidx_ptr + offs_k, mask=k_ok, other=0)
+    else:
+        g = offs_k // GROUP
+    ok = k_ok[:, None] & n_ok[None, :]
+    s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(w_ptr + offs_k[:, None] * N + offs_n[None, :], ((q - z) * s).to(w_ptr.dtype.element_ty), mask=ok)
+
+
+def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,
+                     g_idx: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:  # [K, N] in dtype
+    """The dense weight in kernel row order, for products with many rows, where the tensor cores' dense
+    GEMM on a weight written once beats unpacking it in every output tile."""
+    k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
+    w = torch.empty((k, n), dtype=dtype, device=qweight.device)
+    bk, bn = 64, 128
+    has_gidx = g_idx is not None
+    _wna16_dequant_kernel[(triton.cdiv(k, bk), triton.cdiv(n, bn))](
+        qweight, scales, zeros, g_idx if has_gidx else qweight, w, n, k,
+        GROUP=group_size, BITS=bits, HAS_GIDX=has_gidx, BLOCK_K=bk, BLOCK_N=bn,
+    )
+    return w
+
+
+# From this many rows on, a product dequantizes the weight and runs the dense GEMM (benchmarks/quant_kernels.py
+# --sweep measures the crossing).
+DENSE_FROM_ROWS = 256
 
 
 def _config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
@@ -97,6 +157,8 @@ def wna16_matmul(
     g_idx: torch.Tensor | None = None,  # [K] int32 group of each input, overriding k // group_size
     split_k: int | None = None,  # None: chosen from the shape
     block: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K); None: chosen from the shape
+    warps_stages: tuple[int, int] | None = None,  # (num_warps, num_stages); None: chosen from the shape
+    dense_from_rows: int | None = None,  # None: DENSE_FROM_ROWS
 ) -> torch.Tensor:  # [M, N] in x's dtype
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"wna16: activation dtype {x.dtype} is not one of {SUPPORTED_DTYPES}")
@@ -116,9 +178,17 @@ def wna16_matmul(
         if not t.is_contiguous():
             raise ValueError(f"wna16: {name} must be contiguous (rows of {n} columns), got strides {t.stride()}")
     x = x.contiguous()
+    if dense_from_rows is None:
+        dense_from_rows = DENSE_FROM_ROWS
+    if m >= dense_from_rows:
+        return x @ wna16_dequantize(qweight, scales, zeros, bits, group_size, g_idx, x.dtype)
     bm, bn, bk, split, warps, stages = _config(m, n, k, x.device)
     if block is not None:
         bm, bn, bk = block
+    elif g_idx is None and 16 <= group_size < bk and group_size % pack == 0:
+        bk = group_size  # a tile within one group reads one row of scales
+    if warps_stages is not None:
+        warps, stages = warps_stages
     if split_k is not None:
         split = split_k
     # Every split owns a whole number of BLOCK_K runs.
@@ -132,7 +202,7 @@ def wna16_matmul(
     _wna16_kernel[grid](
         x, qweight, scales, zeros, gidx, out, m, n, k, k_per_split,
         x.stride(0), out.stride(1), out.stride(0),
-        GROUP=group_size, BITS=bits, HAS_GIDX=has_gidx,
+        GROUP=group_size, BITS=bits, HAS_GIDX=has_gidx, ROW_GROUPS=has_gidx or group_size % bk != 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32,
         num_warps=warps, num_stages=stages,
     )

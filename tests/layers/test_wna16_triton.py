@@ -160,3 +160,19 @@ def test_linear_method_kernel_path_equals_torch_path(method):
     assert hasattr(layer, "wna16")
     got = layer.quant_method.apply(layer, x, None)
     assert torch.allclose(got, want, atol=1e-3, rtol=1e-3), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_many_rows_take_the_dequantized_weight(act_order: bool):
+    """From DENSE_FROM_ROWS rows on, the weight is dequantized by the Triton kernel and multiplied densely:
+    same oracle, odd N and K tails, act-order rows in kernel order."""
+    gen = torch.Generator().manual_seed(11)
+    n, k, g = 88, 320, 32
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    s = torch.rand(k // g, n, generator=gen) * 0.02
+    qz = pack_int32(torch.randint(0, 15, (k // g, n), generator=gen), 4, 1)
+    g_idx = (torch.randperm(k, generator=gen) % (k // g)).to(torch.int32) if act_order else None
+    qw = pack_int32(q, 4, 0)
+    w = layout.from_gptq(qw, qz, s, g_idx, 4, g, 0)
+    oracle = gptq_dequantize(qw, qz, s, g_idx if act_order else torch.arange(k, dtype=torch.int32) // g, 4, 0)
+    _check(w, oracle, 7, torch.float32, gen, dense_from_rows=1)
