@@ -114,7 +114,7 @@ class EngineArgs:
         parser.add_argument(
             "--distributed-executor-backend", type=str, default=None, choices=list(DISTRIBUTED_EXECUTOR_BACKENDS),
             help="how workers run: uni (in this process; one rank only), mp (a spawned process per rank on "
-            "this host; the default for more than one rank); ray is not implemented yet",
+            "this host; the default for more than one rank), ray (a Ray actor per rank, across a Ray cluster's nodes)",
         )
         parser.add_argument("--enable-expert-parallel", action="store_true",
                             help="MoE layers: each tensor-parallel rank holds whole experts, tokens sent to them")

@@ -28,6 +28,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor import messages as m
 from pagedllm.executor.base import Executor
+from pagedllm.executor.rank_worker import RankWorker, WorkerFailedError
 
 logger = logging.getLogger("pagedllm")
 
@@ -39,25 +40,10 @@ _JOIN_TIMEOUT_S = 5.0
 _PARENT_POLL_S = 0.5
 
 
-class WorkerFailedError(RuntimeError):
-    """A worker process raised or died; the engine cannot go on."""
-
-    def __init__(self, rank: int, message: str) -> None:
-        super().__init__(f"worker rank {rank} failed: {message}")
-        self.rank = rank
-
-
 def _free_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _where(exc: BaseException) -> str:
-    """``Type: message (file:line in function)``, the innermost frame: a failure's first line to read."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def _stop_processes(procs: list[multiprocessing.process.BaseProcess], timeout_s: float) -> None:
@@ -224,59 +210,25 @@ def run_worker(config: EngineConfig, rank: int, init_method: str, conn, parent_p
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s rank {rank}: %(message)s",
                         datefmt="%H:%M:%S")
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-    encoder = m.msgspec.msgpack.Encoder()
+    # On one host the rank is also the GPU index.
+    body = RankWorker(config, rank, local_rank=rank)
     try:
-        _serve(config, rank, init_method, conn, encoder)
+        conn.send_bytes(body.start(init_method))
+        while True:
+            try:
+                data = conn.recv_bytes()
+            except EOFError:
+                break  # the executor is gone
+            answer = body.handle(data)
+            if answer is None:
+                break
+            conn.send_bytes(answer)
     except BaseException as e:  # noqa: BLE001 - reported to the executor, then the process ends
         try:
-            conn.send_bytes(encoder.encode(m.Failed(rank, _where(e), traceback.format_exc())))
+            conn.send_bytes(body.failed(e))
         except Exception:  # noqa: BLE001 - the executor still sees the process exit
             pass
         logger.error("worker failed:\n%s", traceback.format_exc())
         sys.stderr.flush()
         os._exit(1)
     os._exit(0)
-
-
-def _serve(config: EngineConfig, rank: int, init_method: str, conn, encoder) -> None:
-    import torch
-
-    from pagedllm.distributed.parallel_state import destroy_model_parallel, init_model_parallel
-    from pagedllm.worker.worker import Worker
-
-    pc = config.parallel_config
-    cuda = config.device_config.device == "cuda"
-    local_rank = rank
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    # One CPU thread pool per rank: the ranks share the host's cores.
-    if not cuda:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.world_size))
-    init_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size, rank, init_method,
-                        backend="nccl" if cuda else "gloo", enable_expert_parallel=pc.enable_expert_parallel)
-    worker = Worker(config, local_rank=local_rank)
-    worker.load_model()
-    conn.send_bytes(encoder.encode(m.Ready(rank, os.getpid())))
-    decoder = m.input_decoder()
-    while True:
-        try:
-            msg = decoder.decode(conn.recv_bytes())
-        except EOFError:
-            return  # the executor is gone
-        if isinstance(msg, m.Execute):
-            so = m.scheduler_output_of(msg)
-            if msg.sampled and not worker.model_runner.is_driver:
-                worker.apply_sampled_tokens(msg.sampled)
-            out = worker.execute_model(so)
-            conn.send_bytes(encoder.encode(m.StepDone(out if worker.model_runner.is_driver else None)))
-        elif isinstance(msg, m.DetermineNumBlocks):
-            conn.send_bytes(encoder.encode(m.Done(worker.determine_num_blocks())))
-        elif isinstance(msg, m.InitializeCache):
-            worker.initialize_cache(msg.num_blocks)
-            conn.send_bytes(encoder.encode(m.Done()))
-        elif isinstance(msg, m.Reset):
-            worker.reset()
-            conn.send_bytes(encoder.encode(m.Done()))
-        elif isinstance(msg, m.Shutdown):
-            destroy_model_parallel()
-            return
