@@ -46,7 +46,11 @@ class _RankActor:
         """``tcp://ip:port`` on this actor's node, a port free there now (rank 0 listens on it)."""
         import ray
 
-        ip = ray.util.get_node_ip_address()
+        # The address this node joined the cluster with (127.0.0.1 for a loopback cluster), not a guess
+        # from the host's interfaces.
+        node_id = ray.get_runtime_context().get_node_id()
+        ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id),
+                  ray.util.get_node_ip_address())
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((ip, 0))
             port = s.getsockname()[1]
