@@ -118,8 +118,10 @@ class RayExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("%d Ray workers ready (pids %s), rendezvous %s", self.world_size,
-                    ", ".join(str(r.pid) for r in ready), init_method)
+        nodes = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {})
+        logger.info("%d Ray workers ready (pids %s), rendezvous %s; rank -> node %s", self.world_size,
+                    ", ".join(str(r.pid) for r in ready), init_method,
+                    {r: str(nodes.get(r, "?"))[:8] for r in range(self.world_size)})
 
     # ---- calls ----------------------------------------------------------------------------------------
     def _wait(self, ref, timeout_s: float) -> bool:
