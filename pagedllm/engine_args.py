@@ -276,6 +276,8 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 async_scheduling=async_scheduling,
                 submit_just_in_time=self.submit_just_in_time,
+                # One batch per pipeline stage, so that no stage waits for the others.
+                max_concurrent_batches=parallel_config.pipeline_parallel_size,
             ),
             parallel_config=parallel_config,
             device_config=DeviceConfig(device=device),

@@ -31,3 +31,7 @@ class SchedulerConfig:
     # to work on). Above 1 a request in a batch still in flight is left out of the next ones: its next
     # tokens depend on that batch's output.
     max_concurrent_batches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent_batches < 1:
+            raise ValueError(f"max_concurrent_batches must be at least 1, got {self.max_concurrent_batches}")

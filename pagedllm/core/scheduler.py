@@ -116,10 +116,14 @@ class Scheduler:
         cached = CachedRequestData()
         preempted: set[str] = set()
         kv = self.kv_cache_manager
+        # With several batches in flight, each takes its share of the requests: one batch holding them
+        # all would leave every other pipeline stage idle while it passes through.
+        batches = self.config.max_concurrent_batches
+        max_reqs = -(-(len(self.running) + len(self.waiting)) // batches)
 
         # Running requests first, oldest first: each gets its next token or its next prompt chunk.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < max_reqs:
             req = self.running[i]
             if req.request_id in self.in_flight:
                 i += 1  # in a batch still in flight: never in two at once
@@ -159,6 +163,7 @@ class Scheduler:
             and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
+            and len(num_scheduled) < max_reqs
         ):
             req = self.waiting[0]
             if req.num_pending_tokens or req.request_id in self.in_flight:
@@ -194,7 +199,7 @@ class Scheduler:
             budget -= num_new
 
         # The step will compute these tokens; account for them now so the next schedule moves on.
-        multi = self.config.max_concurrent_batches > 1
+        multi = batches > 1
         for rid, n in num_scheduled.items():
             if multi:
                 self.in_flight[rid] = self.in_flight.get(rid, 0) + 1

@@ -23,6 +23,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections import deque
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -69,6 +70,8 @@ class MultiprocExecutor(Executor):
         self.driver_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
         self._failed: WorkerFailedError | None = None
         self._sampled: dict[str, list[int]] = {}
+        # Steps sent with ``submit`` and not yet answered, oldest first: True for an empty one.
+        self._pending: deque[bool] = deque()
         self._encoder = m.msgspec.msgpack.Encoder()
         self._decoder = m.output_decoder()
         ctx = multiprocessing.get_context("spawn")
@@ -161,16 +164,37 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._raise_if_failed()
         self._broadcast(m.execute_message(scheduler_output, self._sampled))
-        answers = self._collect()
+        self._sampled = {}
+        return self._step_output(self._collect())
+
+    def _step_output(self, answers: list) -> ModelRunnerOutput:
+        """The sampling rank's answer; its tokens go to the other ranks with the next step sent."""
         output = answers[self.driver_rank].output
         if output is None:
             output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        self._sampled = {rid: toks for rid, toks in zip(output.req_ids, output.sampled_token_ids) if toks}
+        self._sampled.update((rid, toks) for rid, toks in zip(output.req_ids, output.sampled_token_ids) if toks)
         return output
+
+    def submit(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> float:
+        """Sends the step and returns at once: with several batches in flight (pipeline parallelism) the
+        first stage starts the next batch while the later stages still run this one."""
+        self._broadcast(m.execute_message(scheduler_output, self._sampled))
+        self._sampled = {}
+        self._pending.append(scheduler_output.is_empty)
+        return 0.0
+
+    def take_output(self) -> ModelRunnerOutput:
+        while self._pending:
+            empty = self._pending.popleft()
+            output = self._step_output(self._collect())
+            if not empty:
+                return output
+        raise RuntimeError("take_output without a non-empty step in flight")
 
     def reset(self) -> None:
         super().reset()
         self._sampled = {}
+        self._pending.clear()
         self._broadcast(m.Reset())
         self._collect()
 

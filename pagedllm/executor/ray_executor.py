@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig
@@ -91,6 +92,9 @@ class RayExecutor(Executor):
         self.driver_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
         self._failed: WorkerFailedError | None = None
         self._sampled: dict[str, list[int]] = {}
+        # Steps sent with ``submit`` and not yet answered, oldest first: each rank's answer, and whether
+        # the step was empty.
+        self._pending: deque[tuple[list, bool]] = deque()
         self._encoder = m.msgspec.msgpack.Encoder()
         self._decoder = m.output_decoder()
         self._owns_ray = not ray.is_initialized()
@@ -185,16 +189,37 @@ class RayExecutor(Executor):
         self._collect(self._broadcast(m.InitializeCache(num_blocks)))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        answers = self._collect(self._broadcast(m.execute_message(scheduler_output, self._sampled)))
+        refs = self._broadcast(m.execute_message(scheduler_output, self._sampled))
+        self._sampled = {}
+        return self._step_output(self._collect(refs))
+
+    def _step_output(self, answers: list) -> ModelRunnerOutput:
+        """The sampling rank's answer; its tokens go to the other ranks with the next step sent."""
         output = answers[self.driver_rank].output
         if output is None:
             output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        self._sampled = {rid: toks for rid, toks in zip(output.req_ids, output.sampled_token_ids) if toks}
+        self._sampled.update((rid, toks) for rid, toks in zip(output.req_ids, output.sampled_token_ids) if toks)
         return output
+
+    def submit(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> float:
+        """Sends the step and returns at once (an actor runs its calls in order, so steps queue there)."""
+        refs = self._broadcast(m.execute_message(scheduler_output, self._sampled))
+        self._sampled = {}
+        self._pending.append((refs, scheduler_output.is_empty))
+        return 0.0
+
+    def take_output(self) -> ModelRunnerOutput:
+        while self._pending:
+            refs, empty = self._pending.popleft()
+            output = self._step_output(self._collect(refs))
+            if not empty:
+                return output
+        raise RuntimeError("take_output without a non-empty step in flight")
 
     def reset(self) -> None:
         super().reset()
         self._sampled = {}
+        self._pending.clear()
         self._collect(self._broadcast(m.Reset()))
 
     def check_health(self) -> None:

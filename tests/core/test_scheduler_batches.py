@@ -1,6 +1,7 @@
 """Scheduler with several batches in flight (pipeline parallelism): no request is in two batches at once."""
 from __future__ import annotations
 
+import pytest
 from scheduler_harness import FILLER, FakeRunner, block_ids, free_count, make_req, make_sched
 
 
@@ -71,3 +72,27 @@ def test_an_empty_batch_while_the_only_running_request_is_in_flight():
     assert sched.schedule().num_scheduled_tokens == {}  # B in flight, A cannot get a block
     sched.update_from_output(a0, runner.execute(a0))
     assert sched.in_flight == {}
+
+
+def test_each_batch_in_flight_takes_its_share_of_the_requests():
+    # Four short prompts, two batches in flight: two requests each, so that both pipeline stages have
+    # work, although the budget would fit all four in the first batch.
+    sched = make_sched(num_blocks=8, block_size=16, budget=64, max_concurrent_batches=2)
+    runner = FakeRunner()
+    for k, rid in enumerate("ABCD"):
+        sched.add_request(make_req(rid, 5, base=1000 * (k + 1), max_tokens=3))
+    first, second = sched.schedule(), sched.schedule()
+    assert _shape(first) == ({"A": 5, "B": 5}, [("A", [0], 0), ("B", [1], 0)], [])
+    assert _shape(second) == ({"C": 5, "D": 5}, [("C", [2], 0), ("D", [3], 0)], [])
+    assert sched.schedule().num_scheduled_tokens == {}  # all four in flight
+
+    outs = sched.update_from_output(first, runner.execute(first))
+    assert [(o.req_id, o.new_token_ids) for o in outs] == [("A", [FILLER]), ("B", [FILLER])]
+    third = sched.schedule()  # A and B again, beside C and D still in flight
+    assert _shape(third) == ({"A": 1, "B": 1}, [], [("A", [], 5), ("B", [], 5)])
+    assert sched.in_flight == {"A": 1, "B": 1, "C": 1, "D": 1}
+
+
+def test_max_concurrent_batches_below_one_is_refused():
+    with pytest.raises(ValueError, match="max_concurrent_batches must be at least 1, got 0"):
+        make_sched(max_concurrent_batches=0)
