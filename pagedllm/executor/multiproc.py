@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import signal
 import socket
 import sys
@@ -23,12 +24,10 @@ import threading
 import time
 import traceback
 import weakref
-from collections import deque
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor import messages as m
-from pagedllm.executor.base import Executor
+from pagedllm.executor.rank_executor import RankExecutor
 from pagedllm.executor.rank_worker import RankWorker, WorkerFailedError
 
 logger = logging.getLogger("pagedllm")
@@ -61,17 +60,10 @@ def _stop_processes(procs: list[multiprocessing.process.BaseProcess], timeout_s:
             p.join(1.0)
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        pc = config.parallel_config
-        self.world_size = pc.world_size
-        # The rank that samples: tensor rank 0 of the last pipeline stage.
-        self.driver_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
         self._failed: WorkerFailedError | None = None
-        self._sampled: dict[str, list[int]] = {}
-        # Steps sent with ``submit`` and not yet answered, oldest first: True for an empty one.
-        self._pending: deque[bool] = deque()
         self._encoder = m.msgspec.msgpack.Encoder()
         self._decoder = m.output_decoder()
         ctx = multiprocessing.get_context("spawn")
@@ -96,6 +88,13 @@ class MultiprocExecutor(Executor):
         logger.info("%d workers ready (pids %s)", self.world_size, ", ".join(str(r.pid) for r in ready))
 
     # ---- messages ----------------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        """The answers come back on the pipes in the order the messages went: no handle needed."""
+        self._broadcast(msg)
+
+    def _answers(self, handle) -> list:
+        return self._collect()
+
     def _broadcast(self, msg) -> None:
         self._raise_if_failed()
         data = self._encoder.encode(msg)
@@ -153,51 +152,6 @@ class MultiprocExecutor(Executor):
             raise self._failed
 
     # ---- the Executor interface ---------------------------------------------------------------------
-    def determine_num_blocks(self) -> int:
-        self._broadcast(m.DetermineNumBlocks())
-        return min(int(a.value) for a in self._collect())
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._broadcast(m.InitializeCache(num_blocks))
-        self._collect()
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._raise_if_failed()
-        self._broadcast(m.execute_message(scheduler_output, self._sampled))
-        self._sampled = {}
-        return self._step_output(self._collect())
-
-    def _step_output(self, answers: list) -> ModelRunnerOutput:
-        """The sampling rank's answer; its tokens go to the other ranks with the next step sent."""
-        output = answers[self.driver_rank].output
-        if output is None:
-            output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        self._sampled.update((rid, toks) for rid, toks in zip(output.req_ids, output.sampled_token_ids) if toks)
-        return output
-
-    def submit(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> float:
-        """Sends the step and returns at once: with several batches in flight (pipeline parallelism) the
-        first stage starts the next batch while the later stages still run this one."""
-        self._broadcast(m.execute_message(scheduler_output, self._sampled))
-        self._sampled = {}
-        self._pending.append(scheduler_output.is_empty)
-        return 0.0
-
-    def take_output(self) -> ModelRunnerOutput:
-        while self._pending:
-            empty = self._pending.popleft()
-            output = self._step_output(self._collect())
-            if not empty:
-                return output
-        raise RuntimeError("take_output without a non-empty step in flight")
-
-    def reset(self) -> None:
-        super().reset()
-        self._sampled = {}
-        self._pending.clear()
-        self._broadcast(m.Reset())
-        self._collect()
-
     def check_health(self) -> None:
         self._raise_if_failed()
         for rank, proc in enumerate(self.procs):
@@ -228,6 +182,15 @@ def _exit_when_orphaned(parent_pid: int) -> None:
             os._exit(1)
 
 
+def _read_messages(conn, inbox: queue.SimpleQueue) -> None:
+    while True:
+        try:
+            inbox.put(conn.recv_bytes())
+        except (EOFError, OSError):
+            inbox.put(None)
+            return
+
+
 def run_worker(config: EngineConfig, rank: int, init_method: str, conn, parent_pid: int) -> None:
     """Process entry point: join the ranks, load this rank's shard, then answer messages until Shutdown."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's process owns shutdown
@@ -236,12 +199,16 @@ def run_worker(config: EngineConfig, rank: int, init_method: str, conn, parent_p
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     # On one host the rank is also the GPU index.
     body = RankWorker(config, rank, local_rank=rank)
+    # Messages are read as they come, even while a step runs: with several steps in flight the executor
+    # sends the next one before it reads this one's answer, and a large message and a large answer would
+    # otherwise each wait for the other's pipe to drain.
+    inbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
     try:
         conn.send_bytes(body.start(init_method))
+        threading.Thread(target=_read_messages, args=(conn, inbox), daemon=True).start()
         while True:
-            try:
-                data = conn.recv_bytes()
-            except EOFError:
+            data = inbox.get()
+            if data is None:
                 break  # the executor is gone
             answer = body.handle(data)
             if answer is None:

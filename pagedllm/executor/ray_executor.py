@@ -15,13 +15,11 @@ import logging
 import os
 import socket
 import time
-from collections import deque
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor import messages as m
-from pagedllm.executor.base import Executor
+from pagedllm.executor.rank_executor import RankExecutor
 from pagedllm.executor.rank_worker import RankWorker, WorkerFailedError
 
 logger = logging.getLogger("pagedllm")
@@ -75,7 +73,7 @@ class _RankActor:
         return os.getpid()
 
 
-class RayExecutor(Executor):
+class RayExecutor(RankExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         try:
@@ -86,15 +84,7 @@ class RayExecutor(Executor):
             raise ImportError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'") from e
         self._ray = ray
         self._remove_pg = remove_placement_group
-        pc = config.parallel_config
-        self.world_size = pc.world_size
-        # The rank that samples: tensor rank 0 of the last pipeline stage.
-        self.driver_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
         self._failed: WorkerFailedError | None = None
-        self._sampled: dict[str, list[int]] = {}
-        # Steps sent with ``submit`` and not yet answered, oldest first: each rank's answer, and whether
-        # the step was empty.
-        self._pending: deque[tuple[list, bool]] = deque()
         self._encoder = m.msgspec.msgpack.Encoder()
         self._decoder = m.output_decoder()
         self._owns_ray = not ray.is_initialized()
@@ -140,6 +130,13 @@ class RayExecutor(Executor):
         except self._ray.exceptions.RayError as e:
             self._fail(rank, f"actor died: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
+    def _send(self, msg) -> list:
+        """One actor call per rank; their results are the answers."""
+        return self._broadcast(msg)
+
+    def _answers(self, handle) -> list:
+        return self._collect(handle)
+
     def _broadcast(self, msg) -> list:
         self._raise_if_failed()
         data = self._encoder.encode(msg)
@@ -182,46 +179,6 @@ class RayExecutor(Executor):
         self.actors = []
 
     # ---- the Executor interface ---------------------------------------------------------------------
-    def determine_num_blocks(self) -> int:
-        return min(int(a.value) for a in self._collect(self._broadcast(m.DetermineNumBlocks())))
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._collect(self._broadcast(m.InitializeCache(num_blocks)))
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        refs = self._broadcast(m.execute_message(scheduler_output, self._sampled))
-        self._sampled = {}
-        return self._step_output(self._collect(refs))
-
-    def _step_output(self, answers: list) -> ModelRunnerOutput:
-        """The sampling rank's answer; its tokens go to the other ranks with the next step sent."""
-        output = answers[self.driver_rank].output
-        if output is None:
-            output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        self._sampled.update((rid, toks) for rid, toks in zip(output.req_ids, output.sampled_token_ids) if toks)
-        return output
-
-    def submit(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> float:
-        """Sends the step and returns at once (an actor runs its calls in order, so steps queue there)."""
-        refs = self._broadcast(m.execute_message(scheduler_output, self._sampled))
-        self._sampled = {}
-        self._pending.append((refs, scheduler_output.is_empty))
-        return 0.0
-
-    def take_output(self) -> ModelRunnerOutput:
-        while self._pending:
-            refs, empty = self._pending.popleft()
-            output = self._step_output(self._collect(refs))
-            if not empty:
-                return output
-        raise RuntimeError("take_output without a non-empty step in flight")
-
-    def reset(self) -> None:
-        super().reset()
-        self._sampled = {}
-        self._pending.clear()
-        self._collect(self._broadcast(m.Reset()))
-
     def check_health(self) -> None:
         self._raise_if_failed()
         for rank, actor in enumerate(self.actors):
