@@ -1,4 +1,4 @@
-"""The Ray executor on a one-node Ray cluster the test starts on this host: TP=2 gives one process's tokens."""
+"""The Ray executor on a one-node Ray cluster the test starts on this host: TP=2 and PP=2 give one process's tokens."""
 from __future__ import annotations
 
 import psutil
@@ -9,7 +9,7 @@ ray = pytest.importorskip("ray")
 
 
 @pytest.mark.slow
-def test_tp2_on_ray_greedy_tokens_equal_one_process(tmp_path):
+def test_tp2_and_pp2_on_ray_greedy_tokens_equal_one_process(tmp_path):
     path = make_edge_model("llama", tmp_path / "llama")
     ids = prompts()
     one = generate(path, ids)
@@ -17,9 +17,11 @@ def test_tp2_on_ray_greedy_tokens_equal_one_process(tmp_path):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         assert generate(path, ids, tensor_parallel_size=2, distributed_executor_backend="ray") == one
-        # Shutdown removed the placement group (Ray removes it in the background).
-        groups = ray.util.placement_group_table().values()
-        assert len(groups) == 1 and next(iter(groups))["state"] == "REMOVED"
+        # PP=2: two batches in flight, queued at the actors.
+        assert generate(path, ids, pipeline_parallel_size=2, distributed_executor_backend="ray") == one
+        # Shutdown removed the placement groups (Ray removes them in the background).
+        groups = list(ray.util.placement_group_table().values())
+        assert len(groups) == 2 and all(g["state"] == "REMOVED" for g in groups)
     finally:
         ray.shutdown()
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
