@@ -175,7 +175,9 @@ class EngineCore:
         if not self._batches:
             return []
         runner_output = self.executor.take_output()
-        return self._update(self._batches.popleft(), runner_output)
+        # Until its output is applied, a failure still ends the batch's requests.
+        self._submitting = self._batches.popleft()
+        return self._update(self._submitting, runner_output)
 
     def _step_async(self) -> list[EngineCoreOutput]:
         """Submits step N+1, then applies step N's output: the device never waits for this CPU work.

@@ -28,7 +28,7 @@ import weakref
 from pagedllm.config import EngineConfig
 from pagedllm.executor import messages as m
 from pagedllm.executor.rank_executor import RankExecutor
-from pagedllm.executor.rank_worker import RankWorker, WorkerFailedError
+from pagedllm.executor.rank_worker import RankWorker, WorkerFailedError  # noqa: F401 - callers catch it from here
 
 logger = logging.getLogger("pagedllm")
 
@@ -63,7 +63,6 @@ def _stop_processes(procs: list[multiprocessing.process.BaseProcess], timeout_s:
 class MultiprocExecutor(RankExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self._failed: WorkerFailedError | None = None
         self._encoder = m.msgspec.msgpack.Encoder()
         self._decoder = m.output_decoder()
         ctx = multiprocessing.get_context("spawn")
@@ -141,15 +140,8 @@ class MultiprocExecutor(RankExecutor):
             how = f"exited with code {code}"
         return f"process {proc.pid} {how}"
 
-    def _fail(self, rank: int, message: str) -> None:
-        self._failed = WorkerFailedError(rank, message)
-        logger.error("%s; stopping every worker", self._failed)
+    def _stop_ranks(self) -> None:
         _stop_processes(self.procs, 0.0)
-        raise self._failed
-
-    def _raise_if_failed(self) -> None:
-        if self._failed is not None:
-            raise self._failed
 
     # ---- the Executor interface ---------------------------------------------------------------------
     def check_health(self) -> None:

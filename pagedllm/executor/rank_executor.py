@@ -7,6 +7,7 @@ failure. Ranks answer their messages in the order sent, so several steps may be 
 """
 from __future__ import annotations
 
+import logging
 from abc import abstractmethod
 from collections import deque
 
@@ -14,6 +15,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor import messages as m
 from pagedllm.executor.base import Executor
+from pagedllm.executor.rank_worker import WorkerFailedError
+
+logger = logging.getLogger("pagedllm")
 
 
 class RankExecutor(Executor):
@@ -28,6 +32,8 @@ class RankExecutor(Executor):
         # Steps sent with ``submit`` and not yet answered, oldest first: their answers' handle, and whether
         # the step was empty.
         self._pending: deque[tuple[object, bool]] = deque()
+        # Set once a rank failed: every later call raises it.
+        self._failed: WorkerFailedError | None = None
 
     @abstractmethod
     def _send(self, msg) -> object:
@@ -37,10 +43,26 @@ class RankExecutor(Executor):
     def _answers(self, handle) -> list:
         """Every rank's answer to the message behind ``handle``, in rank order."""
 
+    @abstractmethod
+    def _stop_ranks(self) -> None:
+        """Stops every rank at once (after a failure: the others would wait in a collective forever)."""
+
+    def _fail(self, rank: int, message: str) -> None:
+        """Stops every rank and raises ``WorkerFailedError`` naming ``rank``, now and on every later call."""
+        self._failed = WorkerFailedError(rank, message)
+        logger.error("%s; stopping every worker", self._failed)
+        self._stop_ranks()
+        raise self._failed
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
     def _call(self, msg) -> list:
         return self._answers(self._send(msg))
 
     def _send_step(self, scheduler_output: SchedulerOutput) -> object:
+        self._raise_if_failed()  # before reading the step: after a failure, nothing is sent
         handle = self._send(m.execute_message(scheduler_output, self._sampled))
         self._sampled = {}
         return handle

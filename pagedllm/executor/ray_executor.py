@@ -20,7 +20,7 @@ from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.executor import messages as m
 from pagedllm.executor.rank_executor import RankExecutor
-from pagedllm.executor.rank_worker import RankWorker, WorkerFailedError
+from pagedllm.executor.rank_worker import RankWorker
 
 logger = logging.getLogger("pagedllm")
 
@@ -84,7 +84,6 @@ class RayExecutor(RankExecutor):
             raise ImportError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'") from e
         self._ray = ray
         self._remove_pg = remove_placement_group
-        self._failed: WorkerFailedError | None = None
         self._encoder = m.msgspec.msgpack.Encoder()
         self._decoder = m.output_decoder()
         self._owns_ray = not ray.is_initialized()
@@ -160,15 +159,8 @@ class RayExecutor(RankExecutor):
             answers[r] = msg
         return [answers[r] for r in range(len(refs))]
 
-    def _fail(self, rank: int, message: str) -> None:
-        self._failed = WorkerFailedError(rank, message)
-        logger.error("%s; stopping every worker", self._failed)
+    def _stop_ranks(self) -> None:
         self._kill_actors()
-        raise self._failed
-
-    def _raise_if_failed(self) -> None:
-        if self._failed is not None:
-            raise self._failed
 
     def _kill_actors(self) -> None:
         for actor in self.actors:
