@@ -1,9 +1,10 @@
-"""What the multi-rank executors (mp, ray) share: steps sent to every rank, the sampling rank's answer
-taken back, and its sampled tokens relayed to the other ranks with the next message.
+"""RankExecutor: what the mp and ray executors share (steps to every rank, sampled tokens relayed, steps in flight).
 
-Subclasses only move messages: ``_send`` hands one message to every rank and returns a handle to its
-answers, ``_answers`` waits for them (every rank's, in rank order) and fails the executor on a rank's
-failure. Ranks answer their messages in the order sent, so several steps may be in flight at once.
+Every step goes to every rank; the sampling rank's answer is the step's output, and its sampled tokens go
+to the other ranks with the next message. Subclasses only move messages: ``_send`` hands one message to
+every rank and returns a handle to its answers, ``_answers`` waits for them (every rank's, in rank order)
+and fails the executor on a rank's failure, ``_stop_ranks`` stops them all. Ranks answer their messages
+in the order sent, so several steps may be in flight at once.
 """
 from __future__ import annotations
 
