@@ -133,7 +133,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # "uni": one worker in the engine's process; "mp": one spawned process per rank on this host;
-    # "ray": refused for now. None: "uni" for one rank, "mp" for more.
+    # "ray": one Ray actor per rank, on the nodes of a Ray cluster. None: "uni" for one rank, "mp" for more.
     distributed_executor_backend: str | None = None
     # A MoE layer's experts split whole between a stage's tensor-parallel ranks (tokens sent to them by
     # all-to-all) instead of each expert's rows split between them.
@@ -161,8 +161,6 @@ class ParallelConfig:
         if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)} "
                              f"or None; got {backend!r}")
-        if backend == "ray":
-            raise NotImplementedError("distributed_executor_backend='ray' is not implemented yet; use 'mp'")
         if self.data_parallel_size > MAX_DATA_PARALLEL_SIZE:
             raise ValueError(f"data_parallel_size must be <= {MAX_DATA_PARALLEL_SIZE} (one engine-core process each), "
                              f"got {self.data_parallel_size}")

@@ -115,7 +115,7 @@ class EngineArgs:
         parser.add_argument(
             "--distributed-executor-backend", type=str, default=None, choices=list(DISTRIBUTED_EXECUTOR_BACKENDS),
             help="how workers run: uni (in this process; one rank only), mp (a spawned process per rank on "
-            "this host; the default for more than one rank); ray is not implemented yet",
+            "this host; the default for more than one rank), ray (a Ray actor per rank, across a Ray cluster's nodes)",
         )
         parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                             help="engine cores behind one front-end, each with its own TP x PP group; a request "
@@ -281,6 +281,8 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 async_scheduling=async_scheduling,
                 submit_just_in_time=self.submit_just_in_time,
+                # One batch per pipeline stage, so that no stage waits for the others.
+                max_concurrent_batches=parallel_config.pipeline_parallel_size,
             ),
             parallel_config=parallel_config,
             device_config=DeviceConfig(device=device),

@@ -35,9 +35,17 @@ DOCS: dict[str, str] = {
                           "default `1` (frozen until shutdown)",
     "PAGEDLLM_PDL": "`0` turns off programmatic dependent launch of the Triton kernels; default `1` (on for GPUs "
                     "of compute capability 9.0 and up)",
+    "PAGEDLLM_RAY_PLACEMENT_STRATEGY": "how the Ray executor's placement group spreads the ranks over a Ray "
+                                       "cluster's nodes: `PACK`, `SPREAD`, `STRICT_PACK` or `STRICT_SPREAD`; "
+                                       "default `PACK`",
 }
 
 PAGEDLLM_CACHE: Path = _path("PAGEDLLM_CACHE", Path.home() / ".cache" / "pagedllm" / "models")
 PAGEDLLM_API_KEY: str | None = os.environ.get("PAGEDLLM_API_KEY") or None
 PAGEDLLM_GC_FREEZE: bool = _flag("PAGEDLLM_GC_FREEZE", True)
 PAGEDLLM_PDL: bool = _flag("PAGEDLLM_PDL", True)
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+PAGEDLLM_RAY_PLACEMENT_STRATEGY: str = os.environ.get("PAGEDLLM_RAY_PLACEMENT_STRATEGY") or "PACK"
+if PAGEDLLM_RAY_PLACEMENT_STRATEGY not in RAY_PLACEMENT_STRATEGIES:
+    raise ValueError(f"environment variable PAGEDLLM_RAY_PLACEMENT_STRATEGY={PAGEDLLM_RAY_PLACEMENT_STRATEGY!r}: "
+                     f"expected one of {', '.join(RAY_PLACEMENT_STRATEGIES)}")

@@ -27,3 +27,11 @@ class SchedulerConfig:
     # (Asynchronous mode, serving) Schedule step N+1 shortly before the device finishes step N instead of
     # as soon as N is launched, so a request that arrives meanwhile joins N+1 rather than N+2.
     submit_just_in_time: bool = False
+    # Batches the engine keeps in flight at once (the pipeline-parallel size, so that every stage has one
+    # to work on). Above 1 a request in a batch still in flight is left out of the next ones: its next
+    # tokens depend on that batch's output.
+    max_concurrent_batches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent_batches < 1:
+            raise ValueError(f"max_concurrent_batches must be at least 1, got {self.max_concurrent_batches}")

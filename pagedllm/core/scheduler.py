@@ -44,6 +44,8 @@ class Scheduler:
         # Finished since the last schedule(): the runner is told once, then forgets them.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Request id -> batches in flight that hold it (counted only with several batches in flight).
+        self.in_flight: dict[str, int] = {}
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -92,6 +94,7 @@ class Scheduler:
         for req in self.waiting:
             req.num_pending_tokens = 0  # no step in flight will deliver them now
         self.kv_cache_manager.reset_prefix_cache()
+        self.in_flight.clear()
         return outputs
 
     def _free(self, request: Request) -> None:
@@ -113,11 +116,18 @@ class Scheduler:
         cached = CachedRequestData()
         preempted: set[str] = set()
         kv = self.kv_cache_manager
+        # With several batches in flight, each takes its share of the requests: one batch holding them
+        # all would leave every other pipeline stage idle while it passes through.
+        batches = self.config.max_concurrent_batches
+        max_reqs = -(-(len(self.running) + len(self.waiting)) // batches)
 
         # Running requests first, oldest first: each gets its next token or its next prompt chunk.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < max_reqs:
             req = self.running[i]
+            if req.request_id in self.in_flight:
+                i += 1  # in a batch still in flight: never in two at once
+                continue
             # Tokens sampled by a step still in flight count as known: the runner feeds them from the
             # device. A request whose pending token is certain to end it gets no further step.
             num_known = req.num_tokens + req.num_pending_tokens
@@ -153,10 +163,11 @@ class Scheduler:
             and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
+            and len(num_scheduled) < max_reqs
         ):
             req = self.waiting[0]
-            if req.num_pending_tokens:
-                break  # preempted while a step still computes its next token: resume once it lands
+            if req.num_pending_tokens or req.request_id in self.in_flight:
+                break  # preempted while a step still computes it: resume once that step lands
             hits, num_hit_tokens = kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -188,7 +199,10 @@ class Scheduler:
             budget -= num_new
 
         # The step will compute these tokens; account for them now so the next schedule moves on.
+        multi = batches > 1
         for rid, n in num_scheduled.items():
+            if multi:
+                self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
             req = self.requests[rid]
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens + req.num_pending_tokens:
@@ -216,6 +230,10 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Appends sampled tokens, applies stop conditions, frees finished requests."""
+        for rid in scheduler_output.num_scheduled_tokens:
+            left = self.in_flight.pop(rid, 0) - 1
+            if left > 0:
+                self.in_flight[rid] = left
         outputs = self.fail_requests(list(runner_output.errors), runner_output.errors) if runner_output.errors else []
         for rid, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             req = self.requests.get(rid)

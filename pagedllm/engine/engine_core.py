@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 from pagedllm.config import EngineConfig
@@ -39,6 +40,9 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Asynchronous mode: the step submitted to the executor whose output has not been applied yet.
         self._in_flight: SchedulerOutput | None = None
+        # Several batches in flight (pipeline parallelism): those submitted and not yet applied, oldest first.
+        self.max_batches = config.scheduler_config.max_concurrent_batches
+        self._batches: deque[SchedulerOutput] = deque()
         # Just-in-time submission (asynchronous mode): device seconds of a pure-decode step by batch size,
         # host seconds to schedule a step and queue its forward pass, and when the last step's output
         # arrived (which is when the device moved on to the step in flight).
@@ -99,7 +103,8 @@ class EngineCore:
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_STOPPED, stop)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or self.structured.has_waiting()
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._batches)
+                or self.structured.has_waiting())
 
     def step(self) -> list[EngineCoreOutput]:
         """One step. A step that raises ends the requests it computed with an error and nothing else: the
@@ -107,7 +112,7 @@ class EngineCore:
         case the exception propagates and the engine is dead."""
         self._submitting = None
         # Requests whose grammar compiled join the queue; those whose compile failed end here.
-        idle = not self.scheduler.has_unfinished_requests() and self._in_flight is None
+        idle = not self.scheduler.has_unfinished_requests() and self._in_flight is None and not self._batches
         failed = self.structured.admit(self.scheduler, idle)
         if failed and self.emit_outputs is not None:
             self.emit_outputs(failed)
@@ -115,6 +120,8 @@ class EngineCore:
         try:
             if self.async_scheduling:
                 return failed + self._step_async()
+            if self.max_batches > 1:
+                return failed + self._step_batches()
             if not self.scheduler.has_unfinished_requests():
                 return failed
             scheduler_output = self._submitting = self.scheduler.schedule()
@@ -130,7 +137,7 @@ class EngineCore:
 
     def _recover(self, error: Exception) -> list[EngineCoreOutput]:
         failed: set[str] = set()
-        for so in (self._submitting, self._in_flight):
+        for so in (self._submitting, self._in_flight, *self._batches):
             if so is not None:
                 failed.update(so.num_scheduled_tokens)
         if not failed:
@@ -138,12 +145,39 @@ class EngineCore:
         logger.exception("a step of %d requests failed", len(failed))
         self.executor.reset()  # raises when the device itself is broken: then the engine dies
         self._in_flight = self._submitting = None
+        self._batches.clear()
         # Only the exception's type: its text may hold internals that are not the client's business.
         outputs = self.scheduler.recover_from_failed_step(failed, f"the model step failed ({type(error).__name__})")
         if self.emit_outputs is not None:
             self.emit_outputs(outputs)
             return []
         return outputs
+
+    def _step_batches(self) -> list[EngineCoreOutput]:
+        """Tops the batches in flight up to ``max_batches``, then applies the oldest one's output.
+
+        Each stage works on a different batch while the later stages run the earlier ones. The scheduler
+        leaves a request out while a batch holding it is in flight, so batches never share a request and
+        each one's inputs are known when it is scheduled.
+        """
+        while len(self._batches) < self.max_batches and self.scheduler.has_unfinished_requests():
+            so = self._submitting = self.scheduler.schedule()
+            if so.is_empty and not so.preempted_req_ids:
+                # Nothing schedulable until a batch lands; the finished ids go with the next batch.
+                self.scheduler.finished_req_ids |= so.finished_req_ids
+                break
+            self.structured.fill_bitmask(so, self.scheduler)
+            self.executor.submit(so)
+            if so.is_empty:
+                break
+            self._batches.append(so)
+        self._submitting = None
+        if not self._batches:
+            return []
+        runner_output = self.executor.take_output()
+        # Until its output is applied, a failure still ends the batch's requests.
+        self._submitting = self._batches.popleft()
+        return self._update(self._submitting, runner_output)
 
     def _step_async(self) -> list[EngineCoreOutput]:
         """Submits step N+1, then applies step N's output: the device never waits for this CPU work.

@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import signal
 import socket
 import sys
@@ -25,9 +26,9 @@ import traceback
 import weakref
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor import messages as m
-from pagedllm.executor.base import Executor
+from pagedllm.executor.rank_executor import RankExecutor
+from pagedllm.executor.rank_worker import RankWorker, WorkerFailedError  # noqa: F401 - callers catch it from here
 
 logger = logging.getLogger("pagedllm")
 
@@ -39,25 +40,10 @@ _JOIN_TIMEOUT_S = 5.0
 _PARENT_POLL_S = 0.5
 
 
-class WorkerFailedError(RuntimeError):
-    """A worker process raised or died; the engine cannot go on."""
-
-    def __init__(self, rank: int, message: str) -> None:
-        super().__init__(f"worker rank {rank} failed: {message}")
-        self.rank = rank
-
-
 def _free_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _where(exc: BaseException) -> str:
-    """``Type: message (file:line in function)``, the innermost frame: a failure's first line to read."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def _stop_processes(procs: list[multiprocessing.process.BaseProcess], timeout_s: float) -> None:
@@ -74,15 +60,9 @@ def _stop_processes(procs: list[multiprocessing.process.BaseProcess], timeout_s:
             p.join(1.0)
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        pc = config.parallel_config
-        self.world_size = pc.world_size
-        # The rank that samples: tensor rank 0 of the last pipeline stage.
-        self.driver_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
-        self._failed: WorkerFailedError | None = None
-        self._sampled: dict[str, list[int]] = {}
         self._encoder = m.msgspec.msgpack.Encoder()
         self._decoder = m.output_decoder()
         ctx = multiprocessing.get_context("spawn")
@@ -107,6 +87,13 @@ class MultiprocExecutor(Executor):
         logger.info("%d workers ready (pids %s)", self.world_size, ", ".join(str(r.pid) for r in ready))
 
     # ---- messages ----------------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        """The answers come back on the pipes in the order the messages went: no handle needed."""
+        self._broadcast(msg)
+
+    def _answers(self, handle) -> list:
+        return self._collect()
+
     def _broadcast(self, msg) -> None:
         self._raise_if_failed()
         data = self._encoder.encode(msg)
@@ -153,41 +140,10 @@ class MultiprocExecutor(Executor):
             how = f"exited with code {code}"
         return f"process {proc.pid} {how}"
 
-    def _fail(self, rank: int, message: str) -> None:
-        self._failed = WorkerFailedError(rank, message)
-        logger.error("%s; stopping every worker", self._failed)
+    def _stop_ranks(self) -> None:
         _stop_processes(self.procs, 0.0)
-        raise self._failed
-
-    def _raise_if_failed(self) -> None:
-        if self._failed is not None:
-            raise self._failed
 
     # ---- the Executor interface ---------------------------------------------------------------------
-    def determine_num_blocks(self) -> int:
-        self._broadcast(m.DetermineNumBlocks())
-        return min(int(a.value) for a in self._collect())
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._broadcast(m.InitializeCache(num_blocks))
-        self._collect()
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._raise_if_failed()
-        self._broadcast(m.execute_message(scheduler_output, self._sampled))
-        answers = self._collect()
-        output = answers[self.driver_rank].output
-        if output is None:
-            output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        self._sampled = {rid: toks for rid, toks in zip(output.req_ids, output.sampled_token_ids) if toks}
-        return output
-
-    def reset(self) -> None:
-        super().reset()
-        self._sampled = {}
-        self._broadcast(m.Reset())
-        self._collect()
-
     def check_health(self) -> None:
         self._raise_if_failed()
         for rank, proc in enumerate(self.procs):
@@ -218,65 +174,44 @@ def _exit_when_orphaned(parent_pid: int) -> None:
             os._exit(1)
 
 
+def _read_messages(conn, inbox: queue.SimpleQueue) -> None:
+    while True:
+        try:
+            inbox.put(conn.recv_bytes())
+        except (EOFError, OSError):
+            inbox.put(None)
+            return
+
+
 def run_worker(config: EngineConfig, rank: int, init_method: str, conn, parent_pid: int) -> None:
     """Process entry point: join the ranks, load this rank's shard, then answer messages until Shutdown."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's process owns shutdown
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s rank {rank}: %(message)s",
                         datefmt="%H:%M:%S")
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-    encoder = m.msgspec.msgpack.Encoder()
+    # On one host the rank is also the GPU index.
+    body = RankWorker(config, rank, local_rank=rank)
+    # Messages are read as they come, even while a step runs: with several steps in flight the executor
+    # sends the next one before it reads this one's answer, and a large message and a large answer would
+    # otherwise each wait for the other's pipe to drain.
+    inbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
     try:
-        _serve(config, rank, init_method, conn, encoder)
+        conn.send_bytes(body.start(init_method))
+        threading.Thread(target=_read_messages, args=(conn, inbox), daemon=True).start()
+        while True:
+            data = inbox.get()
+            if data is None:
+                break  # the executor is gone
+            answer = body.handle(data)
+            if answer is None:
+                break
+            conn.send_bytes(answer)
     except BaseException as e:  # noqa: BLE001 - reported to the executor, then the process ends
         try:
-            conn.send_bytes(encoder.encode(m.Failed(rank, _where(e), traceback.format_exc())))
+            conn.send_bytes(body.failed(e))
         except Exception:  # noqa: BLE001 - the executor still sees the process exit
             pass
         logger.error("worker failed:\n%s", traceback.format_exc())
         sys.stderr.flush()
         os._exit(1)
     os._exit(0)
-
-
-def _serve(config: EngineConfig, rank: int, init_method: str, conn, encoder) -> None:
-    import torch
-
-    from pagedllm.distributed.parallel_state import destroy_model_parallel, init_model_parallel
-    from pagedllm.worker.worker import Worker
-
-    pc = config.parallel_config
-    cuda = config.device_config.device == "cuda"
-    local_rank = rank
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    # One CPU thread pool per rank: the ranks share the host's cores.
-    if not cuda:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.world_size))
-    init_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size, rank, init_method,
-                        backend="nccl" if cuda else "gloo", enable_expert_parallel=pc.enable_expert_parallel)
-    worker = Worker(config, local_rank=local_rank)
-    worker.load_model()
-    conn.send_bytes(encoder.encode(m.Ready(rank, os.getpid())))
-    decoder = m.input_decoder()
-    while True:
-        try:
-            msg = decoder.decode(conn.recv_bytes())
-        except EOFError:
-            return  # the executor is gone
-        if isinstance(msg, m.Execute):
-            so = m.scheduler_output_of(msg)
-            if msg.sampled and not worker.model_runner.is_driver:
-                worker.apply_sampled_tokens(msg.sampled)
-            out = worker.execute_model(so)
-            conn.send_bytes(encoder.encode(m.StepDone(out if worker.model_runner.is_driver else None)))
-        elif isinstance(msg, m.DetermineNumBlocks):
-            conn.send_bytes(encoder.encode(m.Done(worker.determine_num_blocks())))
-        elif isinstance(msg, m.InitializeCache):
-            worker.initialize_cache(msg.num_blocks)
-            conn.send_bytes(encoder.encode(m.Done()))
-        elif isinstance(msg, m.Reset):
-            worker.reset()
-            conn.send_bytes(encoder.encode(m.Done()))
-        elif isinstance(msg, m.Shutdown):
-            destroy_model_parallel()
-            return

@@ -13,7 +13,11 @@ def get_executor_class(config: EngineConfig) -> type[Executor]:
         from pagedllm.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor
-    raise NotImplementedError(f"distributed_executor_backend={backend!r} is not implemented; use 'uni' or 'mp'")
+    if backend == "ray":
+        from pagedllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor
+    raise ValueError(f"distributed_executor_backend={backend!r} is not one of 'uni', 'mp', 'ray'")
 
 
 def make_executor(config: EngineConfig) -> Executor:

@@ -19,6 +19,7 @@ def make_sched(
     max_model_len: int = 2048,
     chunked: bool = True,
     caching: bool = True,
+    max_concurrent_batches: int = 1,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -26,6 +27,7 @@ def make_sched(
             max_num_batched_tokens=budget,
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked,
+            max_concurrent_batches=max_concurrent_batches,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         num_blocks,

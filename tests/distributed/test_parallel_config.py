@@ -28,8 +28,8 @@ def garbage_weights(tmp_path):
     ({"tensor_parallel_size": 0}, ValueError, "tensor_parallel_size must be an integer >= 1, got 0"),
     ({"pipeline_parallel_size": 2, "distributed_executor_backend": "uni"}, ValueError,
      "'uni' runs one worker, but tensor_parallel_size 1 x pipeline_parallel_size 2 = 2 ranks"),
-    ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, NotImplementedError,
-     "distributed_executor_backend='ray' is not implemented yet"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "dask"}, ValueError,
+     "distributed_executor_backend must be one of uni, mp, ray or None; got 'dask'"),
     ({"tensor_parallel_size": 2, "async_scheduling": True}, NotImplementedError,
      "async_scheduling with tensor_parallel_size 2 x pipeline_parallel_size 1"),
 ])

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from parallel_cases import COMMON, generate, make_edge_model, prompts
+from parallel_cases import COMMON, GREEDY, generate, make_edge_model, prompts
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.pipeline import stage_layer_range
@@ -22,11 +22,38 @@ def test_stage_layer_ranges_are_contiguous_and_cover_every_layer():
         stage_layer_range(3, 0, 4)
 
 
+def _generate_watching_batches(path: str, prompt_ids) -> tuple[list[list[list[int]]], list[list[set[str]]]]:
+    """Greedy tokens under PP=2, and at each output taken the requests of every batch then in flight
+    (the ones sent to the workers and not yet answered)."""
+    llm = LLM(model=path, **{**COMMON, "pipeline_parallel_size": 2})
+    core = llm.llm_engine.engine_core
+    executor, take = core.executor, core.executor.take_output
+    in_flight: list[list[set[str]]] = []
+
+    def take_watching():
+        assert len(executor._pending) == len(core._batches)  # every batch the core holds went to the workers
+        in_flight.append([set(so.num_scheduled_tokens) for so in core._batches])
+        return take()
+
+    executor.take_output = take_watching
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], GREEDY, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    return [[list(c.token_ids) for c in o.outputs] for o in outs], in_flight
+
+
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_pp2_greedy_tokens_equal_one_process(kind, tmp_path):
+def test_pp2_greedy_tokens_equal_one_process_with_two_batches_in_flight(kind, tmp_path):
     path = make_edge_model(kind, tmp_path / kind)
     ids = prompts()
-    assert generate(path, ids, pipeline_parallel_size=2) == generate(path, ids)
+    tokens, in_flight = _generate_watching_batches(path, ids)
+    assert tokens == generate(path, ids)
+    # Each stage had a batch at every take but the last (when the other half of the requests had ended):
+    # each batch half of the six requests, ten tokens each, and no request in both batches.
+    assert [len(batches) for batches in in_flight] == [2] * 19 + [1]
+    assert all(len(b) == 3 for batches in in_flight for b in batches)
+    assert all(not batches[0] & batches[1] for batches in in_flight[:-1])
 
 
 @pytest.mark.parametrize("kind", ["qwen3", pytest.param("gemma3", marks=pytest.mark.slow)])
