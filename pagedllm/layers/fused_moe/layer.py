@@ -9,6 +9,9 @@ Under tensor parallelism each rank holds every expert's share of the intermediat
 gate/up and down split) and the partial outputs are summed over the group. Under expert parallelism
 (``get_ep_group()`` of more than one rank) each rank holds whole experts, a contiguous range of them, and
 tokens travel to them (``expert_parallel.py``); a rank reads only its own experts from the checkpoint.
+
+Float8 experts (``quantize_fp8``, run by ``--quantization fp8`` after loading) hold float8 e4m3 weights with
+a float32 scale per expert and output row: ``w13_weight_scale`` [E, 2I], ``w2_weight_scale`` [E, H].
 """
 from __future__ import annotations
 
@@ -75,6 +78,8 @@ class MoEExperts(nn.Module):
         self.w2_weight.weight_loader = self.weight_loader
         # (shard id, expert id) pieces loaded so far: a checkpoint missing one expert must not pass as loaded.
         self._filled: dict[str, set[tuple[str, int]]] = {"w13": set(), "w2": set()}
+        self.w13_weight_scale: torch.Tensor | None = None  # [E, 2I] float32 once float8
+        self.w2_weight_scale: torch.Tensor | None = None  # [E, H] float32 once float8
         self.w13_weight.all_loaded = lambda: len(self._filled["w13"]) == 2 * local
         self.w2_weight.all_loaded = lambda: len(self._filled["w2"]) == local
 
@@ -123,6 +128,23 @@ class MoEExperts(nn.Module):
         self.weight_loader(param, gate, "w1", expert_id)
         self.weight_loader(param, up, "w3", expert_id)
 
+    def quantize_fp8(self) -> None:
+        """The loaded 16/32-bit experts to float8 rows with a float32 scale each, one expert at a time (the
+        peak is the loaded layer plus one expert in float32)."""
+        if self.w13_weight.dtype == torch.float8_e4m3fn:
+            return
+        from pagedllm.layers.quantization.fp8 import quantize_rows_ref
+
+        for name in ("w13_weight", "w2_weight"):
+            w = getattr(self, name).data  # [E, N, K]
+            q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+            scales = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+            for e in range(w.shape[0]):
+                q[e], s = quantize_rows_ref(w[e])
+                scales[e] = s.reshape(-1)
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            setattr(self, name + "_scale", scales)
+
     def forward(
         self,
         hidden_states: torch.Tensor,  # [T, H]
@@ -145,11 +167,12 @@ class MoEExperts(nn.Module):
             from pagedllm.kernels.moe import fused_experts, usable
 
             if usable(hidden_states, self.w13_weight, self.activation):
-                return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+                return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                     w13_scale=self.w13_weight_scale, w2_scale=self.w2_weight_scale)
         return fused_experts_ref(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                 self.activation)
+                                 self.activation, self.w13_weight_scale, self.w2_weight_scale)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size_per_partition}, renormalize={self.renormalize}, "
-                f"tp={self.tp_size}, experts_per_rank={self.num_local_experts}")
+                f"tp={self.tp_size}, experts_per_rank={self.num_local_experts}, dtype={self.w13_weight.dtype}")
