@@ -101,3 +101,36 @@ def test_triton_fp8_rejects_bad_scales():
     with pytest.raises(ValueError, match=r"expert weight scales must be contiguous float32 of shape \(2, 32\)"):
         fused_experts(x, moe.w13_weight, moe.w2_weight, weights, ids, w13_scale=moe.w13_weight_scale[:, :16].contiguous(),
                       w2_scale=moe.w2_weight_scale)
+
+
+def test_fp8_checkpoint_experts_equal_quantizing_at_load(tmp_path):
+    """A float8 checkpoint whose experts are stored per expert with their [N, 1] scales loads into the stacked
+    float8 parameters; quantizing its source at load gives the same rows and scales, so the same numbers."""
+    from tiny_models import compressed_tensors_fp8_config, make_fp8_checkpoint
+
+    src = make_tiny_model("qwen3_moe", tmp_path / "src")
+    path = make_fp8_checkpoint(src, str(tmp_path / "fp8"), compressed_tensors_fp8_config("channel"), per_channel=True)
+    kw = dict(dtype="float32", device="cpu", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, max_model_len=128)
+    stored, at_load = LLM(model=path, **kw), LLM(model=src, quantization="fp8", **kw)
+    pairs = []
+    for llm in (stored, at_load):
+        model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+        pairs.append([m for m in model.modules() if isinstance(m, MoEExperts)])
+    assert pairs[0] and all(m.w13_weight.dtype == torch.float8_e4m3fn for m in pairs[0])
+    for a, b in zip(*pairs):
+        for name in ("w13_weight", "w2_weight"):
+            assert torch.equal(getattr(a, name).view(torch.uint8), getattr(b, name).view(torch.uint8))
+            assert torch.equal(getattr(a, name + "_scale"), getattr(b, name + "_scale"))
+    prompts = [[5, 9, 17, 3], list(range(20, 33))]
+    assert _greedy(stored, prompts) == _greedy(at_load, prompts)
+
+
+def test_fp8_checkpoint_expert_scale_of_wrong_length_is_refused():
+    from pagedllm.layers.linear import default_linear_method
+    from pagedllm.layers.quantization.fp8 import Fp8LinearMethod
+
+    with default_linear_method(lambda: Fp8LinearMethod(serialized=True)):
+        moe = MoEExperts(2, 1, 16, 8, renormalize=False, params_dtype=torch.float32)
+    assert moe.w13_weight.dtype == torch.float8_e4m3fn and moe.w2_weight_scale.shape == (2, 16)
+    with pytest.raises(ValueError, match="expert 1 w1 weight_scale has 5 values; its projection has 8 rows"):
+        moe.weight_loader(moe.w13_weight_scale, torch.ones(5, 1), "w1", 1)

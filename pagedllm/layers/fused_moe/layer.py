@@ -11,7 +11,9 @@ gate/up and down split) and the partial outputs are summed over the group. Under
 tokens travel to them (``expert_parallel.py``); a rank reads only its own experts from the checkpoint.
 
 Float8 experts (``quantize_fp8``, run by ``--quantization fp8`` after loading) hold float8 e4m3 weights with
-a float32 scale per expert and output row: ``w13_weight_scale`` [E, 2I], ``w2_weight_scale`` [E, H].
+a float32 scale per expert and output row: ``w13_weight_scale`` [E, 2I], ``w2_weight_scale`` [E, H]. A float8
+checkpoint (built under a serialized ``Fp8LinearMethod`` default) loads into that layout directly: each
+expert's ``weight_scale`` (one a row, or one for the tensor, repeated over its rows) into its scale rows.
 """
 from __future__ import annotations
 
@@ -22,6 +24,15 @@ from pagedllm.distributed.parallel_state import get_ep_group, get_tp_group
 from pagedllm.layers.fused_moe.expert_parallel import expert_parallel_experts
 from pagedllm.layers.fused_moe.reference import fused_experts_ref
 from pagedllm.layers.fused_moe.router import select_experts
+
+def _serialized_fp8() -> bool:
+    """Whether the model is being built for a float8 checkpoint (its linears default to stored float8)."""
+    from pagedllm.layers.linear import current_default_method
+    from pagedllm.layers.quantization.fp8 import Fp8LinearMethod
+
+    method = current_default_method()
+    return isinstance(method, Fp8LinearMethod) and method.serialized
+
 
 # Checkpoint shard ids: w1 the gate projection, w3 the up projection, w2 the down projection.
 SHARD_IDS = ("w1", "w2", "w3")
@@ -82,6 +93,24 @@ class MoEExperts(nn.Module):
         self.w2_weight_scale: torch.Tensor | None = None  # [E, H] float32 once float8
         self.w13_weight.all_loaded = lambda: len(self._filled["w13"]) == 2 * local
         self.w2_weight.all_loaded = lambda: len(self._filled["w2"]) == local
+        if _serialized_fp8():
+            self._create_fp8_params(local, i, hidden_size)
+
+    def _create_fp8_params(self, local: int, i: int, hidden: int) -> None:
+        """Float8 weights and float32 scale rows that a float8 checkpoint fills as stored."""
+        fp8 = torch.float8_e4m3fn
+        for name, shape in (("w13_weight", (local, 2 * i, hidden)), ("w2_weight", (local, hidden, i))):
+            key = name[:-len("_weight")]
+            param = nn.Parameter(torch.empty(shape, dtype=fp8), requires_grad=False)
+            param.weight_loader = self.weight_loader
+            param.all_loaded = getattr(self, name).all_loaded
+            setattr(self, name, param)
+            scale = nn.Parameter(torch.empty(shape[:2], dtype=torch.float32), requires_grad=False)
+            scale.weight_loader = self.weight_loader
+            n_pieces = 2 * local if key == "w13" else local
+            self._filled[key + "_scale"] = set()
+            scale.all_loaded = lambda k=key + "_scale", n=n_pieces: len(self._filled[k]) == n
+            setattr(self, name + "_scale", scale)
 
     def weight_loader(
         self,
@@ -107,6 +136,9 @@ class MoEExperts(nn.Module):
         if not 0 <= local_id < self.num_local_experts:
             return  # another expert-parallel rank's expert
         i = self.intermediate_size_per_partition
+        if param is self.w13_weight_scale or param is self.w2_weight_scale:
+            self._load_scale(param, loaded_weight, shard_id, expert_id, local_id)
+            return
         if shard_id == "w2":
             dst = param.data[local_id]  # [H, I]
             src = loaded_weight.narrow(1, self.tp_rank * i, i) if self.tp_size > 1 else loaded_weight
@@ -118,6 +150,31 @@ class MoEExperts(nn.Module):
                              f"checkpoint {tuple(src.shape)}")
         dst.copy_(src)
         self._filled["w2" if shard_id == "w2" else "w13"].add((shard_id, expert_id))
+
+    def _load_scale(
+        self,
+        param: nn.Parameter,  # [E, 2I] or [E, H] float32
+        loaded: torch.Tensor,  # [N], [N, 1] or one value for the whole tensor
+        shard_id: str,
+        expert_id: int,
+        local_id: int,
+    ) -> None:
+        """One expert projection's float8 scales: the down projection's rows are the hidden size (never split),
+        the gate/up rows are split over tensor parallelism as their weights are."""
+        i = self.intermediate_size_per_partition
+        rows = self.hidden_size if shard_id == "w2" else i * self.tp_size
+        loaded = loaded.float().reshape(-1)
+        if loaded.numel() == 1:
+            loaded = loaded.expand(rows)
+        if loaded.numel() != rows:
+            raise ValueError(f"expert {expert_id} {shard_id} weight_scale has {loaded.numel()} values; its "
+                             f"projection has {rows} rows (one scale each, or one for the tensor)")
+        if shard_id == "w2":
+            param.data[local_id].copy_(loaded)
+        else:
+            src = loaded.narrow(0, self.tp_rank * i, i) if self.tp_size > 1 else loaded
+            param.data[local_id].narrow(0, 0 if shard_id == "w1" else i, i).copy_(src)
+        self._filled["w2_scale" if shard_id == "w2" else "w13_scale"].add((shard_id, expert_id))
 
     def _load_whole_expert(self, param: nn.Parameter, piece: torch.Tensor, expert_id: int) -> None:
         """One expert of a stacked checkpoint: [2I, H] gate then up, or [H, I]."""
