@@ -80,6 +80,7 @@ class MoEExperts(nn.Module):
         self.activation = activation
         self.tp_rank, self.tp_size = tp_rank, tp_size
         dtype = params_dtype or torch.get_default_dtype()
+        self.act_dtype = dtype  # the activations' type, which float8 experts keep
         i = self.intermediate_size_per_partition
         # Empty, not initialized: a checkpoint or the dummy loader overwrites them.
         local = self.num_local_experts
