@@ -125,7 +125,8 @@ def test_moe_model_greedy_matches_cpu(tmp_path):
 
 def test_fp8_moe_model_greedy_matches_dequantized_experts(tmp_path):
     """bf16 activations over float8 experts (--quantization fp8) on the GPU give the tokens of the same
-    experts dequantized to bf16 and run through the 16-bit kernel."""
+    experts dequantized to bf16 and run through the 16-bit kernel (float8 weight tiles and epilogue scales
+    against plain bf16 tiles)."""
     from pagedllm import LLM, SamplingParams
 
     path = make_tiny_model("mixtral", tmp_path / "mixtral")
@@ -136,6 +137,11 @@ def test_fp8_moe_model_greedy_matches_dequantized_experts(tmp_path):
     model = llm.llm_engine.engine_core.executor.worker.model_runner.model
     experts = [m for m in model.modules() if isinstance(m, MoEExperts)]
     assert experts and all(m.w13_weight.dtype == torch.float8_e4m3fn for m in experts)
+    for m in experts:
+        # Power-of-two scales: each float8 weight times its scale is exact in bf16, and scaling the float32 sums
+        # commutes with their rounding, so both paths below compute the same numbers bit for bit.
+        m.w13_weight_scale = torch.exp2(torch.round(torch.log2(m.w13_weight_scale)))
+        m.w2_weight_scale = torch.exp2(torch.round(torch.log2(m.w2_weight_scale)))
     fp8_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     for m in experts:
         for name in ("w13_weight", "w2_weight"):
