@@ -85,18 +85,19 @@ def parse_tokens(values: list[str]) -> list[int]:
 
 
 def write_tuned(tuned: dict[str, dict[str, dict]], device: str, dirs: list[str]) -> list[str]:
-    """Merges ``tuned`` ({shape key: {tokens: config}}) into the device's table in each of ``dirs`` (the table
-    there kept for the shapes and counts not swept now) and writes it; returns the paths written."""
+    """Merges ``tuned`` ({shape key: {tokens: config}}) into the device's table as ``dirs[0]`` holds it (its
+    shapes and counts not swept now kept) and writes the result to each of ``dirs``; returns the paths."""
+    name = device_file_name(device)
+    table = {"device": device, "dtype": "bfloat16", "shapes": {}}
+    if os.path.exists(os.path.join(dirs[0], name)):
+        with open(os.path.join(dirs[0], name)) as f:
+            table = json.load(f)
+    for key, rows in tuned.items():
+        table["shapes"].setdefault(key, {}).update(rows)
     paths = []
-    for d in dirs:
+    for d in dict.fromkeys(os.path.abspath(d) for d in dirs):
         os.makedirs(d, exist_ok=True)
-        path = os.path.join(d, device_file_name(device))
-        table = {"device": device, "dtype": "bfloat16", "shapes": {}}
-        if os.path.exists(path):
-            with open(path) as f:
-                table = json.load(f)
-        for key, rows in tuned.items():
-            table["shapes"].setdefault(key, {}).update(rows)
+        path = os.path.join(d, name)
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(table, f, indent=1, sort_keys=True)

@@ -59,3 +59,20 @@ def test_h200_moe_touched_experts_and_bad_options(monkeypatch):
                       (["--layers", "0"], "must be >= 1")):
         with pytest.raises(SystemExit):
             mod["parse_args"](argv)
+
+
+def test_moe_kernels_tuned_table_merges_and_tokens_parse(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    mod = runpy.run_path(str(BENCH / "moe_kernels.py"))
+    assert mod["parse_tokens"](["1", "16,256"]) == [1, 16, 256]
+    with pytest.raises(SystemExit, match="'0' is not a whole number >= 1"):
+        mod["parse_tokens"](["1,0"])
+    pkg, out = tmp_path / "pkg", tmp_path / "out"
+    a, b = dict(BLOCK_M=16), dict(BLOCK_M=64)
+    mod["write_tuned"]({"E=8,N=4,K=2": {"1": a}}, "Some GPU", [str(pkg), str(out)])
+    # a later sweep of another count keeps the first one, in the package's table and in the copy under --out
+    paths = mod["write_tuned"]({"E=8,N=4,K=2": {"256": b}}, "Some GPU", [str(pkg), str(tmp_path / "out2")])
+    for path in paths:
+        table = json.loads(pathlib.Path(path).read_text())
+        assert table["device"] == "Some GPU" and table["shapes"]["E=8,N=4,K=2"] == {"1": a, "256": b}
+    assert pathlib.Path(paths[0]).name == "Some_GPU.json"
