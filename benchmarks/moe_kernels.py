@@ -1,17 +1,20 @@
 """The Triton fused MoE against a per-expert loop of cuBLAS products, with a sweep of its tile configs.
 
-    PYTHONPATH=$PWD python3 benchmarks/moe_kernels.py [--tokens 1,16,256,4096] [--shapes qwen3-30b-a3b,mixtral-8x7b]
-        [--sweep [--write]]
+    PYTHONPATH=$PWD python3 benchmarks/moe_kernels.py [--tokens 1 16 256 4096] [--shapes qwen3-30b-a3b,mixtral-8x7b]
+        [--sweep [--write]] [--no-fp8]
 
 One MoE layer in bf16 with random weights and random routing (softmax top-k of random logits). Device µs
 per call from CUDA-graph replay (median of 20): ``fused`` (``kernels.moe.fused_experts`` with the config
-table's choice), ``loop`` (for each expert that received tokens: gather, gate/up product, SiLU-and-mul,
+table's choice), ``fused_fp8`` (the same kernel over the experts rounded to float8 rows, as ``--quantization
+fp8`` stores them; checked against the reference over the dequantized experts), ``loop`` (for each expert that received tokens: gather, gate/up product, SiLU-and-mul,
 down product, weighted index_add; the routing is fixed beforehand so the loop captures into a graph), and
 the floor: the bytes of the experts the step touches at the measured copy rate. ``--sweep`` also times a
 grid of tile configs per token count and prints the best; ``--write`` also writes them as the device's tuned
-table (``<device name>.json``) under ``--out``, the file that goes into ``pagedllm/kernels/moe/tuned/``, which
-``kernels/moe/configs.py`` reads. Each result is checked against the reference first. Writes
-``moe_kernels.json`` under ``$OUT``.
+table (``<device name>.json``) into ``pagedllm/kernels/moe/tuned/`` (which ``kernels/moe/configs.py`` reads)
+and under ``--out``, merged into the table already there and rewritten after every token count, so a sweep
+cut short keeps the counts it finished; ``--tokens`` limits a sweep to a few counts. Each result is checked
+against the reference first. Writes ``moe_kernels.json`` under ``--out`` (default ``$OUT``), also after
+every case.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from gpu_measure import copy_bandwidth_bytes_per_s  # noqa: E402 - sibling scrip
 from linear_shapes import graph_time_us  # noqa: E402 - the same graph timing
 
 from pagedllm.kernels.moe import fused_experts  # noqa: E402
-from pagedllm.kernels.moe.configs import device_file_name, get_config, shape_key  # noqa: E402
+from pagedllm.kernels.moe.configs import TUNED_DIR, device_file_name, get_config, shape_key  # noqa: E402
 from pagedllm.layers.fused_moe import fused_experts_ref, select_experts  # noqa: E402
 
 # name -> (experts, top-k, hidden, expert intermediate)
@@ -62,14 +65,64 @@ def _sweep_configs():
                    num_stages=stages)
 
 
+def _fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [E, N, K] -> float8 [E, N, K], [E, N]
+    """Float8 rows with a float32 scale per expert and output row, as ``MoEExperts.quantize_fp8`` makes them."""
+    from pagedllm.layers.quantization.fp8 import quantize_rows_ref
+
+    q, s = zip(*(quantize_rows_ref(w[e]) for e in range(w.shape[0])))
+    return torch.stack(q), torch.stack(s).squeeze(-1).contiguous()
+
+
+def parse_tokens(values: list[str]) -> list[int]:
+    """``["1", "16,256"]`` -> ``[1, 16, 256]``: counts given space- or comma-separated, each at least 1."""
+    out = []
+    for v in values:
+        for t in (t for t in v.split(",") if t):
+            if not t.isdigit() or int(t) < 1:
+                raise SystemExit(f"--tokens: {t!r} is not a whole number >= 1")
+            out.append(int(t))
+    return out
+
+
+def write_tuned(tuned: dict[str, dict[str, dict]], device: str, dirs: list[str]) -> list[str]:
+    """Merges ``tuned`` ({shape key: {tokens: config}}) into the device's table as ``dirs[0]`` holds it (its
+    shapes and counts not swept now kept) and writes the result to each of ``dirs``; returns the paths."""
+    name = device_file_name(device)
+    table = {"device": device, "dtype": "bfloat16", "shapes": {}}
+    if os.path.exists(os.path.join(dirs[0], name)):
+        with open(os.path.join(dirs[0], name)) as f:
+            table = json.load(f)
+    for key, rows in tuned.items():
+        table["shapes"].setdefault(key, {}).update(rows)
+    paths = []
+    for d in dict.fromkeys(os.path.abspath(d) for d in dirs):
+        os.makedirs(d, exist_ok=True)
+        path = os.path.join(d, name)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)  # whole or not at all: a run killed mid-write leaves the previous table
+        paths.append(path)
+    return paths
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="1,16,256,4096")
+    ap.add_argument("--tokens", nargs="+", default=["1,16,256,4096"],
+                    help="token counts, space- or comma-separated (e.g. --tokens 1 16 256)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sweep", action="store_true", help="also time a grid of tile configs per token count")
     ap.add_argument("--write", action="store_true", help="with --sweep: write the best configs as the device's table")
+    ap.add_argument("--tuned-dir", default=TUNED_DIR, help="with --write: where the package's tables live")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the float8-experts timing")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    token_counts = parse_tokens(args.tokens)
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        raise SystemExit(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.cuda.get_device_name()
     tbps = copy_bandwidth_bytes_per_s() / 1e12
     results = {"copy_tbps": tbps, "cases": []}
     tuned: dict[str, dict[str, dict]] = {}
@@ -79,7 +132,10 @@ def main() -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
         w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g, device="cuda") * hidden**-0.5).bfloat16()
         w2 = (torch.randn(num_experts, hidden, inter, generator=g, device="cuda") * inter**-0.5).bfloat16()
-        for tokens in (int(t) for t in args.tokens.split(",")):
+        w13_q = w2_q = None
+        if not args.no_fp8:
+            (w13_q, w13_s), (w2_q, w2_s) = _fp8_experts(w13), _fp8_experts(w2)
+        for tokens in token_counts:
             x = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
             weights, ids = select_experts(torch.randn(tokens, num_experts, generator=g, device="cuda"), top_k, True)
             ref = fused_experts_ref(x, w13, w2, weights, ids)
@@ -92,8 +148,16 @@ def main() -> None:
                     "config": get_config(tokens, top_k, num_experts, torch.bfloat16, shape=(inter, hidden)),
                     "fused_us": graph_time_us(lambda: fused_experts(x, w13, w2, weights, ids)),
                     "loop_us": graph_time_us(loop), "floor_us": floor_us}
+            fp8_note = ""
+            if w13_q is not None:
+                fp8 = lambda: fused_experts(x, w13_q, w2_q, weights, ids, w13_scale=w13_s, w2_scale=w2_s)  # noqa: E731
+                ref8 = fused_experts_ref(x.float(), w13_q, w2_q, weights, ids, "silu", w13_s, w2_s)
+                torch.testing.assert_close(fp8().float(), ref8, atol=3e-2, rtol=3e-2)
+                case["fused_fp8_us"] = graph_time_us(fp8)
+                case["floor_fp8_us"] = floor_us / 2  # one byte a weight
+                fp8_note = f"  fused fp8 {case['fused_fp8_us']:9.1f} µs (floor {floor_us / 2:8.1f})"
             print(f"{shape:>14} {tokens:>5} tokens: fused {case['fused_us']:9.1f} µs  loop {case['loop_us']:9.1f} µs"
-                  f"  floor {floor_us:8.1f} µs  ({touched} experts)")
+                  f"  floor {floor_us:8.1f} µs  ({touched} experts){fp8_note}", flush=True)
             if args.sweep:
                 timed = []
                 for config in _sweep_configs():
@@ -107,14 +171,12 @@ def main() -> None:
                 case["best_us"], case["best_config"] = best_us, best
                 tuned.setdefault(shape_key(num_experts, inter, hidden), {})[str(tokens)] = best
                 print(f"{'':>14} best {best_us:9.1f} µs  {best}  (rows per expert {tokens * top_k / num_experts:g})")
+                if args.write:
+                    written = write_tuned(tuned, device, [args.tuned_dir, args.out])
+                    print(f"{'':>14} tuned table: {', '.join(written)}", flush=True)
             results["cases"].append(case)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "moe_kernels.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    if args.sweep and args.write:
-        device = torch.cuda.get_device_name()
-        with open(os.path.join(args.out, device_file_name(device)), "w") as f:
-            json.dump({"device": device, "dtype": "bfloat16", "shapes": tuned}, f, indent=1)
+            with open(os.path.join(args.out, "moe_kernels.json"), "w") as f:
+                json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,12 @@ def default_linear_method(factory: Callable[[], LinearMethodBase]) -> Iterator[N
         _DEFAULT_METHOD.reset(token)
 
 
+def current_default_method() -> LinearMethodBase | None:
+    """The method linears built now would take by default (a quantized checkpoint's), or None."""
+    factory = _DEFAULT_METHOD.get()
+    return None if factory is None else factory()
+
+
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(

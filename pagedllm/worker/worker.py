@@ -38,6 +38,7 @@ class MemoryProfile:
     activations: int = 0  # peak of a max_num_batched_tokens forward plus its logits
     sampler: int = 0  # logits and sampling scratch at max_num_seqs rows (estimate)
     attention: int = 0  # the attention backend's own scratch at max_num_seqs + 1 requests
+    moe_workspace: int = 0  # the largest MoE layer's fused-experts scratch at max_num_batched_tokens (estimate)
     graph_pool: int = 0  # estimate before capture; replaced by the measured size after it
     non_torch: int = 0  # CUDA context, library workspaces, other processes
     kv_cache: int = 0
@@ -48,7 +49,8 @@ class MemoryProfile:
             f"total {g(self.total):.2f} GiB, usable {g(self.usable):.2f}, weights {g(self.weights):.2f}, "
             f"peak activations {g(self.activations):.2f}, sampler {g(self.sampler):.2f}, "
             f"attention scratch {g(self.attention):.2f}, "
-            f"CUDA graph pool {g(self.graph_pool):.2f}, non-torch {g(self.non_torch):.2f}, "
+            + (f"MoE workspace {g(self.moe_workspace):.2f}, " if self.moe_workspace else "")
+            + f"CUDA graph pool {g(self.graph_pool):.2f}, non-torch {g(self.non_torch):.2f}, "
             f"KV cache {g(self.kv_cache):.2f} GiB"
         )
 
@@ -159,9 +161,17 @@ class Worker:
             sc.max_num_seqs + 1, self.model_runner.num_heads, self.model_runner.num_kv_heads, mc.head_size,
             self.config.kv_cache_dtype.itemsize)
         mem.graph_pool = self._graph_pool_estimate(mem.activations, profile_tokens)
+        from pagedllm.layers.fused_moe.workspace import model_moe_workspace_bytes
+
+        mem.moe_workspace = model_moe_workspace_bytes(self.model_runner.model, sc.max_num_batched_tokens)
+        # The profiled forward already held one layer's scratch when its routing reached the fused kernels;
+        # the estimate is a floor, so a profile that fell short of it (another path, fewer pairs) still
+        # leaves room for a full step's scratch.
+        moe_extra = max(mem.moe_workspace - mem.activations, 0)
         # What other processes and this one's CUDA context hold counts against our share too.
         mem.non_torch = max(total - free_before - torch.cuda.memory_reserved(), 0)
-        budget = mem.usable - mem.non_torch - weights - mem.activations - mem.sampler - mem.attention - mem.graph_pool
+        budget = (mem.usable - mem.non_torch - weights - mem.activations - moe_extra - mem.sampler - mem.attention
+                  - mem.graph_pool)
         num_blocks = max(budget // block_bytes, 0)
         mem.kv_cache = num_blocks * block_bytes
         capacity = num_blocks * cc.block_size

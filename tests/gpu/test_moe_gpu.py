@@ -1,5 +1,6 @@
 """The Triton MoE kernels on a real GPU: bf16/fp16 parity with the per-expert reference at decode and prefill
-sizes, the layer's choice of them on CUDA, CUDA-graph safety, and a MoE model's greedy tokens against the CPU."""
+sizes (16-bit and float8 experts), the layer's choice of them on CUDA, CUDA-graph safety, and a MoE model's
+greedy tokens against the CPU (16-bit, and float8 experts against the same experts dequantized)."""
 from __future__ import annotations
 
 import pytest
@@ -33,6 +34,54 @@ def test_fused_experts_matches_reference(tokens, dtype):
     want = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [E, N, K] -> float8 [E, N, K], [E, N] float32
+    amax = w.float().abs().amax(dim=-1).clamp(min=1e-12)
+    scale = amax / torch.finfo(torch.float8_e4m3fn).max
+    return (w.float() / scale[:, :, None]).to(torch.float8_e4m3fn), scale.contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 16, 256, 4096])
+def test_fused_fp8_experts_match_dequantized_reference(tokens, dtype):
+    x, w13, w2, weights, ids = _case(tokens, 128, 8, 512, 192, dtype, seed=1)
+    (q13, s13), (q2, s2) = _fp8(w13), _fp8(w2)
+    got = fused_experts(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    # the oracle: the float8 rows dequantized through float32, float32 activations
+    want = fused_experts_ref(x.float(), q13.float() * s13[:, :, None], q2.float() * s2[:, :, None], weights, ids)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    # the scales are applied: the float8 rows alone give a different answer
+    assert not torch.allclose(fused_experts(x, q13, q2, weights, ids, w13_scale=torch.ones_like(s13),
+                                            w2_scale=torch.ones_like(s2)).float(), want, atol=tol, rtol=tol)
+
+
+def test_fp8_layer_takes_the_kernel_and_replays_in_a_graph():
+    torch.manual_seed(0)
+    moe = MoEExperts(16, 2, 256, 128, renormalize=True, params_dtype=torch.bfloat16).to(DEVICE)
+    moe.w13_weight.normal_(std=0.05)
+    moe.w2_weight.normal_(std=0.05)
+    moe.quantize_fp8()
+    assert moe.w13_weight.dtype == torch.float8_e4m3fn and moe.w13_weight_scale.device.type == "cuda"
+    x = torch.randn(64, 256, device=DEVICE, dtype=torch.bfloat16)
+    logits = torch.randn(64, 16, device=DEVICE)
+    eager = moe(x, logits)
+    weights, ids = select_experts(logits, 2, True)
+    assert torch.equal(eager, fused_experts(x, moe.w13_weight, moe.w2_weight, weights, ids,
+                                            w13_scale=moe.w13_weight_scale, w2_scale=moe.w2_weight_scale))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe(x, logits)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe(x, logits)
+    logits.copy_(torch.randn(64, 16, device=DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, moe(x, logits))
 
 
 def test_layer_takes_the_kernel_and_replays_in_a_graph():
@@ -72,3 +121,32 @@ def test_moe_model_greedy_matches_cpu(tmp_path):
         outs[device] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
     assert outs["cuda"] == outs["cpu"]
+
+
+def test_fp8_moe_model_greedy_matches_dequantized_experts(tmp_path):
+    """bf16 activations over float8 experts (--quantization fp8) on the GPU give the tokens of the same
+    experts dequantized to bf16 and run through the 16-bit kernel (float8 weight tiles and epilogue scales
+    against plain bf16 tiles)."""
+    from pagedllm import LLM, SamplingParams
+
+    path = make_tiny_model("mixtral", tmp_path / "mixtral")
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(model=path, dtype="bfloat16", device="cuda", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24,
+              quantization="fp8", enforce_eager=True)
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    experts = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    assert experts and all(m.w13_weight.dtype == torch.float8_e4m3fn for m in experts)
+    for m in experts:
+        # Power-of-two scales: each float8 weight times its scale is exact in bf16, and scaling the float32 sums
+        # commutes with their rounding, so both paths below compute the same numbers bit for bit.
+        m.w13_weight_scale = torch.exp2(torch.round(torch.log2(m.w13_weight_scale)))
+        m.w2_weight_scale = torch.exp2(torch.round(torch.log2(m.w2_weight_scale)))
+    fp8_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for m in experts:
+        for name in ("w13_weight", "w2_weight"):
+            deq = getattr(m, name).float() * getattr(m, name + "_scale")[:, :, None]
+            setattr(m, name, torch.nn.Parameter(deq.bfloat16(), requires_grad=False))
+            setattr(m, name + "_scale", None)
+    deq_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert deq_tokens == fp8_tokens

@@ -7,7 +7,7 @@ import torch
 
 from pagedllm.kernels.moe import fused_experts
 from pagedllm.kernels.moe.align import max_padded_pairs, moe_align_block_size
-from pagedllm.kernels.moe.configs import get_config
+from pagedllm.kernels.moe.configs import TUNED_REACH, get_config, nearest_tuned
 from pagedllm.layers.fused_moe import fused_experts_ref, select_experts
 
 
@@ -113,3 +113,17 @@ def test_config_table_by_rows_per_expert():
     prefill = get_config(8192, 8, 128, torch.bfloat16)  # 512 rows per expert
     assert decode["BLOCK_M"] < prefill["BLOCK_M"]
     assert get_config(8, 8, 128, torch.float32)["BLOCK_K"] <= decode["BLOCK_K"]
+
+
+def test_tuned_config_reaches_only_nearby_token_counts():
+    """A table swept at a few counts answers for counts near them; a prefill far from every swept count
+    gets no decode tile from it (None: the rows-per-expert table decides)."""
+    small, big = dict(BLOCK_M=16, tag=1), dict(BLOCK_M=128, tag=2)
+    rows = [(1, small), (16, big)]
+    assert nearest_tuned(rows, 1) == small and nearest_tuned(rows, 3) == small
+    assert nearest_tuned(rows, 5) == big and nearest_tuned(rows, 16 * TUNED_REACH) == big
+    assert nearest_tuned(rows, 16 * TUNED_REACH + 1) is None and nearest_tuned(rows, 4096) is None
+    assert nearest_tuned(None, 8) is None and nearest_tuned([], 8) is None
+    got = nearest_tuned(rows, 2)
+    got["BLOCK_M"] = 99  # a copy: the caller may not change the table
+    assert small["BLOCK_M"] == 16

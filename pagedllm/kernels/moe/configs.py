@@ -46,17 +46,36 @@ def _tuned_table(device_name: str) -> dict[str, list[tuple[int, dict[str, int]]]
     return {key: sorted((int(tokens), config) for tokens, config in rows.items()) for key, rows in shapes.items()}
 
 
+# A tuned config stands for token counts within this factor of the count it was tuned at; past it (a sweep
+# limited to a few counts) the rows-per-expert table decides: a decode tile must not run a prefill.
+TUNED_REACH = 4
+
+
+def nearest_tuned(
+    rows: list[tuple[int, dict[str, int]]] | None,  # (token count, config), as a tuned table holds them
+    num_tokens: int,
+) -> dict[str, int] | None:
+    """The config tuned at the token count nearest ``num_tokens`` (by ratio), if within ``TUNED_REACH``."""
+    if not rows:
+        return None
+    tokens, config = min(rows, key=lambda r: abs(math.log2(r[0] / max(num_tokens, 1))))
+    if abs(math.log2(tokens / max(num_tokens, 1))) > math.log2(TUNED_REACH):
+        return None
+    return dict(config)
+
+
 def get_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
                shape: tuple[int, int] | None = None) -> dict[str, int]:
     """The launch configuration for ``num_tokens`` tokens routed to ``top_k`` of ``num_experts`` experts.
 
     ``shape`` (intermediate, hidden): with it, a 16-bit step on a CUDA device whose tuned table holds this layer
-    takes the config tuned at the nearest token count (by ratio); otherwise the rows-per-expert table above."""
+    takes the config tuned at the nearest token count (by ratio, within ``TUNED_REACH``); otherwise the
+    rows-per-expert table above."""
     if shape is not None and dtype != torch.float32 and torch.cuda.is_available():
-        rows = _tuned_table(torch.cuda.get_device_name()).get(shape_key(num_experts, *shape))
-        if rows:
-            _, config = min(rows, key=lambda r: abs(math.log2(r[0] / max(num_tokens, 1))))
-            return dict(config)
+        config = nearest_tuned(_tuned_table(torch.cuda.get_device_name()).get(shape_key(num_experts, *shape)),
+                               num_tokens)
+        if config is not None:
+            return config
     rows_per_expert = num_tokens * top_k / num_experts
     config = next(c for bound, c in _TABLE if rows_per_expert <= bound)
     if dtype == torch.float32:

@@ -12,7 +12,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def usable(x: torch.Tensor, w13: torch.Tensor, activation: str) -> bool:
-    return (activation == "silu" and x.dtype in SUPPORTED_DTYPES and w13.dtype == x.dtype and x.dim() == 2
+    """Whether the Triton path takes these experts: 16/32-bit weights of x's type, or float8 weights (upcast
+    in the kernel) under a 16/32-bit activation."""
+    w_ok = w13.dtype == x.dtype or w13.dtype == torch.float8_e4m3fn
+    return (activation == "silu" and x.dtype in SUPPORTED_DTYPES and w_ok and x.dim() == 2
             and x.stride(-1) == 1 and w13.stride(-1) == 1)
 
 
@@ -23,6 +26,8 @@ def fused_experts(
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] int32
     config: dict[str, int] | None = None,
+    w13_scale: torch.Tensor | None = None,  # [E, 2I] float32 when w13 is float8
+    w2_scale: torch.Tensor | None = None,  # [E, H] float32 when w2 is float8
 ) -> torch.Tensor:  # [T, H]
     """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = ids[t, k], as ``fused_experts_ref``.
 
@@ -40,10 +45,11 @@ def fused_experts(
                                                               config["BLOCK_M"])
     num_pairs = tokens * top_k
     act = torch.empty(num_pairs, two_i // 2, dtype=hidden_states.dtype, device=hidden_states.device)
-    grouped_gemm(hidden_states, w13, act, None, sorted_ids, expert_ids, num_padded, top_k, config, gated=True)
+    grouped_gemm(hidden_states, w13, act, None, sorted_ids, expert_ids, num_padded, top_k, config, gated=True,
+                 w_scale=w13_scale)
     down = torch.empty(num_pairs, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
     grouped_gemm(act, w2, down, topk_weights.reshape(-1).float().contiguous(), sorted_ids, expert_ids, num_padded,
-                 1, config, gated=False)
+                 1, config, gated=False, w_scale=w2_scale)
     if top_k == 1:
         return down
     return down.view(tokens, top_k, hidden).sum(dim=1)

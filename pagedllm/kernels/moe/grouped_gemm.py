@@ -6,6 +6,10 @@ epilogues: ``GATED`` computes the gate and up columns of the same tile and write
 ``ROUTED`` scales each row by its routing weight. Products accumulate in float32; results are rounded
 where torch's reference rounds them (the projections, the activation), so float16/bfloat16 results stay
 within a rounding of the per-expert loop.
+
+Float8 experts (``W_SCALED``): the weight tiles load as float8 e4m3 and are upcast to the activation's
+type in registers, so the weight read (what a decode step costs) halves; each output column's scale
+(per expert and output row of the weight) multiplies the float32 sums in the epilogue.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ def _grouped_gemm_kernel(
     w_ptr,  # [E, N_w, K] (N_w = 2N when GATED); last dim contiguous
     out_ptr,  # [P, N] contiguous
     topk_weights_ptr,  # [P] float32
+    w_scale_ptr,  # [E, N_w] float32 when W_SCALED
     sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32
     expert_ids_ptr,  # [max_blocks] int32
     num_padded_ptr,  # [1] int32
@@ -37,6 +42,7 @@ def _grouped_gemm_kernel(
     GROUP_M: tl.constexpr,
     GATED: tl.constexpr,
     ROUTED: tl.constexpr,
+    W_SCALED: tl.constexpr,
     IEEE: tl.constexpr,  # float32 products in full precision rather than TF32
 ):
     pid = tl.program_id(0)
@@ -64,12 +70,16 @@ def _grouped_gemm_kernel(
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if W_SCALED:
+            w = w.to(a.dtype)
         if IEEE:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
         if GATED:
             w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if W_SCALED:
+                w_up = w_up.to(a.dtype)
             if IEEE:
                 acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
             else:
@@ -77,6 +87,12 @@ def _grouped_gemm_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     dtype = out_ptr.dtype.element_ty
+    if W_SCALED:
+        n_w = 2 * N if GATED else N
+        scale_ptrs = w_scale_ptr + expert * n_w + offs_n
+        acc = acc * tl.load(scale_ptrs, mask=n_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(scale_ptrs + N, mask=n_ok, other=0.0)[None, :]
     if GATED:
         gate = acc.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -101,6 +117,7 @@ def grouped_gemm(
     a_row_div: int,
     config: dict[str, int],
     gated: bool,
+    w_scale: torch.Tensor | None = None,  # [E, N (2N if gated)] float32 when w is float8
 ) -> None:
     n, k = out.shape[1], a.shape[1]
     if w.shape[1] != (2 * n if gated else n) or w.shape[2] != k:
@@ -109,10 +126,14 @@ def grouped_gemm(
     max_blocks = sorted_ids.numel() // block_m
     grid = (max_blocks * triton.cdiv(n, config["BLOCK_N"]),)
     routed = topk_weights is not None
+    scaled = w_scale is not None
+    if scaled and (w_scale.shape != w.shape[:2] or w_scale.dtype != torch.float32 or not w_scale.is_contiguous()):
+        raise ValueError(f"expert weight scales must be contiguous float32 of shape {tuple(w.shape[:2])}; got "
+                         f"{w_scale.dtype} {tuple(w_scale.shape)}")
     _grouped_gemm_kernel[grid](
-        a, w, out, topk_weights if routed else out, sorted_ids, expert_ids, num_padded,
+        a, w, out, topk_weights if routed else out, w_scale if scaled else out, sorted_ids, expert_ids, num_padded,
         n, k, out.shape[0], a_row_div, max_blocks, a.stride(0), w.stride(0), w.stride(1),
         BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
-        GATED=gated, ROUTED=routed, IEEE=a.dtype == torch.float32,
+        GATED=gated, ROUTED=routed, W_SCALED=scaled, IEEE=a.dtype == torch.float32,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )

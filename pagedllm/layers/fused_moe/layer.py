@@ -9,6 +9,11 @@ Under tensor parallelism each rank holds every expert's share of the intermediat
 gate/up and down split) and the partial outputs are summed over the group. Under expert parallelism
 (``get_ep_group()`` of more than one rank) each rank holds whole experts, a contiguous range of them, and
 tokens travel to them (``expert_parallel.py``); a rank reads only its own experts from the checkpoint.
+
+Float8 experts (``quantize_fp8``, run by ``--quantization fp8`` after loading) hold float8 e4m3 weights with
+a float32 scale per expert and output row: ``w13_weight_scale`` [E, 2I], ``w2_weight_scale`` [E, H]. A float8
+checkpoint (built under a serialized ``Fp8LinearMethod`` default) loads into that layout directly: each
+expert's ``weight_scale`` (one a row, or one for the tensor, repeated over its rows) into its scale rows.
 """
 from __future__ import annotations
 
@@ -19,6 +24,15 @@ from pagedllm.distributed.parallel_state import get_ep_group, get_tp_group
 from pagedllm.layers.fused_moe.expert_parallel import expert_parallel_experts
 from pagedllm.layers.fused_moe.reference import fused_experts_ref
 from pagedllm.layers.fused_moe.router import select_experts
+
+def _serialized_fp8() -> bool:
+    """Whether the model is being built for a float8 checkpoint (its linears default to stored float8)."""
+    from pagedllm.layers.linear import current_default_method
+    from pagedllm.layers.quantization.fp8 import Fp8LinearMethod
+
+    method = current_default_method()
+    return isinstance(method, Fp8LinearMethod) and method.serialized
+
 
 # Checkpoint shard ids: w1 the gate projection, w3 the up projection, w2 the down projection.
 SHARD_IDS = ("w1", "w2", "w3")
@@ -66,6 +80,7 @@ class MoEExperts(nn.Module):
         self.activation = activation
         self.tp_rank, self.tp_size = tp_rank, tp_size
         dtype = params_dtype or torch.get_default_dtype()
+        self.act_dtype = dtype  # the activations' type, which float8 experts keep
         i = self.intermediate_size_per_partition
         # Empty, not initialized: a checkpoint or the dummy loader overwrites them.
         local = self.num_local_experts
@@ -75,8 +90,28 @@ class MoEExperts(nn.Module):
         self.w2_weight.weight_loader = self.weight_loader
         # (shard id, expert id) pieces loaded so far: a checkpoint missing one expert must not pass as loaded.
         self._filled: dict[str, set[tuple[str, int]]] = {"w13": set(), "w2": set()}
+        self.w13_weight_scale: torch.Tensor | None = None  # [E, 2I] float32 once float8
+        self.w2_weight_scale: torch.Tensor | None = None  # [E, H] float32 once float8
         self.w13_weight.all_loaded = lambda: len(self._filled["w13"]) == 2 * local
         self.w2_weight.all_loaded = lambda: len(self._filled["w2"]) == local
+        if _serialized_fp8():
+            self._create_fp8_params(local, i, hidden_size)
+
+    def _create_fp8_params(self, local: int, i: int, hidden: int) -> None:
+        """Float8 weights and float32 scale rows that a float8 checkpoint fills as stored."""
+        fp8 = torch.float8_e4m3fn
+        for name, shape in (("w13_weight", (local, 2 * i, hidden)), ("w2_weight", (local, hidden, i))):
+            key = name[:-len("_weight")]
+            param = nn.Parameter(torch.empty(shape, dtype=fp8), requires_grad=False)
+            param.weight_loader = self.weight_loader
+            param.all_loaded = getattr(self, name).all_loaded
+            setattr(self, name, param)
+            scale = nn.Parameter(torch.empty(shape[:2], dtype=torch.float32), requires_grad=False)
+            scale.weight_loader = self.weight_loader
+            n_pieces = 2 * local if key == "w13" else local
+            self._filled[key + "_scale"] = set()
+            scale.all_loaded = lambda k=key + "_scale", n=n_pieces: len(self._filled[k]) == n
+            setattr(self, name + "_scale", scale)
 
     def weight_loader(
         self,
@@ -102,6 +137,9 @@ class MoEExperts(nn.Module):
         if not 0 <= local_id < self.num_local_experts:
             return  # another expert-parallel rank's expert
         i = self.intermediate_size_per_partition
+        if param is self.w13_weight_scale or param is self.w2_weight_scale:
+            self._load_scale(param, loaded_weight, shard_id, expert_id, local_id)
+            return
         if shard_id == "w2":
             dst = param.data[local_id]  # [H, I]
             src = loaded_weight.narrow(1, self.tp_rank * i, i) if self.tp_size > 1 else loaded_weight
@@ -114,6 +152,31 @@ class MoEExperts(nn.Module):
         dst.copy_(src)
         self._filled["w2" if shard_id == "w2" else "w13"].add((shard_id, expert_id))
 
+    def _load_scale(
+        self,
+        param: nn.Parameter,  # [E, 2I] or [E, H] float32
+        loaded: torch.Tensor,  # [N], [N, 1] or one value for the whole tensor
+        shard_id: str,
+        expert_id: int,
+        local_id: int,
+    ) -> None:
+        """One expert projection's float8 scales: the down projection's rows are the hidden size (never split),
+        the gate/up rows are split over tensor parallelism as their weights are."""
+        i = self.intermediate_size_per_partition
+        rows = self.hidden_size if shard_id == "w2" else i * self.tp_size
+        loaded = loaded.float().reshape(-1)
+        if loaded.numel() == 1:
+            loaded = loaded.expand(rows)
+        if loaded.numel() != rows:
+            raise ValueError(f"expert {expert_id} {shard_id} weight_scale has {loaded.numel()} values; its "
+                             f"projection has {rows} rows (one scale each, or one for the tensor)")
+        if shard_id == "w2":
+            param.data[local_id].copy_(loaded)
+        else:
+            src = loaded.narrow(0, self.tp_rank * i, i) if self.tp_size > 1 else loaded
+            param.data[local_id].narrow(0, 0 if shard_id == "w1" else i, i).copy_(src)
+        self._filled["w2_scale" if shard_id == "w2" else "w13_scale"].add((shard_id, expert_id))
+
     def _load_whole_expert(self, param: nn.Parameter, piece: torch.Tensor, expert_id: int) -> None:
         """One expert of a stacked checkpoint: [2I, H] gate then up, or [H, I]."""
         if param is self.w2_weight:
@@ -122,6 +185,23 @@ class MoEExperts(nn.Module):
         gate, up = piece.chunk(2, dim=0)
         self.weight_loader(param, gate, "w1", expert_id)
         self.weight_loader(param, up, "w3", expert_id)
+
+    def quantize_fp8(self) -> None:
+        """The loaded 16/32-bit experts to float8 rows with a float32 scale each, one expert at a time (the
+        peak is the loaded layer plus one expert in float32)."""
+        if self.w13_weight.dtype == torch.float8_e4m3fn:
+            return
+        from pagedllm.layers.quantization.fp8 import quantize_rows_ref
+
+        for name in ("w13_weight", "w2_weight"):
+            w = getattr(self, name).data  # [E, N, K]
+            q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+            scales = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+            for e in range(w.shape[0]):
+                q[e], s = quantize_rows_ref(w[e])
+                scales[e] = s.reshape(-1)
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            setattr(self, name + "_scale", scales)
 
     def forward(
         self,
@@ -145,11 +225,12 @@ class MoEExperts(nn.Module):
             from pagedllm.kernels.moe import fused_experts, usable
 
             if usable(hidden_states, self.w13_weight, self.activation):
-                return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+                return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                     w13_scale=self.w13_weight_scale, w2_scale=self.w2_weight_scale)
         return fused_experts_ref(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                 self.activation)
+                                 self.activation, self.w13_weight_scale, self.w2_weight_scale)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size_per_partition}, renormalize={self.renormalize}, "
-                f"tp={self.tp_size}, experts_per_rank={self.num_local_experts}")
+                f"tp={self.tp_size}, experts_per_rank={self.num_local_experts}, dtype={self.w13_weight.dtype}")

@@ -21,8 +21,13 @@ def fused_experts_ref(
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] integer expert ids
     activation: str = "silu",
+    w13_scale: torch.Tensor | None = None,  # [E, 2I] float32 when w13 is float8
+    w2_scale: torch.Tensor | None = None,  # [E, H] float32 when w2 is float8
 ) -> torch.Tensor:  # [T, H]
     """sum_k w[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t)) with e = ids[t, k].
+
+    Float8 experts (with their per-row scales) are dequantized through float32 one expert at a time, so
+    the reference never holds more than one expert in the activation's dtype.
 
     Experts are visited in increasing id and their rows added in that order, so every token sums its
     experts' outputs lowest id first, as HF transformers' loop does; an expert no token chose costs nothing.
@@ -41,8 +46,19 @@ def fused_experts_ref(
         pairs = order[start:start + n]
         start += n
         tokens = pairs // top_k
-        h = gated_activation(F.linear(hidden_states[tokens], w13[expert]), activation)
-        h = F.linear(h, w2[expert])
+        h = gated_activation(F.linear(hidden_states[tokens], _expert(w13, w13_scale, expert, out.dtype)), activation)
+        h = F.linear(h, _expert(w2, w2_scale, expert, out.dtype))
         weights = topk_weights.reshape(-1)[pairs].unsqueeze(-1)
         out.index_add_(0, tokens, (h * weights).to(out.dtype))
     return out
+
+
+def _expert(
+    w: torch.Tensor,  # [E, N, K]
+    scale: torch.Tensor | None,  # [E, N] float32, or None for unquantized weights
+    expert: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [N, K] in dtype
+    if scale is None:
+        return w[expert]
+    return (w[expert].float() * scale[expert].float()[:, None]).to(dtype)

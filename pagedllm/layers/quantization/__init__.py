@@ -48,10 +48,10 @@ def quantize_model(model: nn.Module, method: str) -> int:
                 producer.quantize_for = tuple(consumer.weight.shape)  # the consumer's (outputs, inputs)
     from pagedllm.layers.fused_moe import MoEExperts
 
-    moe_layers = sum(isinstance(m, MoEExperts) for m in model.modules())
-    if moe_layers:
-        logger.warning("quantization %s: the experts of %d MoE layers stay in %s (float8 experts are not "
-                       "supported yet)", method, moe_layers, next(model.parameters()).dtype)
+    for module in model.modules():
+        if isinstance(module, MoEExperts) and module.w13_weight.dtype != torch.float8_e4m3fn:
+            module.quantize_fp8()  # float8 experts with a scale per expert and output row
+            done += 1
     if kept:
         logger.info("quantization %s: %d linear layers kept in %s (dimensions not multiples of 16): %s",
                     method, len(kept), next(model.parameters()).dtype, ", ".join(kept[:4]))
