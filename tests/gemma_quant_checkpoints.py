@@ -34,7 +34,14 @@ def float_model() -> str:
 
         path = gguf_path()
         folder, name = os.path.split(path)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        # A model read from GGUF counts as quantized to transformers, which will not save it: the same weights go
+        # into a plain model built from the config without its quantization entry.
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf_model.state_dict())
         model.save_pretrained(dst)
         AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(dst)
 
