@@ -29,14 +29,14 @@ def reference_model(name: str, path: str, ref: str | None, float_dir: str):
 
     import quant_checkpoints as qc
 
-    if name == "w8a8":
+    if name.startswith("w8a8"):
         return qc.ct_reference_model(path, float_dir)
     return AutoModelForCausalLM.from_pretrained(ref or path, dtype=torch.float32).eval()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--formats", default="float32,w8a8,gptq-4b-g128,awq-4b-g128")
+    ap.add_argument("--formats", default="float32,w8a8,w8a8-rtn,gptq-4b-g128,awq-4b-g128,rtn-4b-g128")
     ap.add_argument("--tokens", type=int, default=None, help="score only the text's first N tokens")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
@@ -44,13 +44,15 @@ def main() -> None:
     import gemma_quant_checkpoints as gq
     import perplexity as pp
 
-    checkpoints = gq.make_all()
-    float_dir = checkpoints["float32"][0]
+    names = args.formats.split(",")
+    unknown = [n for n in names if n not in gq.MAKERS]
+    if unknown:
+        raise SystemExit(f"--formats: unknown format(s) {unknown}; known: {sorted(gq.MAKERS)}")
+    checkpoints = gq.make_all(names)
+    float_dir = gq.float_model()
     ids = pp.text_ids(float_dir, args.tokens)
     results: dict = {"text": os.path.relpath(pp.TEXT, REPO), "tokens": len(ids), "formats": {}}
-    for name in args.formats.split(","):
-        if name not in checkpoints:
-            raise SystemExit(f"--formats: unknown format {name!r}; known: {sorted(checkpoints)}")
+    for name in names:
         path, ref = checkpoints[name]
         llm = pp.pagedllm_llm(path, max_model_len=len(ids) + 8)
         ours = pp.pagedllm_perplexity(llm, ids)
@@ -58,7 +60,8 @@ def main() -> None:
         del llm
         theirs = pp.hf_perplexity(reference_model(name, path, ref, float_dir), ids)
         results["formats"][name] = {"pagedllm": ours, "reference": theirs}
-    base = results["formats"].get("float32", {}).get("reference")
+    base = results["formats"].get("float32", {}).get("reference") or pp.hf_perplexity(
+        reference_model("float32", float_dir, None, float_dir), ids)
     print(f"Gemma 3 270M, {results['text']}: {len(ids)} tokens")
     print(f"{'format':14s} {'pagedllm':>9s} {'reference':>9s} {'ours/ref':>9s} {'vs float32':>10s}")
     for name, r in results["formats"].items():

@@ -153,6 +153,15 @@ def _record_inputs(layer, h, kwargs, names) -> dict[str, torch.Tensor]:
     return seen
 
 
+def _same_input(names: list[str]) -> list[list[str]]:
+    """``names`` grouped by the input they read (q/k/v, gate/up), in order."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        key = name.rsplit(".", 1)[0] if name.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) else name
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
 def _linears(layer) -> list[str]:
     return [n for n in LINEARS if _has(layer, n)]
 
@@ -213,12 +222,16 @@ def quantize_model(model, ids: list[int], method: str, group: int = 128, sym: bo
                 grids[f"model.layers.{li}.{name}"] = grid
         elif method == "gptq":
             xs = _record_inputs(layer, h, kwargs[li], names)
-            for name in names:
-                mod = layer.get_submodule(name)
-                x = xs[name]
-                grid, deq = gptq(mod.weight.data.float(), x.t() @ x, group, sym)
-                mod.weight.data.copy_(deq)
-                grids[f"model.layers.{li}.{name}"] = grid
+            for same in _same_input(names):  # rows are rounded independently: linears sharing an input go together
+                x = xs[same[0]]
+                mods = [layer.get_submodule(n) for n in same]
+                grid, deq = gptq(torch.cat([m.weight.data.float() for m in mods], 0), x.t() @ x, group, sym)
+                row = 0
+                for name, mod in zip(same, mods):
+                    rows = slice(row, row + mod.weight.shape[0])
+                    mod.weight.data.copy_(deq[rows])
+                    grids[f"model.layers.{li}.{name}"] = Grid(grid.q[rows], grid.zeros[rows], grid.scales[rows])
+                    row = rows.stop
         elif method == "rtn":
             for name in names:
                 mod = layer.get_submodule(name)

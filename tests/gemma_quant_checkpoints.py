@@ -76,64 +76,86 @@ def _write(dst: str, tensors: dict, quant_cfg: dict | None) -> None:
             shutil.copy(os.path.join(src, extra), dst)
 
 
-def make_gptq() -> tuple[str, str]:
-    """(checkpoint, reference) of GPTQ 4-bit group-128 symmetric, round to nearest on each group's range."""
+def _calibration_ids(float_dir: str, limit: int | None) -> list[int]:
+    from transformers import AutoTokenizer
+
+    with open(CALIBRATION_TEXT, encoding="utf-8") as f:
+        ids = AutoTokenizer.from_pretrained(float_dir)(f.read())["input_ids"]
+    return ids[:limit] if limit else ids
+
+
+def _quantized_model(method: str, calibration_tokens: int | None, **kw):
+    """The float model with its decoder linears quantized in place by ``calibrated_quant`` and the grids."""
+    from transformers import AutoModelForCausalLM
+
+    import calibrated_quant as cq
+
+    model = AutoModelForCausalLM.from_pretrained(float_model(), dtype=torch.float32).eval()
+    grids = cq.quantize_model(model, _calibration_ids(float_model(), calibration_tokens), method, **kw)
+    return model, grids
+
+
+def _stored(model) -> dict:
+    """The model's tensors under the float checkpoint's names (no tied lm_head)."""
+    names = set(_state())
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if k in names}
+
+
+def make_gptq(method: str = "gptq", calibration_tokens: int | None = None) -> tuple[str, str]:
+    """(checkpoint, reference) of GPTQ 4-bit group-128 symmetric in GPTQ's layout: ``method`` 'gptq' calibrated
+    on the calibration text's first ``calibration_tokens`` tokens, 'rtn' rounded to nearest; the reference holds
+    the same integers dequantized."""
     def make(dst_q: str, dst_ref: str) -> None:
-        state = _state()
-        tensors, ref = dict(state), dict(state)
-        for module, _ in qc._linear_items(state):
-            w = state[module + ".weight"].float()  # [N, K]
-            k = w.shape[1]
-            g_idx = (torch.arange(k) // 128).to(torch.int32)
-            q, zeros, scales, deq = qc.gptq_quantize(w, 4, 128, True, g_idx, min_zero=1)
+        model, grids = _quantized_model(method, calibration_tokens, group=128, sym=True)
+        ref = _stored(model)
+        tensors = dict(ref)
+        for module, grid in grids.items():
+            k = grid.q.shape[1]
             del tensors[module + ".weight"]
-            tensors[module + ".qweight"] = qc._pack_rows(q, 4)
-            tensors[module + ".qzeros"] = qc._pack_rows((zeros - 1).t().contiguous() & 15, 4).t()
-            tensors[module + ".scales"] = scales
-            tensors[module + ".g_idx"] = g_idx
-            ref[module + ".weight"] = deq
+            tensors[module + ".qweight"] = qc._pack_rows(grid.q.t().contiguous(), 4)  # [K/8, N]
+            # The original GPTQ layout stores zero points minus one.
+            tensors[module + ".qzeros"] = qc._pack_rows((grid.zeros - 1).contiguous() & 15, 4).t()  # [G, N/8]
+            tensors[module + ".scales"] = grid.scales.t().contiguous()  # [G, N]
+            tensors[module + ".g_idx"] = (torch.arange(k) // 128).to(torch.int32)
         _write(dst_q, tensors, {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
                                 "sym": True, "checkpoint_format": "gptq"})
         _write(dst_ref, ref, None)
 
-    return qc._pair("gemma3-270m-rtn-gptq-4b-g128", make)
+    return qc._pair(f"gemma3-270m-{method}-4b-g128-c{calibration_tokens or 'all'}", make)
 
 
-def make_awq() -> tuple[str, str]:
-    """(checkpoint, reference) of AWQ 4-bit group-128 with zero points, round to nearest on each group's range."""
+def make_awq(calibration_tokens: int | None = None) -> tuple[str, str]:
+    """(checkpoint, reference) of AWQ 4-bit group-128 with zero points in AutoAWQ's layout, calibrated; its
+    scales are folded into the norms and up projections, which the checkpoint and the reference both hold."""
     def make(dst_q: str, dst_ref: str) -> None:
-        state = _state()
-        tensors, ref = dict(state), dict(state)
-        for module, _ in qc._linear_items(state):
-            w = state[module + ".weight"].float()  # [N, K]
-            n, k = w.shape
-            wg = w.reshape(n, k // 128, 128)
-            lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [N, K/128]
-            scales = ((hi - lo).clamp(min=1e-5) / 15).half()
-            s = scales.float()
-            zeros = torch.clamp(-torch.round(lo / s), 0, 15)
-            q = torch.clamp(torch.round(wg / s[..., None]) + zeros[..., None], 0, 15)
+        model, grids = _quantized_model("awq", calibration_tokens, group=128)
+        ref = _stored(model)
+        tensors = dict(ref)
+        for module, grid in grids.items():
             del tensors[module + ".weight"]
-            tensors[module + ".qweight"] = qc._pack_awq(q.reshape(n, k).t().to(torch.int32))
-            tensors[module + ".qzeros"] = qc._pack_awq(zeros.t().to(torch.int32))
-            tensors[module + ".scales"] = scales.t().contiguous()
-            ref[module + ".weight"] = ((q - zeros[..., None]) * s[..., None]).reshape(n, k)
+            tensors[module + ".qweight"] = qc._pack_awq(grid.q.t().contiguous())  # [K, N/8]
+            tensors[module + ".qzeros"] = qc._pack_awq(grid.zeros.t().contiguous())  # [G, N/8]
+            tensors[module + ".scales"] = grid.scales.t().contiguous()  # [G, N]
         _write(dst_q, tensors, {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
                                 "version": "gemm", "modules_to_not_convert": None})
         _write(dst_ref, ref, None)
 
-    return qc._pair("gemma3-270m-rtn-awq-g128", make)
+    return qc._pair(f"gemma3-270m-awq-g128-c{calibration_tokens or 'all'}", make)
 
 
-def make_ct_w8a8() -> str:
-    """INT8 W8A8 by compressed-tensors: per-channel symmetric weights, dynamic per-token symmetric activations."""
+def make_ct_w8a8(smooth_alpha: float | None = 0.8, calibration_tokens: int | None = None) -> str:
+    """INT8 W8A8 by compressed-tensors: per-channel symmetric weights, dynamic per-token symmetric activations;
+    ``smooth_alpha``: SmoothQuant's migration strength, its scales calibrated first (None: plain rounding)."""
     def make(dst: str) -> None:
         from compressed_tensors.compressors import ModelCompressor
         from compressed_tensors.quantization import apply_quantization_config
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         fmt, qconfig = qc._ct_config("ct-w8a8")
-        model = AutoModelForCausalLM.from_pretrained(float_model(), dtype=torch.float32)
+        if smooth_alpha is None:
+            model = AutoModelForCausalLM.from_pretrained(float_model(), dtype=torch.float32)
+        else:
+            model, _ = _quantized_model("smooth", calibration_tokens, smooth_alpha=smooth_alpha)
         apply_quantization_config(model, qconfig)
         with torch.no_grad():
             for module in model.modules():
@@ -148,19 +170,25 @@ def make_ct_w8a8() -> str:
         compressor.compress_model(model)
         model.save_pretrained(dst)
         compressor.update_config(dst)
-        from transformers import AutoTokenizer
-
         AutoTokenizer.from_pretrained(float_model()).save_pretrained(dst)
 
-    return qc._cached("gemma3-270m-ct-w8a8-rtn", make)
+    tag = "rtn" if smooth_alpha is None else f"smooth{smooth_alpha}"
+    return qc._cached(f"gemma3-270m-ct-w8a8-{tag}-c{calibration_tokens or 'all'}", make)
 
 
-def make_all() -> dict:
-    """Every checkpoint: name -> (checkpoint, reference or None where the library builds it)."""
-    gptq, gptq_ref = make_gptq()
-    awq, awq_ref = make_awq()
-    return {"float32": (float_model(), None), "w8a8": (make_ct_w8a8(), None), "gptq-4b-g128": (gptq, gptq_ref),
-            "awq-4b-g128": (awq, awq_ref)}
+MAKERS = {  # name -> () -> (checkpoint, reference or None where compressed-tensors builds it)
+    "float32": lambda: (float_model(), None),
+    "w8a8": lambda: (make_ct_w8a8(), None),
+    "w8a8-rtn": lambda: (make_ct_w8a8(None), None),
+    "gptq-4b-g128": lambda: make_gptq(),
+    "awq-4b-g128": lambda: make_awq(),
+    "rtn-4b-g128": lambda: make_gptq("rtn"),
+}
+
+
+def make_all(names=None) -> dict:
+    """The named checkpoints (default all): name -> (checkpoint, reference or None)."""
+    return {name: MAKERS[name]() for name in (names or MAKERS)}
 
 
 if __name__ == "__main__":
