@@ -212,6 +212,8 @@ def quantize_model(model, ids: list[int], method: str, group: int = 128, sym: bo
                 ws = [layer.get_submodule(n).weight.data.float() for n in linears]
                 s = (_smooth_scale(x, ws, smooth_alpha) if method == "smooth" else _awq_scale(x, ws, group))
                 _fold_scale(layer, prev, linears, s)
+            if method == "smooth" and _has(layer, "self_attn.v_proj") and _has(layer, "self_attn.o_proj"):
+                _smooth_v_into_o(layer, xs["self_attn.o_proj"], smooth_alpha)
         if method == "awq":  # clipping after scaling, on the scaled inputs
             xs = _record_inputs(layer, h, kwargs[li], names)
             for name in names:
@@ -248,6 +250,25 @@ def _smooth_scale(x: torch.Tensor, ws, alpha: float) -> torch.Tensor:
     amax = x.abs().amax(0).clamp(min=1e-5)
     wmax = torch.cat(ws, 0).abs().amax(0).clamp(min=1e-5)
     return (amax.pow(alpha) / wmax.pow(1 - alpha)).clamp(min=1e-5)
+
+
+def _smooth_v_into_o(layer, x: torch.Tensor, alpha: float) -> None:
+    """SmoothQuant between v_proj and o_proj under grouped queries: o_proj's input column (head h, channel d) is
+    attention over v_proj's row (kv head of h, d), so one scale per v_proj row serves every head that reads it.
+    ``x``: o_proj's inputs [T, heads * head_dim]."""
+    attn = layer.self_attn
+    v, o = attn.v_proj.weight.data, attn.o_proj.weight.data  # [kv * hd, H], [H, heads * hd]
+    hd = attn.head_dim
+    per_kv = (o.shape[1] // hd) // (v.shape[0] // hd)  # query heads reading one kv head
+    col = torch.arange(o.shape[1])
+    row = (col // hd) // per_kv * hd + col % hd  # the v_proj row each o_proj input column reads
+    amax = torch.zeros(v.shape[0]).scatter_reduce(0, row, x.abs().amax(0), "amax").clamp(min=1e-5)
+    wmax = torch.zeros(v.shape[0]).scatter_reduce(0, row, o.abs().amax(0), "amax").clamp(min=1e-5)
+    s = (amax.pow(alpha) / wmax.pow(1 - alpha)).clamp(min=1e-5)  # [kv * hd]
+    v.div_(s[:, None])
+    if attn.v_proj.bias is not None:
+        attn.v_proj.bias.data.div_(s)
+    o.mul_(s[row][None, :])
 
 
 def _awq_scale(x: torch.Tensor, ws, group: int, grid_points: int = 20) -> torch.Tensor:

@@ -20,6 +20,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import quant_checkpoints as qc  # noqa: E402
 
+# The calibration text: public domain like the scored one, but other documents, so nothing is fitted to what is scored.
+CALIBRATION_TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "data",
+                                "calibration_bill_of_rights_inaugural.txt")
+
 
 def gguf_path() -> str:
     from pagedllm.model_loader.default_model import default_model_path
@@ -173,7 +177,7 @@ def make_ct_w8a8(smooth_alpha: float | None = 0.8, calibration_tokens: int | Non
         AutoTokenizer.from_pretrained(float_model()).save_pretrained(dst)
 
     tag = "rtn" if smooth_alpha is None else f"smooth{smooth_alpha}"
-    return qc._cached(f"gemma3-270m-ct-w8a8-{tag}-c{calibration_tokens or 'all'}", make)
+    return qc._cached(f"gemma3-270m-ct-w8a8-vo-{tag}-c{calibration_tokens or 'all'}", make)
 
 
 MAKERS = {  # name -> () -> (checkpoint, reference or None where compressed-tensors builds it)

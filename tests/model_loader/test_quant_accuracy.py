@@ -108,3 +108,28 @@ def test_gemma_checkpoint_is_exact_to_its_format_and_useful(fmt: str, gemma, req
     if fmt in MISSED:
         request.applymarker(pytest.mark.xfail(strict=True, reason=MISSED[fmt]))
     assert ours / float_ppl <= TARGETS[fmt], f"{fmt}: perplexity {ours:.3f} is {ours / float_ppl:.3f}x float32's"
+
+
+# ---- refused before loading -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"quant_method": "hqq"}, "checkpoint quantization 'hqq' \\(quant_method\\) is not supported"),
+    ({"bits": 3}, "gptq.*bits 3"),
+    ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+])
+def test_checkpoint_with_unknown_or_inconsistent_config_is_refused_before_loading(tmp_path, change, message) -> None:
+    """The engine's config step refuses it, naming the field and value, before any weight is read."""
+    import json
+    import os
+
+    from pagedllm.engine_args import EngineArgs
+
+    path, _ = qc.make_gptq(4, 128, False, True)
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    config["quantization_config"].update(change)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    os.symlink(f"{path}/model.safetensors", tmp_path / "model.safetensors")
+    with pytest.raises((ValueError, NotImplementedError), match=message):
+        EngineArgs(model=str(tmp_path), device="cpu").create_engine_config()
