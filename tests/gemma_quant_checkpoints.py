@@ -1,14 +1,17 @@
 """Quantized checkpoints of the real Gemma 3 270M (its GGUF dequantized to float32) for the accuracy tests and
-``benchmarks/quant_quality.py``; ``python tests/gemma_quant_checkpoints.py`` makes them all.
+``benchmarks/quant_quality.py``; ``python tests/gemma_quant_checkpoints.py [NAME ...]`` makes them (see MAKERS).
 
 Cached under ``$PAGEDLLM_TEST_CACHE/quant`` beside the tiny ones, never committed:
-- ``gemma3-270m-f32``: transformers' dequantization of the GGUF saved as a plain float32 checkpoint (with the
-  tokenizer), the float reference every format is compared against;
-- ``gemma3-270m-ct-w8a8``: INT8 W8A8 (per-channel symmetric weights, dynamic per-token activations) made by
-  compressed-tensors itself, as ``quant_checkpoints.make_ct`` makes the tiny ones;
-- ``gemma3-270m-gptq-4b-g128`` and ``gemma3-270m-awq-g128``: 4-bit group-128 in GPTQ's and AutoAWQ's layouts,
-  packed by ``quant_checkpoints`` (GPTQModel and AutoAWQ do not install beside this CPU torch), each with its
-  dequantized float32 reference.
+- ``float32``: transformers' dequantization of the GGUF saved as a plain float32 checkpoint (with the tokenizer),
+  the float reference every format is compared against;
+- ``w8a8``: INT8 W8A8 (per-channel symmetric weights, dynamic per-token activations) made by compressed-tensors
+  itself after SmoothQuant scales from the calibration text are folded in; ``w8a8-rtn`` without them;
+- ``gptq-4b-g128`` (GPTQ's layout, symmetric) and ``awq-4b-g128`` (AutoAWQ's layout, zero points): calibrated by
+  ``calibrated_quant`` and packed by ``quant_checkpoints``, each with its dequantized float32 reference;
+  ``rtn-4b-g128``: GPTQ's layout rounded to nearest, the baseline calibration must beat.
+The field's calibrating tools do not install here: llm-compressor pins compressed-tensors and transformers below the
+versions the suite needs, GPTQModel and AutoAWQ need CUDA builds. ``calibrated_quant`` follows their algorithms.
+The calibration text (``benchmarks/data/calibration_bill_of_rights_inaugural.txt``) is not the scored one.
 """
 from __future__ import annotations
 
@@ -176,8 +179,9 @@ def make_ct_w8a8(smooth_alpha: float | None = 0.8, calibration_tokens: int | Non
         compressor.update_config(dst)
         AutoTokenizer.from_pretrained(float_model()).save_pretrained(dst)
 
-    tag = "rtn" if smooth_alpha is None else f"smooth{smooth_alpha}"
-    return qc._cached(f"gemma3-270m-ct-w8a8-vo-{tag}-c{calibration_tokens or 'all'}", make)
+    name = ("gemma3-270m-ct-w8a8-rtn" if smooth_alpha is None
+            else f"gemma3-270m-ct-w8a8-smooth{smooth_alpha}-c{calibration_tokens or 'all'}")
+    return qc._cached(name, make)
 
 
 MAKERS = {  # name -> () -> (checkpoint, reference or None where compressed-tensors builds it)
@@ -196,5 +200,5 @@ def make_all(names=None) -> dict:
 
 
 if __name__ == "__main__":
-    for name, dirs in make_all().items():
+    for name, dirs in make_all(sys.argv[1:]).items():
         print(name, *dirs)
