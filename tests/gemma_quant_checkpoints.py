@@ -11,7 +11,7 @@ Cached under ``$PAGEDLLM_TEST_CACHE/quant`` beside the tiny ones, never committe
   ``rtn-4b-g128``: GPTQ's layout rounded to nearest, the baseline calibration must beat.
 The field's calibrating tools do not install here: llm-compressor pins compressed-tensors and transformers below the
 versions the suite needs, GPTQModel and AutoAWQ need CUDA builds. ``calibrated_quant`` follows their algorithms.
-The calibration text (``benchmarks/data/calibration_bill_of_rights_inaugural.txt``) is not the scored one.
+The calibration text (``benchmarks/data/calibration_second_inaugural.txt``) is not the scored one.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import quant_checkpoints as qc  # noqa: E402
 
 # The calibration text: public domain like the scored one, but other documents, so nothing is fitted to what is scored.
 CALIBRATION_TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "data",
-                                "calibration_bill_of_rights_inaugural.txt")
+                                "calibration_second_inaugural.txt")
 
 
 def gguf_path() -> str:
