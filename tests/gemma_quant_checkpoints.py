@@ -194,6 +194,17 @@ MAKERS = {  # name -> () -> (checkpoint, reference or None where compressed-tens
 }
 
 
+# The cache name each maker writes, for is_made.
+_NAMES = {"float32": "gemma3-270m-float32", "w8a8": "gemma3-270m-ct-w8a8-smooth0.8-call", "w8a8-rtn":
+          "gemma3-270m-ct-w8a8-rtn", "gptq-4b-g128": "gemma3-270m-gptq-4b-g128-call",
+          "awq-4b-g128": "gemma3-270m-awq-g128-call", "rtn-4b-g128": "gemma3-270m-rtn-4b-g128-call"}
+
+
+def is_made(name: str) -> bool:
+    """Whether the named checkpoint is already in the cache."""
+    return (qc.quant_cache() / f"{_NAMES[name]}-v{qc.VERSION}" / "config.json").is_file()
+
+
 def make_all(names=None) -> dict:
     """The named checkpoints (default all): name -> (checkpoint, reference or None)."""
     return {name: MAKERS[name]() for name in (names or MAKERS)}

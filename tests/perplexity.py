@@ -56,12 +56,16 @@ def hf_perplexity(model, ids: list[int]) -> float:
 
 @torch.no_grad()
 def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    tokens = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
+    """Greedy continuations, prompts of one length run as one batch; only the last position's logits computed."""
+    tokens: list[list[int]] = [[] for _ in prompts]
+    for length in sorted({len(p) for p in prompts}):
+        rows = [i for i, p in enumerate(prompts) if len(p) == length]
+        ids = torch.tensor([prompts[i] for i in rows])  # [B, L]
         for _ in range(max_tokens):
-            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-        tokens.append(ids[0, len(prompt):].tolist())
+            logits = model(ids, logits_to_keep=1).logits[:, -1]  # [B, V]
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+        for row, i in enumerate(rows):
+            tokens[i] = ids[row, length:].tolist()
     return tokens
 
 

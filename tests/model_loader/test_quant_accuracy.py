@@ -17,15 +17,13 @@ import quant_checkpoints as qc  # noqa: E402
 
 PPL_TOLERANCE = 0.005  # pagedllm against the reference on the same checkpoint
 GREEDY_TOKENS = 8
-# What the real Gemma tests score: the text's first 2,048 tokens (the benchmark scores all of it) and the
-# calibration text's first 512 tokens, to stay within the test suite's time.
+# What the real Gemma tests score: the text's first 2,048 tokens (the benchmark scores all of it), for time.
 GEMMA_TOKENS = 2048
-GEMMA_CALIBRATION_TOKENS = 512
 
 
-def _exact(path: str, reference, ids: list[int]) -> tuple[float, float]:
-    """Asserts pagedllm's perplexity within PPL_TOLERANCE of ``reference``'s and equal greedy tokens over 16
-    prompts cut from ``ids``; returns (pagedllm's, the reference's) perplexity."""
+def _exact(path: str, reference, ids: list[int]) -> tuple[float, int]:
+    """Asserts pagedllm's perplexity within PPL_TOLERANCE of ``reference``'s; returns pagedllm's perplexity and
+    how many of 16 prompts cut from ``ids`` get the reference's greedy tokens."""
     llm = pp.pagedllm_llm(path, max_model_len=len(ids) + 8)
     try:
         ours = pp.pagedllm_perplexity(llm, ids)
@@ -35,8 +33,8 @@ def _exact(path: str, reference, ids: list[int]) -> tuple[float, float]:
         llm.llm_engine.engine_core.shutdown()
     theirs = pp.hf_perplexity(reference, ids)
     assert abs(ours / theirs - 1) <= PPL_TOLERANCE, (ours, theirs)
-    assert ours_greedy == pp.hf_greedy(reference, prompts, GREEDY_TOKENS)
-    return ours, theirs
+    same = sum(a == b for a, b in zip(ours_greedy, pp.hf_greedy(reference, prompts, GREEDY_TOKENS)))
+    return ours, same
 
 
 # ---- tiny random checkpoints: the text's bytes as tokens (the tiny vocabulary holds all 256) -------------------
@@ -64,7 +62,7 @@ def test_tiny_checkpoint_perplexity_matches_the_reference(name: str) -> None:
     else:
         path = qc.make_ct(name)
         reference = qc.ct_reference_model(path)
-    _exact(path, reference, _byte_ids())
+    assert _exact(path, reference, _byte_ids())[1] == 16
 
 
 # ---- the real Gemma 3 270M ------------------------------------------------------------------------------------
@@ -80,33 +78,40 @@ def gemma():
     return ids, pp.hf_perplexity(_hf_dir(float_dir), ids)
 
 
-def _gemma_checkpoint(fmt: str):
-    """(checkpoint, reference model) of one format, calibrated on GEMMA_CALIBRATION_TOKENS."""
+def _gemma_checkpoint(fmt: str, cached_only: bool):
+    """(checkpoint, reference model) of one format; None where ``cached_only`` and it is not made yet."""
     import gemma_quant_checkpoints as gq
 
-    if fmt == "w8a8":
-        path = gq.make_ct_w8a8(calibration_tokens=GEMMA_CALIBRATION_TOKENS)
-        return path, qc.ct_reference_model(path, gq.float_model())
-    if fmt == "gptq":
-        path, ref = gq.make_gptq(calibration_tokens=GEMMA_CALIBRATION_TOKENS)
-    else:
-        path, ref = gq.make_awq(calibration_tokens=GEMMA_CALIBRATION_TOKENS)
-    return path, _hf_dir(ref)
+    if cached_only and not gq.is_made(fmt):
+        return None
+    path, ref = gq.MAKERS[fmt]()
+    return path, (qc.ct_reference_model(path, gq.float_model()) if fmt.startswith("w8a8") else _hf_dir(ref))
 
 
-# Targets against float32 perplexity; a missed one carries its measured ratio.
-TARGETS = {"w8a8": 1.02, "gptq": 1.08, "awq": 1.08}
+# Usefulness targets against float32 perplexity.
+TARGETS = {"w8a8": 1.02, "gptq-4b-g128": 1.08, "awq-4b-g128": 1.08}
+# Targets missed after calibration (the figures of docs/performance.md): why, with the measured ratio.
 MISSED: dict[str, str] = {}
+# W8A8 rounds activations per token at run time: float rounding differences between two correct implementations
+# flip single roundings, and the flips compound through the layers, so greedy tokens diverge where two
+# candidates are close although perplexity agrees; the formats with float activations must match everywhere.
+GREEDY_MISSED: dict[str, str] = {}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(TARGETS))
 def test_gemma_checkpoint_is_exact_to_its_format_and_useful(fmt: str, gemma, request) -> None:
+    """W8A8 is made here (seconds); the calibrated 4-bit checkpoints take minutes on two cores, more than the
+    suite's budget, so they are checked where ``tests/gemma_quant_checkpoints.py`` (or the benchmark) made them."""
+    made = _gemma_checkpoint(fmt, cached_only=fmt != "w8a8")
+    if made is None:
+        pytest.skip(f"{fmt} checkpoint not made; `PYTHONPATH=$PWD python tests/gemma_quant_checkpoints.py {fmt}`")
     ids, float_ppl = gemma
-    path, reference = _gemma_checkpoint(fmt)
-    ours, _ = _exact(path, reference, ids)
-    if fmt in MISSED:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=MISSED[fmt]))
+    ours, same = _exact(made[0], made[1], ids)
+    missed = [why for why in (GREEDY_MISSED.get(fmt), MISSED.get(fmt)) if why]
+    if missed:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="; ".join(missed)))
+    assert same == 16, f"{fmt}: greedy tokens match in {same} of 16 prompts"
     assert ours / float_ppl <= TARGETS[fmt], f"{fmt}: perplexity {ours:.3f} is {ours / float_ppl:.3f}x float32's"
 
 
