@@ -6,8 +6,8 @@ The checkpoints (float32, w8a8, w8a8-rtn, gptq-4b-g128, awq-4b-g128, rtn-4b-g128
 ``benchmarks/data/declaration_gettysburg.txt`` read as one sequence. The reference is transformers loading the
 float checkpoint, or the format's dequantized float checkpoint (GPTQ, AWQ), or compressed-tensors' own model of
 the checkpoint (W8A8: decompressed weights, activations quantized by its forward). Making the calibrated
-checkpoints from an empty cache takes about 15 minutes on two CPU cores, scoring them about as long. Prints a table: perplexity,
-ratio to float32, pagedllm against the reference; ``--output-json`` writes the same numbers.
+checkpoints from an empty cache takes about 15 minutes on two CPU cores, scoring them about as long. Prints a
+table: perplexity, ratio to float32, pagedllm against the reference; ``--output-json`` writes the same numbers.
 
     PYTHONPATH=$PWD python benchmarks/quant_quality.py [--formats float32,w8a8,gptq-4b-g128]
         [--tokens N] [--output-json F]

@@ -69,7 +69,8 @@ def rtn(w: torch.Tensor, group: int, sym: bool, clip: torch.Tensor | None = None
     return Grid(q.to(torch.int32), zeros.to(torch.int32), scales), (q - zk) * sk.float()
 
 
-def gptq(w: torch.Tensor, hessian: torch.Tensor, group: int, sym: bool, damp: float = 0.01) -> tuple[Grid, torch.Tensor]:
+def gptq(w: torch.Tensor, hessian: torch.Tensor, group: int, sym: bool,
+         damp: float = 0.01) -> tuple[Grid, torch.Tensor]:
     """GPTQ of ``w`` [N, K] with ``hessian`` [K, K] = sum of x x^T over the calibration tokens: columns are rounded
     in order, each one's rounding error spread over the columns not yet rounded through the inverse Hessian's
     Cholesky factor; a group's grid is taken from its columns as they stand when the group is reached."""
@@ -218,8 +219,10 @@ def quantize_model(model, ids: list[int], method: str, group: int = 128, sym: bo
             xs = _record_inputs(layer, h, kwargs[li], names)
             for name in names:
                 mod = layer.get_submodule(name)
-                clip = None if name.endswith(("q_proj", "k_proj")) else _awq_clip(mod.weight.data.float(), xs[name], group)
-                grid, deq = rtn(mod.weight.data.float(), group, False, clip)
+                w = mod.weight.data.float()
+                # As AutoAWQ: the query and key projections keep their full range (attention scores are sensitive).
+                clip = None if name.endswith(("q_proj", "k_proj")) else _awq_clip(w, xs[name], group)
+                grid, deq = rtn(w, group, False, clip)
                 mod.weight.data.copy_(deq)
                 grids[f"model.layers.{li}.{name}"] = grid
         elif method == "gptq":
