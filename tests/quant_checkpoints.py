@@ -303,9 +303,10 @@ def make_ct(name: str) -> str:
     return _cached(name, make)
 
 
-def ct_reference_model(path: str):
+def ct_reference_model(path: str, float_dir: str | None = None):
     """The float model of a compressed-tensors checkpoint as the library reads it: each quantized linear's weight is
-    compressed-tensors' own decompression of the stored tensors; activations go through its quantized forward."""
+    compressed-tensors' own decompression of the stored tensors; activations go through its quantized forward.
+    ``float_dir``: the float checkpoint it was made from (default: the tiny base model)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
     from safetensors.torch import load_file
@@ -313,7 +314,7 @@ def ct_reference_model(path: str):
 
     with open(os.path.join(path, "config.json")) as f:
         qcfg = json.load(f)["quantization_config"]
-    config = AutoConfig.from_pretrained(base_model())
+    config = AutoConfig.from_pretrained(float_dir or base_model())
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     qconfig = QuantizationConfig.model_validate({k: v for k, v in qcfg.items() if k in QuantizationConfig.model_fields})
     apply_quantization_config(model, qconfig)
