@@ -48,10 +48,12 @@ class RMSNorm(nn.Module):
 
                 return kernel.rms_norm(x, self.weight, self.eps, residual, gemma=isinstance(self, GemmaRMSNorm),
                                        quantize=self.quantize_output and fuse_wanted(x, self.quantize_for))
-        elif type(self) in _CPU_KERNEL_CLASSES and norm_rope.usable_norm(x, self.weight, residual):
+        elif type(self) in _CPU_KERNEL_CLASSES:
             # One C pass per row instead of ~9 torch ops (a decode step makes ~100 norm calls); exact
-            # classes only, since a subclass may apply its weight otherwise.
-            return norm_rope.rms_norm(x, self.weight, self.eps, residual, gemma=type(self) is GemmaRMSNorm)
+            # classes only, since a subclass may apply its weight otherwise. None: tensors it does not take.
+            done = norm_rope.rms_norm_if_usable(x, self.weight, self.eps, residual, type(self) is GemmaRMSNorm)
+            if done is not None:
+                return done
         if residual is not None:
             x = x + residual
             residual = x

@@ -105,12 +105,10 @@ class RotaryEmbedding(nn.Module):
             if kernel.usable(query, key, positions, self.head_size, self.is_neox_style):
                 return kernel.rotary_neox_(positions, query, key, self.inv_freq, self.head_size, self.attention_scaling)
         cos, sin = self._cached_cos_sin(positions, query.dtype)
-        if (type(self) is RotaryEmbedding and cos.dtype == torch.float32
-                and norm_rope.usable_rotary(query, self.head_size) and norm_rope.usable_rotary(key, self.head_size)):
-            # One C pass over q and k in place, bit-identical to _rotate's arithmetic, instead of ~10 torch
-            # ops and their temporaries per call (exact class only: a subclass may rotate otherwise).
-            norm_rope.rotary_(query, cos, sin, self.head_size, self.is_neox_style)
-            norm_rope.rotary_(key, cos, sin, self.head_size, self.is_neox_style)
+        # One C pass over q and k in place, bit-identical to _rotate's arithmetic, instead of ~10 torch ops
+        # and their temporaries per call (exact class only: a subclass may rotate otherwise).
+        if type(self) is RotaryEmbedding and norm_rope.rotary_pair_if_usable(
+                query, key, cos, sin, self.head_size, self.is_neox_style):
             return query, key
         q = self._rotate(query.unflatten(-1, (-1, self.head_size)) if query.dim() == 2 else query, cos, sin)
         k = self._rotate(key.unflatten(-1, (-1, self.head_size)) if key.dim() == 2 else key, cos, sin)

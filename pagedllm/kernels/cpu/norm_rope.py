@@ -6,6 +6,7 @@ Contract (``layers/norm.py`` and ``layers/rotary.py`` depend on exactly this):
   contiguous, x 2-D or a [T, heads, H] view with a row stride, weight [H]); callers use torch otherwise.
 - ``rms_norm(x, weight, eps, residual, gemma)``: x [..., H] -> out [..., H] contiguous, and with a
   residual [..., H] also ``x + residual`` as a new contiguous tensor; neither input is written.
+  ``rms_norm_if_usable``: the same, or None for tensors ``usable_norm`` refuses (one check per call).
 - ``usable_rotary(x, head_size)`` / ``rotary_(x, cos, sin, head_size, neox)``: x [T, heads * D] or
   [T, heads, D] float32 (channels contiguous), cos / sin [T, R / 2] float32; the first R channels of
   every head rotated in place, bit-identical to ``RotaryEmbedding``'s torch arithmetic.
@@ -64,26 +65,15 @@ def available() -> bool:
     return _library() is not None
 
 
-def _rows_layout(x: torch.Tensor) -> tuple[int, int, int] | None:
-    """(token stride, head stride, heads) of x [T, H] or [T, heads, H] with contiguous channels, else None."""
-    if x.stride(-1) != 1:
-        return None
-    if x.dim() == 2:
-        return x.stride(0), 0, 1
-    if x.dim() == 3:
-        return x.stride(0), x.stride(1), x.shape[1]
-    return None
-
-
 def usable_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
     """Whether ``rms_norm`` takes these tensors; the caller's torch path serves every other case."""
     # One expression: a decode step makes ~100 of these checks.
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32
-            and weight.device.type == "cpu" and weight.dim() == 1 and weight.is_contiguous()
-            and x.dim() in (2, 3) and x.shape[-1] == weight.shape[0] and x.stride(-1) == 1
+    return (x.dtype == torch.float32 and x.is_cpu and weight.dtype == torch.float32 and weight.is_cpu
+            and weight.dim() == 1 and weight.is_contiguous() and 2 <= x.dim() <= 3
+            and x.shape[-1] == weight.shape[0] and x.stride(-1) == 1
             and not x.requires_grad and not weight.requires_grad
             and (residual is None or (residual.dtype == torch.float32 and residual.shape == x.shape
-                                      and residual.device.type == "cpu" and residual.is_contiguous()))
+                                      and residual.is_cpu and residual.is_contiguous()))
             and _library() is not None)
 
 
@@ -95,28 +85,43 @@ def rms_norm(
     gemma: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # out; with a residual (out, x + residual)
     """``RMSNorm.forward`` (``GemmaRMSNorm``'s with ``gemma``) for tensors ``usable_norm`` accepts."""
-    layout = _rows_layout(x) if x.dim() in (2, 3) else None
-    if layout is None or not usable_norm(x, weight, residual):
+    if not usable_norm(x, weight, residual):
         raise ValueError(f"x: {x.dtype} {tuple(x.shape)} stride {x.stride()}, weight: {weight.dtype} "
                          f"{tuple(weight.shape)}: must be float32 CPU [T, H] or [T, heads, H] with contiguous "
                          "channels and weight [H] (residual, if given, contiguous and of x's shape)")
-    tok, head, heads = layout
+    return _rms_norm(x, weight, eps, residual, gemma)
+
+
+def rms_norm_if_usable(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, gemma: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:  # as rms_norm; None where usable_norm is False
+    """``rms_norm``, or None (nothing computed) for tensors it does not take: the layers' one check per call."""
+    return _rms_norm(x, weight, eps, residual, gemma) if usable_norm(x, weight, residual) else None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+              gemma: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() == 2:
+        tok, head, heads = x.stride(0), 0, 1
+    else:
+        tok, head, heads = x.stride(0), x.stride(1), x.shape[1]
     n = x.shape[-1]
     rows = x.numel() // n if n else 0
-    out = torch.empty(x.shape, dtype=torch.float32)
-    new_residual = None if residual is None else torch.empty(x.shape, dtype=torch.float32)
+    # empty_like of a contiguous x is ~3x cheaper than empty(shape, dtype=...); a strided x gets a dense buffer.
+    out = torch.empty_like(x) if x.is_contiguous() else torch.empty(x.shape, dtype=torch.float32)
+    new_residual = None if residual is None else torch.empty_like(residual)
     if rows and n:
         _library().rms_norm_f32(x.data_ptr(), tok, head, heads,
                                 None if residual is None else residual.data_ptr(),
                                 None if residual is None else new_residual.data_ptr(),
-                                out.data_ptr(), rows, n, weight.data_ptr(), eps, int(gemma), _torch_lanes(),
+                                out.data_ptr(), rows, n, weight.data_ptr(), eps, gemma, _torch_lanes(),
                                 torch.get_num_threads())
     return out if residual is None else (out, new_residual)
 
 
 def usable_rotary(x: torch.Tensor, head_size: int) -> bool:
     """Whether ``rotary_`` rotates x ([T, heads * D] or [T, heads, D]) in place."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 and not x.requires_grad
+    return (x.dtype == torch.float32 and x.is_cpu and x.stride(-1) == 1 and not x.requires_grad
             and (x.dim() == 3 and x.shape[2] == head_size or x.dim() == 2 and x.shape[1] % head_size == 0)
             and _library() is not None)
 
@@ -141,11 +146,37 @@ def rotary_(
                              f"{tokens} x {half} elements (x's tokens x cos.shape[-1])")
     if 2 * half > head_size:
         raise ValueError(f"cos.shape[-1]={half}: rotates {2 * half} channels, more than head_size={head_size}")
+    return _rotate(x, cos, sin, head_size, neox)
+
+
+def rotary_pair_if_usable(
+    query: torch.Tensor,  # [T, Hq * D] or [T, Hq, D]; rotated in place when usable
+    key: torch.Tensor,  # [T, Hkv * D] or [T, Hkv, D]; likewise
+    cos: torch.Tensor,  # [T, R / 2] float32, contiguous (any shape of that many elements)
+    sin: torch.Tensor,  # likewise
+    head_size: int,
+    neox: bool,
+) -> bool:
+    """``rotary_`` of query and key where both are usable (one check per call, as a decode step wants),
+    returning whether it rotated them; False leaves them untouched."""
+    half = cos.shape[-1]
+    tokens = query.shape[0]
+    if not (usable_rotary(query, head_size) and usable_rotary(key, head_size) and key.shape[0] == tokens
+            and 2 * half <= head_size and cos.dtype == torch.float32 and sin.dtype == torch.float32 and cos.is_cpu
+            and cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == tokens * half):
+        return False
+    _rotate(query, cos, sin, head_size, neox)
+    _rotate(key, cos, sin, head_size, neox)
+    return True
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int, neox: bool) -> torch.Tensor:
     if x.dim() == 3:
         heads, tok, head = x.shape[1], x.stride(0), x.stride(1)
     else:
         heads, tok, head = x.shape[1] // head_size, x.stride(0), head_size
+    tokens, half = x.shape[0], cos.shape[-1]
     if tokens and heads and half:
         _library().rotary_f32(x.data_ptr(), tokens, heads, tok, head, cos.data_ptr(), sin.data_ptr(), half,
-                              int(neox), torch.get_num_threads())
+                              neox, torch.get_num_threads())
     return x
