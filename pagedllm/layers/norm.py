@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.kernels.cpu import norm_rope
+
 
 class RMSNorm(nn.Module):
     """``forward(x)`` returns the normalized ``x``; ``forward(x, residual)`` first adds the residual
@@ -46,6 +48,12 @@ class RMSNorm(nn.Module):
 
                 return kernel.rms_norm(x, self.weight, self.eps, residual, gemma=isinstance(self, GemmaRMSNorm),
                                        quantize=self.quantize_output and fuse_wanted(x, self.quantize_for))
+        elif type(self) in _CPU_KERNEL_CLASSES:
+            # One C pass per row instead of ~9 torch ops (a decode step makes ~100 norm calls); exact
+            # classes only, since a subclass may apply its weight otherwise. None: tensors it does not take.
+            done = norm_rope.rms_norm_if_usable(x, self.weight, self.eps, residual, type(self) is GemmaRMSNorm)
+            if done is not None:
+                return done
         if residual is not None:
             x = x + residual
             residual = x
@@ -66,3 +74,6 @@ class GemmaRMSNorm(RMSNorm):
     def _apply_weight(self, normed: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
         # In place: ``normed`` is _normalize's fresh float32 result, so this saves an [..., H] buffer.
         return normed.mul_(1.0 + self.weight.float()).to(input_dtype)
+
+
+_CPU_KERNEL_CLASSES = (RMSNorm, GemmaRMSNorm)

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.kernels.cpu import norm_rope
+
 
 class RotaryEmbedding(nn.Module):
     """Rotates the first ``rotary_dim`` channels of every head by position; the rest pass through."""
@@ -94,7 +96,8 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [T, Hq, D] or [T, Hq*D]
         key: torch.Tensor,  # [T, Hkv, D] or [T, Hkv*D]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # same shapes as query, key
-        """The rotated ``(query, key)``; on CUDA (neox style) they are rotated in place and returned."""
+        """The rotated ``(query, key)``; on CUDA (neox style) and for float32 CPU tensors they are rotated in
+        place and returned."""
         if query.is_cuda:
             # One Triton launch (cos/sin included) rotating q and k in place, instead of ~22 torch kernels.
             from pagedllm.kernels import rotary as kernel
@@ -102,6 +105,11 @@ class RotaryEmbedding(nn.Module):
             if kernel.usable(query, key, positions, self.head_size, self.is_neox_style):
                 return kernel.rotary_neox_(positions, query, key, self.inv_freq, self.head_size, self.attention_scaling)
         cos, sin = self._cached_cos_sin(positions, query.dtype)
+        # One C pass over q and k in place, bit-identical to _rotate's arithmetic, instead of ~10 torch ops
+        # and their temporaries per call (exact class only: a subclass may rotate otherwise).
+        if type(self) is RotaryEmbedding and norm_rope.rotary_pair_if_usable(
+                query, key, cos, sin, self.head_size, self.is_neox_style):
+            return query, key
         q = self._rotate(query.unflatten(-1, (-1, self.head_size)) if query.dim() == 2 else query, cos, sin)
         k = self._rotate(key.unflatten(-1, (-1, self.head_size)) if key.dim() == 2 else key, cos, sin)
         return q.reshape(query.shape), k.reshape(key.shape)
