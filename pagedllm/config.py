@@ -28,10 +28,11 @@ _KV_CACHE_TORCH_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "f
 
 # Weight quantization methods, vLLM's names. The online ones are applied at load to a 16/32-bit checkpoint:
 # "fp8" holds every decoder linear in float8 e4m3 with one scale per output row and quantizes each activation row
-# on the fly; "int8" does the same in int8 (W8A8). The others name the layout a quantized checkpoint stores
+# on the fly; "int8" does the same in int8 (W8A8); "int4" keeps 4-bit weights only (Q4_0 blocks on the CPU, groups of
+# 128 on CUDA: layers/quantization/int4.py) and multiplies in the activations' dtype. The others name the layout a quantized checkpoint stores
 # (layers/quantization/), which its own quantization_config selects; passing one must match it. "gguf" is what a
 # GGUF file gets on the CPU: its matrices stay in their ggml blocks (EngineArgs.gguf_dequantize turns that off).
-ONLINE_QUANTIZATION_METHODS = ("fp8", "int8")
+ONLINE_QUANTIZATION_METHODS = ("fp8", "int8", "int4")
 QUANTIZATION_METHODS = ONLINE_QUANTIZATION_METHODS + ("awq", "gptq", "compressed-tensors", "gguf")
 
 

@@ -41,3 +41,37 @@ def test_kernel_matches_oracle(dtype, m, k, n, bits, group, act_order):
     err = (got - want).abs().max().item()
     scale = want.abs().max().item()
     assert err <= 2e-2 * scale, (err, scale)
+
+
+def test_online_int4_on_the_gpu_equals_its_decoded_weights():
+    """``--quantization int4`` on CUDA: each linear in the W4A16 layout through the kernel; greedy tokens equal the
+    same model with the decoded weights (float32, the kernel's float16 activations aside: logprobs within 2e-2)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    import quant_checkpoints as qc
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.layers.quantization import int4
+
+    def make(dst: str) -> None:
+        state = qc._base_state()
+        for module, _ in qc._linear_items(state):
+            state[module + ".weight"] = int4.wna16_symmetric(state[module + ".weight"].float()).dequantize()
+        qc._write(dst, state, None)
+
+    prompts = [list(range(5 + 3 * i, 21 + 11 * i)) for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+    def run(path: str, **kw):
+        llm = LLM(model=path, dtype="float16", device="cuda", max_model_len=128, skip_tokenizer_init=True,
+                  enforce_eager=True, gpu_memory_utilization=0.1, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        del llm
+        return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].cumulative_logprob for o in outs]
+
+    tokens, lps = run(qc.base_model(), quantization="int4")
+    ref_tokens, ref_lps = run(qc._cached("int4-wna16-reference", make))
+    assert tokens == ref_tokens
+    assert all(abs(a - b) < 2e-2 * max(1.0, abs(b)) for a, b in zip(lps, ref_lps))

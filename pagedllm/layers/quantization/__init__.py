@@ -24,8 +24,8 @@ def quantize_model(model: nn.Module, method: str) -> int:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {method!r}")
     if method not in ONLINE_QUANTIZATION_METHODS:
         return 0  # the checkpoint stored its linears quantized; the loader filled them as they are
-    if method == "int8":
-        return _quantize_int8(model)
+    if method in ("int8", "int4"):
+        return _quantize_integer(model, method)
     done, kept = 0, []
     for name, layer in model.named_modules():
         if not isinstance(layer, LinearBase) or getattr(layer, "keep_unquantized", False):
@@ -69,20 +69,32 @@ def quantize_model(model: nn.Module, method: str) -> int:
     return done
 
 
-def _quantize_int8(model: nn.Module) -> int:
-    """Every 16/32-bit decoder linear to int8 rows with a scale each, activations quantized per token (W8A8)."""
+def _quantize_integer(model: nn.Module, method: str) -> int:
+    """Every 16/32-bit decoder linear to int8 rows with a scale each, activations quantized per token (W8A8), or
+    to 4-bit weights only (``int4.py``)."""
     from pagedllm.layers.linear import LinearBase, UnquantizedLinearMethod
+    from pagedllm.layers.quantization import int4
     from pagedllm.layers.quantization.int8 import W8A8Int8LinearMethod
 
-    done = 0
-    for layer in model.modules():
+    done, kept = 0, []
+    for name, layer in model.named_modules():
         if not isinstance(layer, LinearBase) or getattr(layer, "keep_unquantized", False):
             continue
         if not isinstance(layer.quant_method, UnquantizedLinearMethod) or layer.weight.dim() != 2:
             continue
-        layer.quant_method = W8A8Int8LinearMethod("symmetric")
-        W8A8Int8LinearMethod.quantize_loaded(layer)
+        if method == "int4":
+            if not int4.quantizable(layer):
+                kept.append(name)
+                continue
+            layer.quant_method = int4.Int4LinearMethod()
+            int4.Int4LinearMethod.quantize_loaded(layer)
+        else:
+            layer.quant_method = W8A8Int8LinearMethod("symmetric")
+            W8A8Int8LinearMethod.quantize_loaded(layer)
         done += 1
+    if kept:
+        logger.info("quantization int4: %d linear layers kept unquantized (inputs not a multiple of the 4-bit "
+                    "block): %s", len(kept), ", ".join(kept[:4]))
     if next(model.parameters()).device.type == "cuda":
         torch.cuda.empty_cache()
     return done
