@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels.cpu import gguf_gemm
-from pagedllm.kernels.gguf_triton import TRITON_TYPES, gguf_mm_triton
 from pagedllm.layers.quantization.gguf_dequant import dequantize as torch_dequantize
 from pagedllm.layers.cpu_linear import PackedWeight, cpu_linear
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizedLinearMethod
@@ -38,7 +37,11 @@ def packed_kernel_available(device: torch.device | str) -> bool:
 
 def keeps_packed(qtype: int, device: torch.device | str) -> bool:
     """Whether a tensor of ggml type ``qtype`` stays packed on ``device`` (else it is dequantized at load)."""
-    types = TRITON_TYPES if torch.device(device).type == "cuda" else gguf_gemm.KERNEL_TYPES
+    if torch.device(device).type == "cuda":
+        # Imported here: a CPU-only process never loads triton (~120 ms and ~47 MiB of resident memory).
+        from pagedllm.kernels.gguf_triton import TRITON_TYPES as types
+    else:
+        types = gguf_gemm.KERNEL_TYPES
     return int(qtype) in types and packed_kernel_available(device)
 
 
@@ -192,6 +195,8 @@ def _product(x: torch.Tensor, w: torch.Tensor, qtype: int, dense_packed: PackedW
         y = cpu_linear(x, w, None, dense_packed) if x.device.type == "cpu" else F.linear(x.to(w.dtype), w)
         return y.float()
     if w.device.type == "cuda":
+        from pagedllm.kernels.gguf_triton import gguf_mm_triton
+
         return gguf_mm_triton(x, w, qtype)  # in x's dtype: the GPU keeps 16-bit activations
     return gguf_gemm.gguf_mm(x.float().contiguous(), w, qtype)
 
