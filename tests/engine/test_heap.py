@@ -38,3 +38,33 @@ def test_freezing_can_be_turned_off(tmp_path, monkeypatch):
     llm = _llm(path)
     assert gc.get_freeze_count() == 0
     llm.llm_engine.engine_core.shutdown()
+
+
+def test_trim_heap_gives_freed_heap_pages_back(tmp_path):
+    """200 MiB of small C allocations freed but the last (which pins the heap's top, as a tokenizer's parse
+    leaves it): glibc keeps the pages until trim_heap returns them."""
+    import ctypes
+    import sys
+
+    import psutil
+    import pytest
+
+    from pagedllm.engine.heap import trim_heap
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("malloc_trim is glibc's")
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = []
+    for _ in range(200 * 1024):
+        p = libc.malloc(1024)
+        ctypes.memset(p, 1, 1024)  # touched: resident
+        blocks.append(p)
+    for p in blocks[:-1]:
+        libc.free(p)
+    before = psutil.Process().memory_info().rss
+    trim_heap()
+    after = psutil.Process().memory_info().rss
+    libc.free(blocks[-1])
+    assert before - after > 150 * 2**20, (before, after)
