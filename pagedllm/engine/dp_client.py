@@ -32,6 +32,9 @@ logger = logging.getLogger("pagedllm")
 
 # Sync receive poll period (offline engine): how soon a silently dead core is noticed.
 _SYNC_POLL_MS = 200
+# Cores in lockstep: how long a survivor's report of a lost peer waits for that peer's own exit to show, so
+# that the killed core is the one named (offline engine; the server's process watch sees exits at once).
+_PEER_DEATH_GRACE_S = 1.0
 
 
 def core_devices(engine_args: EngineArgs, core: int, visible: str | None) -> str:
@@ -136,7 +139,24 @@ class DPCoreClient:
         return self.dead_error is not None
 
     def _core_dead_callback(self, i: int) -> Callable[[str], None]:
-        return lambda message: self.mark_dead(f"data-parallel engine core {i}: {message}")
+        return lambda message: self.mark_dead(self._cause(i, message))
+
+    def _cause(self, i: int, message: str, grace_s: float = 0.0) -> str:
+        """What to report when core ``i`` died with ``message``. Cores in lockstep fail together: a survivor
+        reports the lost connection to a core that was killed (OOM, a signal), so such a core is named first,
+        waiting up to ``grace_s`` for its exit to show."""
+        text = f"data-parallel engine core {i}: {message}"
+        deadline = time.monotonic() + grace_s
+        while self.lockstep:
+            for j, core in enumerate(self.cores):
+                code = core.proc.exitcode if j != i and core.proc is not None else None
+                if code is not None and code < 0:
+                    return (f"data-parallel engine core {j}: process {core.proc.pid} was killed (signal {-code}); "
+                            f"then {text}")
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return text
 
     def start_watch(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._queue is not None:
@@ -232,7 +252,7 @@ class DPCoreClient:
         """The next (core index, CoreOutputs) of any core, or (-1, EngineDead) once one has died."""
         i, msg = await self._queue.get()
         if isinstance(msg, m.EngineDead):
-            self.mark_dead(msg.message if i < 0 else f"data-parallel engine core {i}: {msg.message}")
+            self.mark_dead(msg.message if i < 0 else self._cause(i, msg.message))
             return -1, m.EngineDead(self.dead_error)
         self.note_outputs(msg.outputs)
         return i, msg
@@ -253,7 +273,7 @@ class DPCoreClient:
                 if core._output in ready:
                     msg = core._decoder.decode(core._output.recv())
                     if isinstance(msg, m.EngineDead):
-                        self.mark_dead(f"data-parallel engine core {i}: {msg.message}")
+                        self.mark_dead(self._cause(i, msg.message, _PEER_DEATH_GRACE_S))
                     elif isinstance(msg, m.CoreOutputs):
                         self.note_outputs(msg.outputs)
                         got.append((i, msg))

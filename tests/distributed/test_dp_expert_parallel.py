@@ -2,14 +2,20 @@
 tokens (none, too), the process groups of K cores' ranks, and the sizes refused before anything loads."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import time
 
+import psutil
 import pytest
 import torch
 import torch.multiprocessing as mp
+from parallel_cases import COMMON, GREEDY, prompts
 from tiny_models import make_tiny_model
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.distributed.parallel_state import (
     destroy_model_parallel, get_ep_group, get_pp_group, get_tp_group, get_world_group, init_model_parallel,
 )
@@ -17,6 +23,7 @@ from pagedllm.layers.fused_moe import fused_experts_ref, select_experts
 from pagedllm.layers.fused_moe.expert_parallel import expert_parallel_experts
 
 EXPERTS, HIDDEN, INTER, TOP_K = 8, 24, 16, 3
+SHAPES = {"qwen3_moe": dict(num_hidden_layers=3, vocab_size=383), "mixtral": dict(num_hidden_layers=3, vocab_size=383)}
 # Tokens of core 0 and core 1 per case: one core without any, fewer tokens than a core's ranks, uneven sizes.
 CASES = ((0, 5), (7, 0), (1, 2), (9, 33), (0, 0))
 
@@ -102,3 +109,65 @@ def test_dp_and_ep_on_a_dense_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="data_parallel_size 2 .* this model has no experts"):
         LLM(model=path, dtype="float32", device="cpu", skip_tokenizer_init=True, data_parallel_size=2,
             enable_expert_parallel=True)
+
+
+def test_dp2_ep_greedy_tokens_equal_one_process(tmp_path):
+    # Two engine cores of one rank each share the experts (8 of 16 each). Every case gives one process's tokens:
+    # prompts of different lengths over both cores; one core whose only request ends after 2 tokens while the
+    # other's runs 14 (its steps in between are the empty MoE-only ones); a single request, so that one core never
+    # has any; two completions per prompt.
+    path = make_tiny_model("qwen3_moe", tmp_path / "m", **SHAPES["qwen3_moe"])
+    ids = prompts()
+    short_long = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 14)]
+    two = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2)
+    cases = [(ids, GREEDY), (ids[2:4], short_long), (ids[3:4], GREEDY), (ids[:3], two)]
+    want, _ = _generate_all(LLM(model=path, **COMMON), cases)
+    got, routed = _generate_all(LLM(model=path, data_parallel_size=2, enable_expert_parallel=True, **COMMON), cases)
+    assert got == want
+    # Requests routed to each core by the end of each case: the short and the long request on different cores.
+    assert routed[1][0] - routed[0][0] == 1 and routed[1][1] - routed[0][1] == 1, routed
+    assert sum(routed[2]) - sum(routed[1]) == 1, routed
+
+
+def _generate_all(llm: LLM, cases) -> tuple[list, list]:
+    client = llm.llm_engine.dp_client
+    try:
+        outs, routed = [], []
+        for prompt_ids, params in cases:
+            res = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+            outs.append([[list(c.token_ids) for c in o.outputs] for o in res])
+            routed.append(list(client.router.num_routed) if client is not None else None)
+        return outs, routed
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow  # four worker processes under two cores
+def test_dp2_tp2_ep_greedy_tokens_equal_one_process(tmp_path):
+    # 2 cores x 2 tensor ranks: 4 expert-parallel ranks of 2 experts each (Mixtral, top-2 of 8); chunked prefill
+    # (16-token steps) gives the cores steps of different sizes.
+    path = make_tiny_model("mixtral", tmp_path / "m", **SHAPES["mixtral"])
+    ids = prompts()
+    kwargs = dict(max_num_batched_tokens=16)
+    want, _ = _generate_all(LLM(model=path, **COMMON, **kwargs), [(ids, GREEDY)])
+    got, _ = _generate_all(LLM(model=path, data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True,
+                               **COMMON, **kwargs), [(ids, GREEDY)])
+    assert got == want
+
+
+def test_killed_core_ends_every_request_fast_and_leaves_no_process(tmp_path):
+    # The surviving core would wait for the dead one in its next MoE layer: the front-end fails every request at
+    # once, naming the dead core, and takes the survivor down too.
+    path = make_tiny_model("qwen3_moe", tmp_path / "m", **SHAPES["qwen3_moe"])
+    llm = LLM(model=path, data_parallel_size=2, enable_expert_parallel=True, **COMMON)
+    pids = llm.llm_engine.dp_client.pids
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="data-parallel engine core 1"):
+            llm.generate([{"prompt_token_ids": p} for p in prompts()],
+                         SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+        assert time.monotonic() - t0 < 10
+    finally:
+        llm.llm_engine.shutdown()
+    assert [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE] == []
