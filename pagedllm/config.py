@@ -140,7 +140,8 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     # Engine cores (each with its own tensor/pipeline-parallel group, requests and KV cache) behind one
     # front-end. Independent, unless enable_expert_parallel: then their ranks form one expert-parallel group
-    # per MoE layer (dp x tp ranks) and the cores step in lockstep (engine/core_proc.py).
+    # per MoE layer (dp x tp ranks) and the cores step in lockstep (engine/core_proc.py), synchronously: one
+    # model call per step, no asynchronous scheduling (EngineArgs refuses it), no CUDA graphs.
     data_parallel_size: int = 1
     # Data parallelism with expert parallelism, as one core sees it (the front-end fills these; plain data):
     # its index among the cores, the tcp:// address where every core's model ranks meet as one world, and

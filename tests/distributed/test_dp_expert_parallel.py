@@ -104,6 +104,15 @@ def test_pipeline_stages_with_dp_and_ep_are_refused_before_any_process_starts(tm
             enable_expert_parallel=True)
 
 
+def test_async_scheduling_with_dp_and_ep_is_refused_before_any_core_starts(tmp_path):
+    # The cores step in lockstep, one synchronous model call each per step.
+    path = make_tiny_model("mixtral", tmp_path / "m", num_hidden_layers=1, vocab_size=383)
+    with pytest.raises(NotImplementedError, match="async_scheduling with data_parallel_size 2 and "
+                                                  "enable_expert_parallel is not implemented"):
+        LLM(model=path, dtype="float32", device="cpu", skip_tokenizer_init=True, data_parallel_size=2,
+            enable_expert_parallel=True, async_scheduling=True)
+
+
 def test_dp_and_ep_on_a_dense_model_is_refused(tmp_path):
     path = make_tiny_model("llama", tmp_path / "m", num_hidden_layers=1)
     with pytest.raises(ValueError, match="data_parallel_size 2 .* this model has no experts"):
