@@ -139,12 +139,34 @@ class ParallelConfig:
     # A MoE layer's experts split whole between a stage's tensor-parallel ranks (tokens sent to them by
     # all-to-all) instead of each expert's rows split between them.
     enable_expert_parallel: bool = False
-    # Independent engine cores (each with its own tensor/pipeline-parallel group) behind one front-end.
+    # Engine cores (each with its own tensor/pipeline-parallel group, requests and KV cache) behind one
+    # front-end. Independent, unless enable_expert_parallel: then their ranks form one expert-parallel group
+    # per MoE layer (dp x tp ranks) and the cores step in lockstep (engine/core_proc.py), synchronously: one
+    # model call per step, no asynchronous scheduling (EngineArgs refuses it), no CUDA graphs.
     data_parallel_size: int = 1
+    # Data parallelism with expert parallelism, as one core sees it (the front-end fills these; plain data):
+    # its index among the cores, the tcp:// address where every core's model ranks meet as one world, and
+    # the tcp:// address of the cores' own lockstep group.
+    data_parallel_rank: int = 0
+    data_parallel_init_method: str | None = None
+    data_parallel_sync_method: str | None = None
 
     @property
     def world_size(self) -> int:
+        """One engine core's ranks (tensor x pipeline)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def dp_expert_parallel(self) -> bool:
+        """Whether the data-parallel cores share their MoE layers' experts (and so must step in lockstep)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks that split a MoE layer's experts: the core's tensor ranks, times the cores under data parallelism."""
+        if not self.enable_expert_parallel:
+            return 1
+        return self.tensor_parallel_size * (self.data_parallel_size if self.dp_expert_parallel else 1)
 
     @property
     def executor_backend(self) -> str:
@@ -165,6 +187,21 @@ class ParallelConfig:
         if self.data_parallel_size > MAX_DATA_PARALLEL_SIZE:
             raise ValueError(f"data_parallel_size must be <= {MAX_DATA_PARALLEL_SIZE} (one engine-core process each), "
                              f"got {self.data_parallel_size}")
+        if self.dp_expert_parallel:
+            # Pipeline stages keep several batches in flight, which the cores' one-model-call-per-step
+            # lockstep does not yet account for; Ray ranks may sit on other nodes than the loopback world.
+            if self.pipeline_parallel_size > 1:
+                raise NotImplementedError(
+                    f"pipeline_parallel_size {self.pipeline_parallel_size} with data_parallel_size "
+                    f"{self.data_parallel_size} and enable_expert_parallel is not implemented yet; use "
+                    "pipeline_parallel_size 1 (tensor parallelism inside each core works)")
+            if backend == "ray":
+                raise NotImplementedError(
+                    f"distributed_executor_backend 'ray' with data_parallel_size {self.data_parallel_size} and "
+                    "enable_expert_parallel is not implemented yet; use 'mp' (one host)")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank {self.data_parallel_rank} is outside data_parallel_size "
+                             f"{self.data_parallel_size}")
         if backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size "
                              f"{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size} "
@@ -189,7 +226,17 @@ class ParallelConfig:
         if layers < pp:
             raise ValueError(f"the model's {layers} layers are fewer than pipeline_parallel_size {pp}")
         experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
-        if isinstance(experts, int) and experts > 0 and tp > 1:
+        if isinstance(experts, int) and experts > 0 and self.dp_expert_parallel:
+            dp, ep = self.data_parallel_size, self.expert_parallel_size
+            if experts % ep:
+                raise ValueError(f"the model's {experts} experts are not divisible by data_parallel_size {dp} x "
+                                 f"tensor_parallel_size {tp} = {ep} expert-parallel ranks (enable_expert_parallel "
+                                 "gives each rank whole experts)")
+        elif self.dp_expert_parallel:
+            raise ValueError(f"enable_expert_parallel with data_parallel_size {self.data_parallel_size} splits a "
+                             "mixture-of-experts model's experts between the cores, and this model has no experts "
+                             "(num_local_experts / num_experts); drop enable_expert_parallel")
+        elif isinstance(experts, int) and experts > 0 and tp > 1:
             moe_inter = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", None)
             if self.enable_expert_parallel and experts % tp:
                 raise ValueError(f"the model's {experts} experts are not divisible by tensor_parallel_size {tp} "

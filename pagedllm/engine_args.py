@@ -59,6 +59,11 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     enable_expert_parallel: bool = False
     data_parallel_size: int = 1
+    # Set by the data-parallel front-end for each core it starts under expert parallelism (ParallelConfig);
+    # not command-line options.
+    data_parallel_rank: int = 0
+    data_parallel_init_method: str | None = None
+    data_parallel_sync_method: str | None = None
     download_dir: str | None = None
     attention_backend: str | None = None
     num_gpu_blocks_override: int | None = None
@@ -121,7 +126,8 @@ class EngineArgs:
                             help="engine cores behind one front-end, each with its own TP x PP group; a request "
                             "goes to the least-loaded core or the one holding its prompt's prefix")
         parser.add_argument("--enable-expert-parallel", action="store_true",
-                            help="MoE layers: each tensor-parallel rank holds whole experts, tokens sent to them")
+                            help="MoE layers: each tensor-parallel rank holds whole experts, tokens sent to them; "
+                            "with -dp N the N cores' ranks share the experts (N x tp ranks) and step in lockstep")
         parser.add_argument("--download-dir", type=str, default=None)
         parser.add_argument("--attention-backend", type=str, default=None, choices=["cpu", "torch_ref", "triton"])
         parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -181,6 +187,9 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend,
             enable_expert_parallel=self.enable_expert_parallel,
             data_parallel_size=self.data_parallel_size,
+            data_parallel_rank=self.data_parallel_rank,
+            data_parallel_init_method=self.data_parallel_init_method,
+            data_parallel_sync_method=self.data_parallel_sync_method,
         )
 
     def create_engine_config(self) -> EngineConfig:
@@ -255,7 +264,22 @@ class EngineArgs:
                 f"{self.pipeline_parallel_size} (an all-reduce inside a captured graph) are not implemented yet; "
                 "pass enforce_eager=True (--enforce-eager)"
             )
+        if parallel_config.dp_expert_parallel and device == "cuda" and not self.enforce_eager:
+            raise NotImplementedError(
+                f"CUDA graphs with data_parallel_size {self.data_parallel_size} and enable_expert_parallel (the "
+                "experts' all-to-alls wait on the host for their sizes) are not implemented yet; pass "
+                "enforce_eager=True (--enforce-eager)"
+            )
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
+        if parallel_config.dp_expert_parallel:
+            # The cores step in lockstep, one model call each per step (engine/core_proc.py): synchronous steps.
+            if self.async_scheduling:
+                raise NotImplementedError(
+                    f"async_scheduling with data_parallel_size {self.data_parallel_size} and enable_expert_parallel "
+                    "is not implemented yet (the cores step in lockstep); pass async_scheduling=False "
+                    "(--no-async-scheduling)"
+                )
+            async_scheduling = False
         if parallel_config.world_size > 1:
             if self.async_scheduling:
                 raise NotImplementedError(

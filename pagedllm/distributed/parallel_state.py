@@ -1,10 +1,14 @@
-"""The process groups of one engine's workers: world, tensor-parallel and pipeline-parallel, as objects.
+"""The process groups of one engine's workers: world, tensor-parallel, pipeline-parallel and expert-parallel.
 
-Global rank ``r`` of a world of ``tp * pp`` ranks is tensor rank ``r % tp`` of pipeline stage ``r // tp``:
-a stage's tensor-parallel ranks are neighbours, and a pipeline group joins the ranks of one tensor rank
-across stages. With expert parallelism the expert-parallel group is the tensor-parallel group: a stage's
-ranks split its MoE layers' experts between them instead of each expert's rows. Before ``init_model_parallel`` (one process, no torch.distributed) every group is a
-group of one whose collectives return their input, so layers call them unconditionally.
+Within one engine core, rank ``r`` of its ``tp * pp`` ranks is tensor rank ``r % tp`` of pipeline stage
+``r // tp``: a stage's tensor-parallel ranks are neighbours, and a pipeline group joins the ranks of one
+tensor rank across stages. With expert parallelism a stage's ranks split its MoE layers' experts between
+them instead of each expert's rows: the expert-parallel group is the tensor-parallel group. Under data
+parallelism with expert parallelism the K cores' ranks join one world of ``K * tp * pp`` (core ``d``'s rank
+``r`` is global rank ``d * tp * pp + r``); tensor and pipeline groups stay within a core, and the
+expert-parallel group of a stage joins that stage's ranks of every core, core by core (``K * tp`` ranks).
+Before ``init_model_parallel`` (one process, no torch.distributed) every group is a group of one whose
+collectives return their input, so layers call them unconditionally.
 """
 from __future__ import annotations
 
@@ -104,41 +108,61 @@ def get_world_group() -> GroupCoordinator:
 
 
 def get_ep_group() -> GroupCoordinator:
-    """The ranks that split a MoE layer's experts: the tensor-parallel group under expert parallelism, else one."""
+    """The ranks that split a MoE layer's experts: under expert parallelism the tensor-parallel group, or with
+    data parallelism that stage's tensor ranks of every core; else one."""
     return _EP
 
 
 def init_model_parallel(
     tensor_parallel_size: int, pipeline_parallel_size: int, rank: int, init_method: str, backend: str = "gloo",
-    timeout_s: float = 600.0, enable_expert_parallel: bool = False,
+    timeout_s: float = 600.0, enable_expert_parallel: bool = False, data_parallel_size: int = 1,
+    data_parallel_rank: int = 0,
 ) -> None:
-    """Joins the world of ``tp * pp`` ranks at ``init_method`` (e.g. ``tcp://127.0.0.1:PORT``) and builds the
-    groups. Every rank must call it: each ``new_group`` is itself a collective over the whole world."""
+    """Joins the world at ``init_method`` (e.g. ``tcp://127.0.0.1:PORT``) and builds the groups; ``rank`` is
+    the rank within its engine core. ``data_parallel_size`` K > 1 (expert parallelism across the cores): the
+    world holds every core's ranks, core ``data_parallel_rank``'s from ``data_parallel_rank * tp * pp`` on.
+    Every rank of the world must call it: each ``new_group`` is itself a collective over the whole world."""
     import datetime
 
     global _TP, _PP, _WORLD, _EP
-    tp, pp = tensor_parallel_size, pipeline_parallel_size
-    world = tp * pp
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is outside a world of {world} (tensor {tp} x pipeline {pp})")
+    tp, pp, dp = tensor_parallel_size, pipeline_parallel_size, data_parallel_size
+    per_core = tp * pp
+    world = dp * per_core
+    if not 0 <= rank < per_core:
+        raise ValueError(f"rank {rank} is outside a core of {per_core} ranks (tensor {tp} x pipeline {pp})")
+    if not 0 <= data_parallel_rank < dp:
+        raise ValueError(f"data_parallel_rank {data_parallel_rank} is outside data_parallel_size {dp}")
+    if dp > 1 and not enable_expert_parallel:
+        raise ValueError("data-parallel cores share a world only to split experts (enable_expert_parallel)")
     if world == 1:
         return
+    rank = data_parallel_rank * per_core + rank  # global from here on
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     _WORLD = GroupCoordinator(list(range(world)), rank, dist.group.WORLD)
-    for stage in range(pp):
-        ranks = list(range(stage * tp, (stage + 1) * tp))
-        group = dist.new_group(ranks) if tp > 1 else None
-        if rank in ranks:
-            _TP = GroupCoordinator(ranks, rank, group)
-    for tp_rank in range(tp):
-        ranks = list(range(tp_rank, world, tp))
-        group = dist.new_group(ranks) if pp > 1 else None
-        if rank in ranks:
-            _PP = GroupCoordinator(ranks, rank, group)
-    if enable_expert_parallel:
+    # Every rank creates every group, in the same order (new_group is a collective of the whole world).
+    for core in range(dp):
+        base = core * per_core
+        for stage in range(pp):
+            ranks = list(range(base + stage * tp, base + (stage + 1) * tp))
+            group = dist.new_group(ranks) if tp > 1 else None
+            if rank in ranks:
+                _TP = GroupCoordinator(ranks, rank, group)
+        for tp_rank in range(tp):
+            ranks = list(range(base + tp_rank, base + per_core, tp))
+            group = dist.new_group(ranks) if pp > 1 else None
+            if rank in ranks:
+                _PP = GroupCoordinator(ranks, rank, group)
+    if enable_expert_parallel and dp == 1:
         _EP = _TP
+    elif enable_expert_parallel:
+        for stage in range(pp):
+            # Core by core, each core's tensor ranks in order: expert-parallel rank d * tp + t.
+            ranks = [core * per_core + stage * tp + t for core in range(dp) for t in range(tp)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                _EP = GroupCoordinator(ranks, rank, group)
 
 
 def destroy_model_parallel() -> None:

@@ -60,6 +60,9 @@ def make_core_client(engine_args: EngineArgs) -> CoreClient | DPCoreClient:
     """One engine-core process, or data_parallel_size of them behind a router."""
     if engine_args.data_parallel_size > 1:
         engine_args._parallel_config().check()  # names a bad size before K processes start
+        if engine_args.enable_expert_parallel:
+            # The model's shapes against dp x tp expert-parallel ranks too (cores in lockstep meet at start-up).
+            engine_args.create_engine_config()
         return DPCoreClient(engine_args)
     return CoreClient(engine_args)
 

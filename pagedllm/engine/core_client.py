@@ -49,6 +49,7 @@ class CoreClient:
         self.on_dead: Callable[[str], None] | None = None
         self._watching = False
         self._closed = False
+        self._shutdown_sent = False
         self.num_blocks = 0
         self._ctx = self._input = self._output = self.proc = None
         self._tmpdir = tempfile.mkdtemp(prefix="pagedllm-core-")
@@ -85,25 +86,29 @@ class CoreClient:
         """Blocks until the core has built its engine; raises RuntimeError (and shuts the process
         down) if it failed or exited. Separate from __init__ so the caller can work meanwhile."""
         try:
-            self.num_blocks = self._wait_ready(timeout_s)
+            deadline = time.monotonic() + timeout_s
+            while not self.poll_ready(_STARTUP_POLL_MS):
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"engine core did not become ready within {timeout_s:.0f} s")
         except BaseException:
             self.shutdown()
             raise
 
-    def _wait_ready(self, timeout_s: float) -> int:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._output.poll(_STARTUP_POLL_MS):
-                msg = self._decoder.decode(self._output.recv())
-                if isinstance(msg, m.Ready):
-                    logger.info("engine core ready in process %d with %d KV blocks", msg.pid, msg.num_blocks)
-                    return msg.num_blocks
-                if isinstance(msg, m.EngineDead):
-                    raise RuntimeError(msg.message)
-                continue
-            if not self.proc.is_alive():
-                raise RuntimeError(f"engine core process exited during start-up (exit code {self.proc.exitcode})")
-        raise RuntimeError(f"engine core did not become ready within {timeout_s:.0f} s")
+    def poll_ready(self, wait_ms: int) -> bool:
+        """Waits up to ``wait_ms`` for the core's start-up to end: True once it is ready (``num_blocks`` set),
+        False while it is still starting; RuntimeError if it failed or exited."""
+        if self._output.poll(wait_ms):
+            msg = self._decoder.decode(self._output.recv())
+            if isinstance(msg, m.Ready):
+                logger.info("engine core ready in process %d with %d KV blocks", msg.pid, msg.num_blocks)
+                self.num_blocks = msg.num_blocks
+                return True
+            if isinstance(msg, m.EngineDead):
+                raise RuntimeError(msg.message)
+            return False
+        if not self.proc.is_alive():
+            raise RuntimeError(f"engine core process exited during start-up (exit code {self.proc.exitcode})")
+        return False
 
     # ---- liveness ----------------------------------------------------------------------------------
     @property
@@ -175,6 +180,26 @@ class CoreClient:
         if not self.is_dead:
             self._send(m.FinishByStopString(request_id, stop))
 
+    def wake(self) -> None:
+        """Ends the core's wait for input (data-parallel cores in lockstep: another core got a request)."""
+        if not self.is_dead:
+            self._send(m.Wake())
+
+    def request_shutdown(self) -> None:
+        """Asks the core to stop without waiting for it (``shutdown`` then waits)."""
+        if self._closed or self._shutdown_sent or self.proc is None or not self.proc.is_alive():
+            return
+        self._shutdown_sent = True
+        try:
+            self._input.send(self._encoder.encode(m.Shutdown()), self._zmq.NOBLOCK)
+        except self._zmq.ZMQError:
+            pass
+
+    def kill(self) -> None:
+        """Ends the core process at once (it ignores SIGTERM while serving); ``shutdown`` still cleans up."""
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+
     async def call_utility(self, method: str, *args: Any) -> Any:
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
@@ -214,12 +239,9 @@ class CoreClient:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         if self._closed:
             return
-        self._closed = True
         if self.proc is not None and self.proc.is_alive():
-            try:
-                self._input.send(self._encoder.encode(m.Shutdown()), self._zmq.NOBLOCK)
-            except self._zmq.ZMQError:
-                pass
+            self.request_shutdown()
+            self._closed = True
             self.proc.join(timeout_s)
             if self.proc.is_alive():
                 self.proc.terminate()
@@ -227,6 +249,7 @@ class CoreClient:
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join()
+        self._closed = True
         for sock in (self._input, self._async_output, self._output):
             if sock is not None:
                 sock.close()

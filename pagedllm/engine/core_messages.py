@@ -45,7 +45,12 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-CoreInput = Union[AddRequest, Abort, FinishByStopString, UtilityCall, Shutdown]
+class Wake(msgspec.Struct, tag="wake", array_like=True):
+    """Data-parallel cores in lockstep: another core got a request, so this one must leave its wait for input
+    and join the next agreement (core_proc._LockstepLoop)."""
+
+
+CoreInput = Union[AddRequest, Abort, FinishByStopString, UtilityCall, Shutdown, Wake]
 
 # ---- core -> front-end -------------------------------------------------------------------------
 

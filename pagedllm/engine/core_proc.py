@@ -4,6 +4,12 @@ Loop: drain every queued input message (add / abort / stop-string / utility), ru
 there is work, send the step's EngineCoreOutputs with fresh SchedulerStats. With nothing to do it
 blocks on the input socket (waking now and then to check that its parent is still alive). Any
 exception ends the process after an EngineDead message, so the front-end can fail requests at once.
+
+Data parallelism with expert parallelism: the K cores' ranks share every MoE layer's experts, so the cores
+step in lockstep (``_LockstepLoop``). Each iteration every core drains its inputs, then all agree over the
+lockstep group whether any has work; if one has, every core makes exactly one model call (its own step, or
+an empty one that only meets the others in the MoE layers), else every core waits for input. The front-end
+wakes every core whenever it sends one a request, so that they all come back to the agreement.
 """
 from __future__ import annotations
 
@@ -53,11 +59,16 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
     out.setsockopt(zmq.LINGER, 5000)
     out.connect(output_addr)
     encoder = m.output_encoder()
+    core = None
     try:
         core = _build_core(engine_args)
+        # A data-parallel core in lockstep meets the other cores here, before it reports ready.
+        loop = (_LockstepLoop if core.lockstep else _BusyLoop)(core, inp, out, parent_pid)
     except BaseException as e:  # noqa: BLE001 - report any start-up failure, then exit
         out.send(encoder.encode(m.EngineDead(f"engine core failed to start: {type(e).__name__}: {e}")))
         logger.error("engine core failed to start:\n%s", traceback.format_exc())
+        if core is not None:
+            core.shutdown()
         _close(ctx, inp, out)
         sys.exit(1)
     # From here the front-end owns shutdown: a SIGTERM sent to the whole process group (systemd's way)
@@ -66,7 +77,7 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     out.send(encoder.encode(m.Ready(num_blocks=core.num_blocks, pid=os.getpid())))
     try:
-        _BusyLoop(core, inp, out, parent_pid).run()
+        loop.run()
     except SystemExit:
         pass
     except BaseException as e:  # noqa: BLE001
@@ -148,6 +159,7 @@ class _BusyLoop:
                 self._send_outputs(outputs)
 
     def _drain_inputs(self) -> bool:
+        """Handles every queued message; whether any was more than a wake-up."""
         handled = False
         while True:
             try:
@@ -160,7 +172,7 @@ class _BusyLoop:
             except Exception as e:  # noqa: BLE001 - one bad message must not end the loop for everyone
                 logger.exception("engine core could not handle %s", type(msg).__name__)
                 self._reject(msg, e)
-            handled = True
+            handled = handled or not isinstance(msg, self.m.Wake)
 
     def _handle(self, msg) -> None:
         m = self.m
@@ -182,6 +194,7 @@ class _BusyLoop:
             self.out.send(self.encoder.encode(self._utility(msg)))
         elif isinstance(msg, m.Shutdown):
             self.running = False
+        # m.Wake: nothing to do; receiving it ended the wait for input (see _LockstepLoop).
 
     def _reject(self, msg, error: Exception) -> None:
         """Ends a request the core could not take in with an error output; a live id is left alone."""
@@ -231,3 +244,48 @@ class _BusyLoop:
             outputs=outputs, stats=self.core.stats(), queue_times=queue_times, prefill_times=prefill_times
         )
         self.out.send(self.encoder.encode(msg))
+
+
+# How long a core waits in the lockstep group for the others: at most one step of theirs while it is busy,
+# and one idle poll while it is idle. A core that dies closes its connections, which the others see at once.
+_LOCKSTEP_TIMEOUT_S = 600.0
+
+
+class _LockstepLoop(_BusyLoop):
+    """The busy loop of a data-parallel core whose ranks share the MoE layers' experts with the other cores'.
+
+    Every iteration is one agreement over the lockstep group and, when any core has work, one model call
+    here; synchronous steps only (the config refuses asynchronous scheduling), so the step's outputs are
+    known when it returns. A Shutdown also goes through the agreement, so every core leaves in the same
+    iteration instead of waiting for one that has gone.
+    """
+
+    def __init__(self, core, inp, out, parent_pid: int) -> None:
+        super().__init__(core, inp, out, parent_pid)
+        from pagedllm.distributed.lockstep import LockstepGroup
+
+        pc = core.config.parallel_config
+        self.group = LockstepGroup(pc.data_parallel_sync_method, pc.data_parallel_rank, pc.data_parallel_size,
+                                   _LOCKSTEP_TIMEOUT_S)
+
+    def run(self) -> None:
+        zmq = self.zmq
+        while True:
+            if os.getppid() != self.parent_pid:
+                logger.warning("front-end process %d is gone; engine core exits", self.parent_pid)
+                return
+            handled = self._drain_inputs()
+            busy = self.core.has_unfinished_requests()
+            any_work, stop = self.group.agree(busy, not self.running)
+            if stop:
+                return
+            if not any_work:
+                if handled:
+                    self._send_outputs([])  # fresh stats after an abort
+                if not self.inp.poll(_IDLE_POLL_MS, zmq.POLLIN):
+                    self.core.executor.check_health()
+                continue
+            self.sent_in_step = False
+            outputs = self.core.step_lockstep()
+            if not self.sent_in_step and (outputs or handled or busy):
+                self._send_outputs(outputs)

@@ -5,6 +5,11 @@ i sees devices [i*tp*pp, (i+1)*tp*pp) of the front-end's (CUDA_VISIBLE_DEVICES a
 picks the core of each new request; aborts and stop-string finishes go to the owning core; outputs
 of all cores are merged into one stream tagged with the core index. A core that dies kills the whole
 engine: every request in flight on any core fails with an error naming the core.
+
+With expert parallelism the cores' ranks share every MoE layer's experts: each core is told its index and
+two loopback addresses (where the model ranks of all cores meet as one world, and where the cores meet for
+their lockstep), every request sent to one core comes with a wake-up for the others, and the first core to
+die takes the others down at once, since they cannot go on without it.
 """
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import asyncio
 import dataclasses
 import logging
 import os
+import socket
+import time
 from typing import Any, Callable
 
 from pagedllm.core.request import Request
@@ -25,6 +32,9 @@ logger = logging.getLogger("pagedllm")
 
 # Sync receive poll period (offline engine): how soon a silently dead core is noticed.
 _SYNC_POLL_MS = 200
+# Cores in lockstep: how long a survivor's report of a lost peer waits for that peer's own exit to show, so
+# that the killed core is the one named (offline engine; the server's process watch sees exits at once).
+_PEER_DEATH_GRACE_S = 1.0
 
 
 def core_devices(engine_args: EngineArgs, core: int, visible: str | None) -> str:
@@ -42,9 +52,29 @@ def core_devices(engine_args: EngineArgs, core: int, visible: str | None) -> str
     return ",".join(str(i) for i in wanted)
 
 
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def core_engine_args(engine_args: EngineArgs) -> list[EngineArgs]:
+    """Each core's engine args: one core's own (data_parallel_size 1), or, with expert parallelism, the whole
+    data-parallel size with the core's index and the addresses where all cores' ranks and the cores meet."""
+    k = engine_args.data_parallel_size
+    if not engine_args.enable_expert_parallel:
+        return [dataclasses.replace(engine_args, data_parallel_size=1)] * k
+    model_world = f"tcp://127.0.0.1:{_free_loopback_port()}"
+    lockstep = f"tcp://127.0.0.1:{_free_loopback_port()}"
+    return [dataclasses.replace(engine_args, data_parallel_rank=i, data_parallel_init_method=model_world,
+                                data_parallel_sync_method=lockstep) for i in range(k)]
+
+
 class DPCoreClient:
     def __init__(self, engine_args: EngineArgs) -> None:
         self.num_cores = engine_args.data_parallel_size
+        # The cores step in lockstep (expert parallelism across them): see the module docstring.
+        self.lockstep = engine_args.enable_expert_parallel and self.num_cores > 1
         self.router = DPRouter(self.num_cores, engine_args.block_size)
         self.cores: list[CoreClient] = []
         self.dead_error: str | None = None
@@ -52,11 +82,10 @@ class DPCoreClient:
         self.num_blocks = 0
         self._queue: asyncio.Queue | None = None
         self._readers: list[asyncio.Task] = []
-        core_args = dataclasses.replace(engine_args, data_parallel_size=1)
         on_gpu = engine_args.device != "cpu"
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         try:
-            for i in range(self.num_cores):
+            for i, core_args in enumerate(core_engine_args(engine_args)):
                 devices = core_devices(engine_args, i, visible) if on_gpu else None
                 self.cores.append(self._spawn(core_args, devices))
         except BaseException:
@@ -79,13 +108,22 @@ class DPCoreClient:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
     def wait_ready(self, timeout_s: float = 900.0) -> None:
+        """Waits for every core at once: a core that fails to start is reported as soon as it does, even
+        while another waits for it (cores in lockstep meet during start-up)."""
+        deadline = time.monotonic() + timeout_s
+        starting = list(range(self.num_cores))
         try:
-            for i, core in enumerate(self.cores):
-                try:
-                    core.wait_ready(timeout_s)
-                except RuntimeError as e:
-                    raise RuntimeError(f"data-parallel engine core {i}: {e}") from e
-                core.on_dead = self._core_dead_callback(i)
+            while starting:
+                for i in list(starting):
+                    try:
+                        if self.cores[i].poll_ready(_SYNC_POLL_MS // len(starting)):
+                            starting.remove(i)
+                            self.cores[i].on_dead = self._core_dead_callback(i)
+                    except RuntimeError as e:
+                        raise RuntimeError(f"data-parallel engine core {i}: {e}") from e
+                if starting and time.monotonic() >= deadline:
+                    raise RuntimeError(f"data-parallel engine core {starting[0]}: engine core did not become ready "
+                                       f"within {timeout_s:.0f} s")
         except BaseException:
             self.shutdown()
             raise
@@ -101,7 +139,24 @@ class DPCoreClient:
         return self.dead_error is not None
 
     def _core_dead_callback(self, i: int) -> Callable[[str], None]:
-        return lambda message: self.mark_dead(f"data-parallel engine core {i}: {message}")
+        return lambda message: self.mark_dead(self._cause(i, message))
+
+    def _cause(self, i: int, message: str, grace_s: float = 0.0) -> str:
+        """What to report when core ``i`` died with ``message``. Cores in lockstep fail together: a survivor
+        reports the lost connection to a core that was killed (OOM, a signal), so such a core is named first,
+        waiting up to ``grace_s`` for its exit to show."""
+        text = f"data-parallel engine core {i}: {message}"
+        deadline = time.monotonic() + grace_s
+        while self.lockstep:
+            for j, core in enumerate(self.cores):
+                code = core.proc.exitcode if j != i and core.proc is not None else None
+                if code is not None and code < 0:
+                    return (f"data-parallel engine core {j}: process {core.proc.pid} was killed (signal {-code}); "
+                            f"then {text}")
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return text
 
     def start_watch(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._queue is not None:
@@ -129,6 +184,8 @@ class DPCoreClient:
         self.dead_error = message
         for core in self.cores:
             core.mark_dead(message)  # the survivors take no more requests and fail their pending calls
+            if self.lockstep:
+                core.kill()  # it would wait for the dead core in its next collective
         if self._queue is not None:
             self._queue.put_nowait((-1, m.EngineDead(message)))
         if self.on_dead is not None:
@@ -147,6 +204,11 @@ class DPCoreClient:
         except BaseException:
             self.router.finished(req.request_id)
             raise
+        if self.lockstep:
+            # The others may be waiting for input; they must join the agreement that starts this request.
+            for i, other in enumerate(self.cores):
+                if i != core:
+                    other.wake()
 
     def core_of(self, request_id: str) -> int:
         core = self.router.core_of(request_id)
@@ -190,7 +252,7 @@ class DPCoreClient:
         """The next (core index, CoreOutputs) of any core, or (-1, EngineDead) once one has died."""
         i, msg = await self._queue.get()
         if isinstance(msg, m.EngineDead):
-            self.mark_dead(msg.message if i < 0 else f"data-parallel engine core {i}: {msg.message}")
+            self.mark_dead(msg.message if i < 0 else self._cause(i, msg.message))
             return -1, m.EngineDead(self.dead_error)
         self.note_outputs(msg.outputs)
         return i, msg
@@ -211,7 +273,7 @@ class DPCoreClient:
                 if core._output in ready:
                     msg = core._decoder.decode(core._output.recv())
                     if isinstance(msg, m.EngineDead):
-                        self.mark_dead(f"data-parallel engine core {i}: {msg.message}")
+                        self.mark_dead(self._cause(i, msg.message, _PEER_DEATH_GRACE_S))
                     elif isinstance(msg, m.CoreOutputs):
                         self.note_outputs(msg.outputs)
                         got.append((i, msg))
@@ -225,6 +287,9 @@ class DPCoreClient:
         for task in self._readers:
             if not task.done():
                 task.cancel()
+        for core in self.cores:
+            # All at once: cores in lockstep leave together, in the iteration where the first one is asked.
+            core.request_shutdown()
         for core in self.cores:
             core.shutdown(timeout_s)
 

@@ -60,6 +60,10 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             config.model_config, config.structured_outputs_config.reasoning_parser
         )
+        # Data parallelism with expert parallelism: each step is exactly one model call (``step_lockstep``);
+        # whether the current step made it.
+        self.lockstep = config.parallel_config.dp_expert_parallel
+        self._model_called = False
         freeze_start_up_heap()
 
     @property
@@ -126,10 +130,23 @@ class EngineCore:
                 return failed
             scheduler_output = self._submitting = self.scheduler.schedule()
             self.structured.fill_bitmask(scheduler_output, self.scheduler)
+            self._model_called = True
             runner_output = self.executor.execute_model(scheduler_output)
             return failed + self._update(scheduler_output, runner_output)
         except Exception as e:  # noqa: BLE001 - contained below, or re-raised by the executor's reset
             return self._recover(e)
+
+    def step_lockstep(self) -> list[EngineCoreOutput]:
+        """One step that makes exactly one model call, for cores whose ranks share the MoE layers' experts
+        (data parallelism with expert parallelism): the scheduled step, or, when this core has nothing to
+        run (no request, or none schedulable: all waiting for blocks or grammars), an empty one whose MoE
+        layers meet the other cores' ranks with zero tokens. Steps are synchronous here (no async
+        scheduling, one batch in flight), so ``step`` makes at most one call."""
+        self._model_called = False
+        outputs = self.step() if self.has_unfinished_requests() else []
+        if not self._model_called:
+            self.executor.execute_dummy_batch()
+        return outputs
 
     def _update(self, so: SchedulerOutput, runner_output) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(so, runner_output)
@@ -142,6 +159,11 @@ class EngineCore:
                 failed.update(so.num_scheduled_tokens)
         if not failed:
             raise error  # nothing ran that could be blamed (the scheduler itself failed): not recoverable
+        if self.lockstep:
+            # A step that failed part-way left the other cores' ranks inside its MoE layers' collectives, or
+            # out of step with this core's: the group cannot go on, so the engine dies (and the front-end with
+            # it ends every request) rather than hanging.
+            raise error
         logger.exception("a step of %d requests failed", len(failed))
         self.executor.reset()  # raises when the device itself is broken: then the engine dies
         self._in_flight = self._submitting = None

@@ -49,6 +49,9 @@ class LLMEngine:
         from pagedllm.engine.dp_client import DPCoreClient
 
         engine_args._parallel_config().check()  # names a bad size before K processes start
+        if engine_args.enable_expert_parallel:
+            # The model's shapes against dp x tp expert-parallel ranks too (cores in lockstep meet at start-up).
+            engine_args.create_engine_config()
         client = DPCoreClient(engine_args)
         try:
             config = engine_args.create_engine_config()

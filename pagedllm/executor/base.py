@@ -5,7 +5,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.scheduler_output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):
@@ -24,6 +24,12 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step to completion and returns its output."""
+
+    def execute_dummy_batch(self) -> None:
+        """A step without requests. Under data parallelism with expert parallelism each rank answers it with its
+        MoE layers' collectives over zero tokens: a core that has nothing to run still meets the other cores'
+        ranks in every MoE layer of their step."""
+        self.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, set(), set()))
 
     def submit(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> float:
         """Launches one step; a non-empty one's output comes from a later ``take_output``. Returns the
@@ -65,6 +71,12 @@ class UniProcExecutor(Executor):
         super().__init__(config)
         from pagedllm.worker.worker import Worker
 
+        pc = config.parallel_config
+        if pc.dp_expert_parallel:
+            # This process is its core's only rank: it joins the other cores' ranks for the MoE layers.
+            from pagedllm.executor.rank_worker import join_model_parallel
+
+            join_model_parallel(config, rank=0)
         self.worker = Worker(config)
         self.worker.load_model()
 
@@ -89,3 +101,9 @@ class UniProcExecutor(Executor):
     def reset(self) -> None:
         super().reset()
         self.worker.reset()
+
+    def shutdown(self) -> None:
+        if self.config.parallel_config.dp_expert_parallel:
+            from pagedllm.distributed.parallel_state import destroy_model_parallel
+
+            destroy_model_parallel()

@@ -27,6 +27,29 @@ def where(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{at}"
 
 
+def join_model_parallel(config: EngineConfig, rank: int, init_method: str | None = None) -> None:
+    """Joins rank ``rank`` of this engine core to its process groups. Under data parallelism with expert
+    parallelism the world is every core's ranks, met at the address the front-end chose; else this core's
+    ranks at ``init_method``."""
+    import torch
+
+    from pagedllm.distributed.parallel_state import init_model_parallel
+
+    pc = config.parallel_config
+    cuda = config.device_config.device == "cuda"
+    if not cuda:
+        # One CPU thread pool per rank: the ranks (of every core that shares the world) share the host's cores.
+        ranks = pc.world_size * (pc.data_parallel_size if pc.dp_expert_parallel else 1)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    if pc.dp_expert_parallel:
+        init_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size, rank, pc.data_parallel_init_method,
+                            backend="nccl" if cuda else "gloo", enable_expert_parallel=True,
+                            data_parallel_size=pc.data_parallel_size, data_parallel_rank=pc.data_parallel_rank)
+    else:
+        init_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size, rank, init_method,
+                            backend="nccl" if cuda else "gloo", enable_expert_parallel=pc.enable_expert_parallel)
+
+
 class RankWorker:
     """A rank's Worker behind the message schema: ``start`` once, then ``handle`` every message."""
 
@@ -43,18 +66,11 @@ class RankWorker:
         """Joins the process group at ``init_method`` and loads this rank's shard; answers ``Ready``."""
         import torch
 
-        from pagedllm.distributed.parallel_state import init_model_parallel
         from pagedllm.worker.worker import Worker
 
-        pc = self.config.parallel_config
-        cuda = self.config.device_config.device == "cuda"
-        if cuda:
+        if self.config.device_config.device == "cuda":
             torch.cuda.set_device(self.local_rank)
-        else:
-            # One CPU thread pool per rank: the ranks share the host's cores.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.world_size))
-        init_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size, self.rank, init_method,
-                            backend="nccl" if cuda else "gloo", enable_expert_parallel=pc.enable_expert_parallel)
+        join_model_parallel(self.config, self.rank, init_method)
         self.worker = Worker(self.config, local_rank=self.local_rank)
         self.worker.load_model()
         return self.encoder.encode(m.Ready(self.rank, os.getpid()))

@@ -100,6 +100,9 @@ class ModelRunner:
         self._deferred: DeferredSampling | None = None
         # Device time of each step, for the engine core's just-in-time submission (two timed events a step).
         self.time_steps = device.type == "cuda" and sc.submit_just_in_time
+        # Data parallelism with expert parallelism: every step is a model call, an empty one included (the
+        # other cores' ranks wait in its MoE layers' collectives).
+        self.dummy_when_empty = config.parallel_config.dp_expert_parallel
 
     def load_model(self) -> None:
         from pagedllm.layers.kv_scales import use_kv_scales
@@ -281,11 +284,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs one step to completion."""
+        """Runs one step to completion; under data parallelism with expert parallelism an empty step runs the
+        MoE layers' collectives over zero tokens (``execute_dummy_batch``)."""
         self.submit(so)
         if so.total_num_scheduled_tokens == 0:
+            if self.dummy_when_empty:
+                self.execute_dummy_batch()
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         return self.take_output()
+
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """This core's share of a step in which it has no tokens: every MoE layer's all-to-alls, in order,
+        with nothing to send, so that the cores that do have tokens get their experts' results."""
+        from pagedllm.layers.fused_moe.layer import run_moe_collectives
+
+        run_moe_collectives(self.model)
 
     @torch.inference_mode()
     def submit(self, so: SchedulerOutput, defer_sampling: bool = False) -> float:

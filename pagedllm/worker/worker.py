@@ -248,6 +248,7 @@ def _log_experts(model: torch.nn.Module) -> None:
     layers = [m for m in model.modules() if isinstance(m, MoEExperts)]
     if layers:
         first = layers[0]
-        logger.info("moe: %d layers of %d experts (top-%d); this rank holds experts %d-%d of each (%d per rank)",
-                    len(layers), first.num_experts, first.top_k, first.first_expert,
-                    first.first_expert + first.num_local_experts - 1, first.num_local_experts)
+        logger.info("moe: %d layers of %d experts (top-%d); this rank holds experts %d-%d of each (%d per rank, "
+                    "%d expert-parallel ranks)", len(layers), first.num_experts, first.top_k, first.first_expert,
+                    first.first_expert + first.num_local_experts - 1, first.num_local_experts,
+                    first.ep_group.world_size)

@@ -1,11 +1,17 @@
 """Expert parallelism: a MoE layer's experts split between the ranks of a group, tokens sent to the rank that
 holds each chosen expert and the results sent back, by two all-to-alls.
 
-Every rank of the group enters with the same tokens (the tensor-parallel ranks of a stage hold replicated
-activations). Each rank routes only its own contiguous slice of them, so every (token, expert) pair is sent
-once; the slices' outputs are gathered at the end so that every rank leaves with every token's output.
-Each rank computes its experts over the pairs it received in increasing token order, and each token's
-outputs are summed lowest expert id first: the order of the one-rank reference, so float32 results match it.
+The tokens are replicated within a token group and differ between token groups: the tensor-parallel ranks
+of a stage hold the same activations (the token group), and under data parallelism each engine core's
+group holds its own requests' tokens, any number of them, zero included. The expert-parallel group is the
+token groups one after the other. Each rank routes only its own contiguous slice of its token group's
+tokens, so every (token, expert) pair is sent once; the slices' outputs are gathered within the token group
+at the end, so that every rank leaves with its group's every token's output. The all-to-alls' sizes vary
+per rank pair and are exchanged first.
+
+Each rank computes its experts over the pairs it received in increasing token order (of the token groups'
+tokens laid end to end, group by group), and each token's outputs are summed lowest expert id first: the
+order of the one-rank reference over those tokens, so float32 results match it.
 """
 from __future__ import annotations
 
@@ -17,18 +23,24 @@ from pagedllm.distributed.parallel_state import GroupCoordinator
 
 
 def expert_parallel_experts(
-    hidden_states: torch.Tensor,  # [T, H], the same on every rank of ``group``
+    hidden_states: torch.Tensor,  # [T, H], the same on every rank of ``token_group``
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] global expert ids
     group: GroupCoordinator,
     num_local_experts: int,
     local_experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    token_group: GroupCoordinator | None = None,
 ) -> torch.Tensor:  # [T, H]
     """``local_experts(rows [R, H], weights [R, 1], local ids [R, 1]) -> [R, H]`` runs this rank's experts, each
-    row already scaled by its routing weight. Rank r holds experts [r * num_local_experts, (r + 1) * ...)."""
-    n, me = group.world_size, group.rank_in_group
+    row already scaled by its routing weight. Rank r of ``group`` holds experts [r * num_local_experts,
+    (r + 1) * ...). ``token_group``: the ranks holding this rank's tokens, a run of consecutive members of
+    ``group`` (None: the whole group, whose ranks then all hold the same tokens). Every rank of ``group``
+    must call this, with zero tokens if it has none."""
+    token_group = group if token_group is None else token_group
+    n = group.world_size
     tokens, top_k = topk_ids.shape
-    per_rank = -(-tokens // n)
+    per_rank = -(-tokens // token_group.world_size)
+    me = token_group.rank_in_group
     start, end = min(me * per_rank, tokens), min((me + 1) * per_rank, tokens)
 
     # This rank's (token, slot) pairs, ordered by expert id (stable: increasing token within an expert), so the
@@ -48,8 +60,8 @@ def expert_parallel_experts(
     weights = topk_weights[start:end].reshape(-1)[order].float()
     recv_weights = group.all_to_all(weights, send_counts, recv_counts)  # [R]
 
-    # The received runs come from the ranks in order, i.e. in increasing token order; within one expert the rows
-    # must keep that order, so sort by local expert id stably.
+    # The received runs come from the ranks in order, i.e. in increasing token order (token group by token
+    # group); within one expert the rows must keep that order, so sort by local expert id stably.
     local_order = torch.argsort(recv_meta[:, 0], stable=True)
     out_local = torch.empty_like(rows)
     out_local[local_order] = local_experts(rows[local_order], recv_weights[local_order].unsqueeze(-1),
@@ -63,7 +75,7 @@ def expert_parallel_experts(
         out_slice.index_add_(0, pair_tokens[chunk], back[chunk].to(out_slice.dtype))
     padded = hidden_states.new_zeros(per_rank, hidden_states.shape[1])
     padded[: end - start] = out_slice
-    return group.all_gather(padded, dim=0)[:tokens]
+    return token_group.all_gather(padded, dim=0)[:tokens]
 
 
 def _by_expert(sorted_ids: torch.Tensor) -> list[slice]:

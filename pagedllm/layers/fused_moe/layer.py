@@ -8,7 +8,9 @@ run the experts; elsewhere the per-expert reference does.
 Under tensor parallelism each rank holds every expert's share of the intermediate rows (as the dense MLP's
 gate/up and down split) and the partial outputs are summed over the group. Under expert parallelism
 (``get_ep_group()`` of more than one rank) each rank holds whole experts, a contiguous range of them, and
-tokens travel to them (``expert_parallel.py``); a rank reads only its own experts from the checkpoint.
+tokens travel to them (``expert_parallel.py``); a rank reads only its own experts from the checkpoint. With
+data parallelism the expert-parallel group spans every engine core's ranks, so each ``forward`` is a
+collective of all of them: a core without tokens still calls it, with none (``run_moe_collectives``).
 
 Float8 experts (``quantize_fp8``, run by ``--quantization fp8`` after loading) hold float8 e4m3 weights with
 a float32 scale per expert and output row: ``w13_weight_scale`` [E, 2I], ``w2_weight_scale`` [E, H]. A float8
@@ -69,7 +71,7 @@ class MoEExperts(nn.Module):
         ep = self.ep_group.world_size
         if num_experts % ep:
             raise ValueError(f"the model's {num_experts} experts are not divisible by the {ep} expert-parallel ranks "
-                             "(tensor_parallel_size with enable_expert_parallel)")
+                             "(tensor_parallel_size, times data_parallel_size, with enable_expert_parallel)")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep
         self.first_expert = self.ep_group.rank_in_group * self.num_local_experts
@@ -210,8 +212,9 @@ class MoEExperts(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         if self.ep_group.world_size > 1:
+            # The tensor-parallel ranks hold the same tokens; other data-parallel cores' ranks hold their own.
             return expert_parallel_experts(hidden_states, topk_weights, topk_ids, self.ep_group,
-                                           self.num_local_experts, self._local_experts)
+                                           self.num_local_experts, self._local_experts, token_group=self.tp_group)
         out = self._local_experts(hidden_states, topk_weights, topk_ids)
         return self.tp_group.all_reduce(out) if self.tp_size > 1 else out
 
@@ -234,3 +237,14 @@ class MoEExperts(nn.Module):
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size_per_partition}, renormalize={self.renormalize}, "
                 f"tp={self.tp_size}, experts_per_rank={self.num_local_experts}, dtype={self.w13_weight.dtype}")
+
+
+@torch.inference_mode()
+def run_moe_collectives(model: nn.Module) -> None:
+    """Every expert-parallel MoE layer of ``model``, in order, over zero tokens: the part of a forward pass that
+    the other data-parallel cores' ranks wait for, when this core has nothing to run (no attention, no KV)."""
+    for layer in model.modules():
+        if isinstance(layer, MoEExperts) and layer.ep_group.world_size > 1:
+            device = layer.w13_weight.device
+            hidden = torch.empty(0, layer.hidden_size, dtype=layer.act_dtype, device=device)
+            layer(hidden, torch.empty(0, layer.num_experts, dtype=layer.act_dtype, device=device))
