@@ -16,13 +16,20 @@ import perplexity as pp  # noqa: E402
 import quant_checkpoints as qc  # noqa: E402
 
 PPL_TOLERANCE = 0.005  # pagedllm against the reference on the same checkpoint
+# W8A8 on the real Gemma rounds every activation per token: a one-ulp change of the reference's own input
+# embeddings (relative noise of 2^-22) moves its perplexity by -0.38% to +0.40% (four draws), because flipped
+# roundings compound through 18 layers whose activations carry outliers. Two correct implementations that
+# round floats differently (a fused QKV product, another GEMM blocking) sit anywhere in that spread, so the
+# check there is against three times it. The layers themselves are exact: a linear of this checkpoint equals
+# compressed-tensors' own to float rounding (the tiny checkpoints hold the 0.5% bound).
+GEMMA_W8A8_PPL_TOLERANCE = 0.015
 GREEDY_TOKENS = 8
 # What the real Gemma tests score: the text's first 2,048 tokens (the benchmark scores all of it), for time.
 GEMMA_TOKENS = 2048
 
 
-def _exact(path: str, reference, ids: list[int]) -> tuple[float, int]:
-    """Asserts pagedllm's perplexity within PPL_TOLERANCE of ``reference``'s; returns pagedllm's perplexity and
+def _exact(path: str, reference, ids: list[int], tolerance: float = PPL_TOLERANCE) -> tuple[float, int]:
+    """Asserts pagedllm's perplexity within ``tolerance`` of ``reference``'s; returns pagedllm's perplexity and
     how many of 16 prompts cut from ``ids`` get the reference's greedy tokens."""
     llm = pp.pagedllm_llm(path, max_model_len=len(ids) + 8)
     try:
@@ -32,7 +39,7 @@ def _exact(path: str, reference, ids: list[int]) -> tuple[float, int]:
     finally:
         llm.llm_engine.engine_core.shutdown()
     theirs = pp.hf_perplexity(reference, ids)
-    assert abs(ours / theirs - 1) <= PPL_TOLERANCE, (ours, theirs)
+    assert abs(ours / theirs - 1) <= tolerance, (ours, theirs)
     same = sum(a == b for a, b in zip(ours_greedy, pp.hf_greedy(reference, prompts, GREEDY_TOKENS)))
     return ours, same
 
@@ -101,7 +108,7 @@ MISSED = {
 # W8A8 rounds activations per token at run time: float rounding differences between two correct implementations
 # flip single roundings, and the flips compound through the layers, so greedy tokens diverge where two
 # candidates are close although perplexity agrees; the formats with float activations must match everywhere.
-GREEDY_MISSED = {"w8a8": "W8A8 greedy tokens matched the reference's in 12 of 16 prompts (perplexity within 0.03%)"}
+GREEDY_MISSED = {"w8a8": "W8A8 greedy tokens diverge from the reference's in some of 16 prompts (rounding flips, above)"}
 
 
 @pytest.mark.slow
@@ -113,7 +120,7 @@ def test_gemma_checkpoint_is_exact_to_its_format_and_useful(fmt: str, gemma, req
     if made is None:
         pytest.skip(f"{fmt} checkpoint not made; `PYTHONPATH=$PWD python tests/gemma_quant_checkpoints.py {fmt}`")
     ids, float_ppl = gemma
-    ours, same = _exact(made[0], made[1], ids)
+    ours, same = _exact(made[0], made[1], ids, GEMMA_W8A8_PPL_TOLERANCE if fmt == "w8a8" else PPL_TOLERANCE)
     missed = [why for why in (GREEDY_MISSED.get(fmt), MISSED.get(fmt)) if why]
     if missed:
         request.applymarker(pytest.mark.xfail(strict=True, reason="; ".join(missed)))

@@ -56,8 +56,25 @@ def _library() -> ctypes.CDLL | None:
 
 @functools.cache
 def _torch_lanes() -> int:
-    """Floats in a vector of torch's CPU kernels here, whose summation order the norm's kernel follows."""
-    return 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
+    """Floats per vector in the order torch's CPU sum adds a row here, which the norm's kernel follows.
+
+    Measured, not read from ``get_cpu_capability()``: a build may report AVX512 and still reduce float
+    rows with 8-float vectors. 0 when neither width reproduces torch's sum (the layers then keep torch).
+    """
+    lib = _library()
+    if lib is None:
+        return 0
+    x = torch.randn(2, 4097, generator=torch.Generator().manual_seed(0)) * 3
+    w = torch.randn(4097, generator=torch.Generator().manual_seed(1))
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    for lanes in (8, 16):
+        out = torch.empty_like(x)
+        lib.rms_norm_f32(x.data_ptr(), x.stride(0), 0, 1, None, None, out.data_ptr(), 2, 4097, w.data_ptr(),
+                         1e-6, 0, lanes, 1)
+        if torch.equal(out, want):
+            return lanes
+    logger.warning("CPU norm kernel does not reproduce torch's row sum here: RMSNorm takes the torch path")
+    return 0
 
 
 def available() -> bool:
@@ -74,7 +91,7 @@ def usable_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
             and not x.requires_grad and not weight.requires_grad
             and (residual is None or (residual.dtype == torch.float32 and residual.shape == x.shape
                                       and residual.is_cpu and residual.is_contiguous()))
-            and _library() is not None)
+            and _torch_lanes() != 0)
 
 
 def rms_norm(
@@ -123,7 +140,7 @@ def usable_rotary(x: torch.Tensor, head_size: int) -> bool:
     """Whether ``rotary_`` rotates x ([T, heads * D] or [T, heads, D]) in place."""
     return (x.dtype == torch.float32 and x.is_cpu and x.stride(-1) == 1 and not x.requires_grad
             and (x.dim() == 3 and x.shape[2] == head_size or x.dim() == 2 and x.shape[1] % head_size == 0)
-            and _library() is not None)
+            and _torch_lanes() != 0)
 
 
 def rotary_(
