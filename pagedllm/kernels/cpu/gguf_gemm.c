@@ -1,4 +1,5 @@
-/* Products and row decodes of GGUF-quantized weights kept in their packed ggml blocks (AVX2 + FMA + F16C).
+/* Products and row decodes of GGUF-quantized weights kept in their packed ggml blocks (AVX2 + FMA + F16C; with
+   AVX-512 where the build enables it, for the one- and two-row products of the 32-element block types).
 
    A weight row is a run of blocks; each block is read as groups of 32 consecutive elements. Every weight
    is w = a * q - c for a small integer q read from the bits, a scale a and an offset c: the products the
@@ -365,6 +366,105 @@ DEFINE_TYPE(Q4_K)
 DEFINE_TYPE(Q5_K)
 DEFINE_TYPE(Q6_K)
 
+#ifdef __AVX512F__
+/* The one- and two-row products of the 32-element block types with 16-float vectors, built where the CPU
+   has AVX-512 (a decode step's products: the LM head, q/k/v, gate/up). x stays in element order; xs holds,
+   per row of x and group, 16 floats whose sum is -offset * (the group's sum of x), the offset term of the
+   factored product. A group's 32 integers become two vectors of 16 floats: elements 0-15 and 16-31. */
+INLINE void group_ints16(const int type, const uint8_t *blk, __m512i q[2]) {
+    if (type == Q8_0) {
+        q[0] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)));
+        q[1] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)));
+        return;
+    }
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + (type == Q4_0 ? 2 : 6)));
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    q[0] = _mm512_cvtepu8_epi32(_mm_and_si128(qs, nib));
+    q[1] = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), nib));
+    if (type == Q5_0) {
+        uint32_t qh;
+        memcpy(&qh, blk + 2, 4);
+        const __m512i bit4 = _mm512_set1_epi32(16);
+        q[0] = _mm512_mask_or_epi32(q[0], (__mmask16)(qh & 0xFFFF), q[0], bit4);
+        q[1] = _mm512_mask_or_epi32(q[1], (__mmask16)(qh >> 16), q[1], bit4);
+    }
+}
+
+/* One block of the factored product for MT rows of x: acc[m] += d * (q . x + offset term). */
+INLINE void block16(const int type, const int MT, const uint8_t *blk, const float *x, const float *xs,
+                    const int64_t K, const int64_t nblocks, const int64_t b, __m512 acc[2]) {
+    __m512i q[2];
+    group_ints16(type, blk, q);
+    const __m512 v0 = _mm512_cvtepi32_ps(q[0]), v1 = _mm512_cvtepi32_ps(q[1]);
+    const __m512 a = _mm512_set1_ps(half_at(blk));
+#pragma GCC unroll 2
+    for (int m = 0; m < MT; m++) {
+        const float *xk = x + m * K + 32 * b;
+        __m512 t = q_offset(type) ? _mm512_fmadd_ps(v0, _mm512_loadu_ps(xk), _mm512_loadu_ps(xs + (m * nblocks + b) * 16))
+                                  : _mm512_mul_ps(v0, _mm512_loadu_ps(xk));
+        t = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xk + 16), t);
+        acc[m] = _mm512_fmadd_ps(a, t, acc[m]);
+    }
+}
+
+INLINE void mm_tile16(const int type, const int MT, const float *x, const float *xs, const int64_t K,
+                      const uint8_t *w, const int64_t row_bytes, const int64_t n0, const int64_t n1, float *y,
+                      const int64_t N) {
+    const int64_t nblocks = K / 32;
+    const int bb = block_bytes(type);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        // Even and odd blocks in their own registers: two short dependency chains instead of one long one.
+        __m512 even[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, odd[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        int64_t b = 0;
+        for (; b + 2 <= nblocks; b += 2) {
+            block16(type, MT, row + b * bb, x, xs, K, nblocks, b, even);
+            block16(type, MT, row + (b + 1) * bb, x, xs, K, nblocks, b + 1, odd);
+        }
+        if (b < nblocks) block16(type, MT, row + b * bb, x, xs, K, nblocks, b, even);
+#pragma GCC unroll 2
+        for (int m = 0; m < MT; m++) y[m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(even[m], odd[m]));
+    }
+}
+
+#define DEFINE_TYPE16(T)                                                                                   \
+    static void mm16_##T(const float *x, const float *xs, int64_t M, int64_t K, const uint8_t *w,          \
+                         int64_t row_bytes, int64_t N, float *y, int nthreads) {                           \
+        const int64_t chunk = row_chunk(N, nthreads), chunks = (N + chunk - 1) / chunk;                     \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")                              \
+        for (int64_t c = 0; c < chunks; c++) {                                                              \
+            const int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;                             \
+            if (M == 2) mm_tile16(T, 2, x, xs, K, w, row_bytes, n0, n1, y, N);                              \
+            else mm_tile16(T, 1, x, xs, K, w, row_bytes, n0, n1, y, N);                                     \
+        }                                                                                                   \
+    }
+
+DEFINE_TYPE16(Q4_0)
+DEFINE_TYPE16(Q5_0)
+DEFINE_TYPE16(Q8_0)
+
+/* 1 when the 16-float path took the product, 0 when it does not apply (or cannot allocate). */
+static int mm16(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t row_bytes, int64_t N,
+                float *y, int nthreads) {
+    if (M > 2 || (type != Q4_0 && type != Q5_0 && type != Q8_0)) return 0;
+    const int64_t groups = K / 32;
+    float *xs = aligned_alloc(64, ((size_t)(M * groups * 16) * sizeof(float) + 63) / 64 * 64);
+    if (!xs) return 0;
+    const float factor = -(float)q_offset(type);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++)
+            for (int i = 0; i < 16; i++)
+                xs[(m * groups + g) * 16 + i] = factor * (x[m * K + 32 * g + i] + x[m * K + 32 * g + 16 + i]);
+    switch (type) {
+    case Q4_0: mm16_Q4_0(x, xs, M, K, w, row_bytes, N, y, nthreads); break;
+    case Q5_0: mm16_Q5_0(x, xs, M, K, w, row_bytes, N, y, nthreads); break;
+    default: mm16_Q8_0(x, xs, M, K, w, row_bytes, N, y, nthreads); break;
+    }
+    free(xs);
+    return 1;
+}
+#endif
+
 enum { SERIAL_MACS = 1 << 18 };
 
 /* y [M, N] = x [M, K] @ W.T for W [N, row_bytes] of `type` blocks. Returns 0, -1 for an unknown type, -2
@@ -374,6 +474,9 @@ int gguf_mm_f32(int type, const float *x, int64_t M, int64_t K, const uint8_t *w
     // Below ~20 us of work (the 640 x 256 products at one row) two threads measured no faster than one,
     // and one never waits for a second that the OS runs late.
     if (M * N * K < SERIAL_MACS) nthreads = 1;
+#ifdef __AVX512F__
+    if (mm16(type, x, M, K, w, row_bytes, N, y, nthreads)) return 0;
+#endif
     float *xp = aligned_alloc(64, ((size_t)(M * K + M * (K / 4)) * sizeof(float) + 63) / 64 * 64);
     if (!xp) return -2;
     float *xs = xp + M * K;

@@ -8,8 +8,8 @@ Contract (callers in layers/ depend on exactly this):
 - ``gguf_dequantize(qweight, qtype)``: [N, row_bytes] uint8 -> [N, K] float32 (for row gathers: embeddings).
 - ``gguf_dequantize_rows(qweight, qtype, ids)``: ids [T] int64 -> [T, K] float32, only those rows decoded.
 
-The work is done by ``gguf_gemm.c``, built at first use (``build.py``) for AVX2 + FMA + F16C with OpenMP,
-on ``torch.get_num_threads()`` threads. Decoded weights equal gguf-py's ``dequantize`` bit for bit; a product
+The work is done by ``gguf_gemm.c``, built at first use (``build.py``) for AVX2 + FMA + F16C with OpenMP
+(plus AVX-512 where torch runs its AVX-512 kernels), on ``torch.get_num_threads()`` threads. Decoded weights equal gguf-py's ``dequantize`` bit for bit; a product
 differs from ``x @ gguf_dequantize(W).T`` only by float32 rounding (x is not quantized). Up to
 ``FUSED_MAX_ROWS`` rows of x (decode), and for weights too large to decode whole, the blocks are decoded
 while they are multiplied, each block read once for all rows, each output computed by one thread in a
@@ -39,6 +39,8 @@ TYPE_NAMES = {2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K
 
 SOURCE = Path(__file__).with_name("gguf_gemm.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+# Where torch runs AVX-512 kernels, the one- and two-row products of Q4_0 / Q5_0 / Q8_0 use 16-float vectors.
+AVX512_FLAGS = ("-mavx512f",)
 
 # Above FUSED_MAX_ROWS rows of x, a weight of at most DECODED_MAX_ELEMS elements (16 MiB as float32: every
 # matrix of a small model but its embedding) is decoded whole for one torch.mm, whose register-blocked
@@ -67,7 +69,7 @@ def _library() -> ctypes.CDLL | None:
         reason = f"the CPU's vector capability is {capability}, the kernels need AVX2 and FMA"
     else:
         try:
-            lib = build(SOURCE, FLAGS)
+            lib = build(SOURCE, FLAGS + (AVX512_FLAGS if capability == "AVX512" else ()))
         except BuildError as e:
             reason = str(e)
         else:
