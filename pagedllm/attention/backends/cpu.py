@@ -7,9 +7,10 @@ bookkeeping and copying, not the attention arithmetic, is most of its time. Here
 per sliding window (Gemma 3 has two: local and global), the flat cache slots each request reads and
 an additive 0 / -inf bias:
 
-- decode requests (one query token) are batched: one gather of K, ``baddbmm`` (scale and mask in
-  one call) and softmax, then the probability-weighted sum of V as an ``embedding_bag`` that reads
-  the value rows in place in the cache (float32; other dtypes gather V for a ``bmm``);
+- decode requests (one query token) are batched: on a float32 cache one C call per layer
+  (``kernels/cpu/decode_attention``) reads their visible keys and values in place; otherwise one gather
+  of K, ``baddbmm`` (scale and mask in one call) and softmax, then the probability-weighted sum of V
+  (an ``embedding_bag`` over the value rows in place, or a gathered ``bmm`` for other dtypes);
 - prefill chunks run per request, in query tiles so the score matrix stays bounded, with torch's
   fused ``scaled_dot_product_attention`` (the explicit products when there is a soft cap), against
   keys taken straight from this step's K/V when the chunk has no cached prefix, else gathered.
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from pagedllm.attention.backend import AttentionBackend, AttentionImpl
 from pagedllm.attention.backends.torch_ref import to_cache_dtype, write_kv_cache
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.cpu import decode_attention
 
 # Query rows of a prefill chunk attended to at once: bounds the mask (and, with a soft cap, the
 # [Hq, rows, keys] float32 scores: 4 heads x 1024 x 8192 keys = 128 MiB) while keeping products large.
@@ -41,6 +43,7 @@ class _DecodeGroup:
     slots: torch.Tensor  # [Bd * S] int64, flat cache slots, request-major
     bias: torch.Tensor  # [Bd, 1, S] float32, 0 where the key is visible, -inf elsewhere
     num_keys: int  # S
+    counts: torch.Tensor  # [Bd] int64, visible keys per request: its first counts[b] slots
     # (Hq, Hkv) -> [Bd * Hq, S] int64 rows of the cache viewed as [slots * Hkv, D] that query head
     # (b, h) reads: the bags of the probability-weighted value sum (see CpuAttentionImpl._decode).
     value_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -120,7 +123,7 @@ def _decode_group(
     table = md.block_table if len(decode_reqs) == md.num_reqs else md.block_table[decode_reqs]
     slots = _slots_of(table.cpu(), pos, block_size)
     bias = torch.zeros(len(decode_reqs), 1, num_keys).masked_fill_(~visible[:, None, :], float("-inf"))
-    return _DecodeGroup(slots.view(-1), bias, num_keys)
+    return _DecodeGroup(slots.view(-1), bias, num_keys, count.contiguous())
 
 
 def _prefill_chunks(md: AttentionMetadata, reqs: list[int], window: int | None, block_size: int) -> list[_PrefillChunk]:
@@ -189,6 +192,11 @@ class CpuAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:  # [Bd, Hq, D] float32
         bd, hq, d = query.shape
         hkv, s = self.num_kv_heads, group.num_keys
+        if (k_flat.dtype == torch.float32 and v_flat.dtype == torch.float32 and query.dtype == torch.float32
+                and decode_attention.available()):
+            # One C call reads the visible keys and values in place (see kernels/cpu/decode_attention.py).
+            return decode_attention.decode_attention(query.contiguous(), k_flat, v_flat, group.slots.view(bd, s),
+                                                     group.counts, self.scale, self.logits_soft_cap)
         # [Bd * S, Hkv, D] -> [Bd * Hkv, S, D]; a view when Hkv == 1 (Gemma 3 270M, most small models).
         k = k_flat.index_select(0, group.slots).view(bd, s, hkv, d).transpose(1, 2).reshape(bd * hkv, s, d)
         # One query token: the G = Hq / Hkv heads of a KV head are the rows of its product.
@@ -274,10 +282,12 @@ class CpuAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:  # [T_padded, Hq, D]
         md = attn_metadata
         num_tokens = md.num_actual_tokens
-        write_kv_cache(key[:num_tokens], value[:num_tokens], kv_cache, md.slot_mapping[:num_tokens])
-        plan = _step_plan(md, kv_cache.shape[2], self.sliding_window)
         k_flat = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
         v_flat = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
+        new_k, new_v, slots = key[:num_tokens], value[:num_tokens], md.slot_mapping[:num_tokens]
+        if not decode_attention.write_kv_if_usable(new_k, new_v, k_flat, v_flat, slots):
+            write_kv_cache(new_k, new_v, kv_cache, slots)
+        plan = _step_plan(md, kv_cache.shape[2], self.sliding_window)
 
         if plan.decode_all and query.shape[0] == num_tokens:
             # A pure-decode step: the batched result is the whole output, no zero fill or scatter.
