@@ -63,7 +63,7 @@ def test_dequantize_equals_gguf_py_bit_for_bit(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[gg.TYPE_NAMES[t] for t in TYPES])
-@pytest.mark.parametrize("m", [1, 2, 3, 17, 70])
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 17, 70])
 def test_mm_equals_the_dense_product(qtype, m):
     n, k = 37, _k(qtype)
     raw = _weight(qtype, n, k, seed=m)

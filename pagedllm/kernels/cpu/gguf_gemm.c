@@ -427,6 +427,52 @@ INLINE void mm_tile16(const int type, const int MT, const float *x, const float 
     }
 }
 
+/* MT rows of x (3 to 8): each block decoded once into 32 weights, as gguf-py rounds them (the offset
+   subtracted from the integers, then times d), then two FMAs per row of x. */
+INLINE void mm_tile16_rows(const int type, const int MT, const float *x, const int64_t K, const uint8_t *w,
+                           const int64_t row_bytes, const int64_t n0, const int64_t n1, float *y, const int64_t N) {
+    const int64_t nblocks = K / 32;
+    const int bb = block_bytes(type);
+    const __m512i off = _mm512_set1_epi32(q_offset(type));
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        __m512 acc[8][2];
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nblocks; b++) {
+            const uint8_t *blk = row + b * bb;
+            __m512i q[2];
+            group_ints16(type, blk, q);
+            const __m512 a = _mm512_set1_ps(half_at(blk));
+            const __m512 w0 = _mm512_mul_ps(a, _mm512_cvtepi32_ps(_mm512_sub_epi32(q[0], off)));
+            const __m512 w1 = _mm512_mul_ps(a, _mm512_cvtepi32_ps(_mm512_sub_epi32(q[1], off)));
+#pragma GCC unroll 8
+            for (int m = 0; m < MT; m++) {
+                const float *xk = x + m * K + 32 * b;
+                acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xk), acc[m][0]);
+                acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xk + 16), acc[m][1]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; m++) y[m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+    }
+}
+
+INLINE void mm16_span(const int type, const float *x, const float *xs, const int64_t M, const int64_t K,
+                      const uint8_t *w, const int64_t row_bytes, const int64_t n0, const int64_t n1, float *y,
+                      const int64_t N) {
+    if (M == 2) { mm_tile16(type, 2, x, xs, K, w, row_bytes, n0, n1, y, N); return; }
+    if (M == 1) { mm_tile16(type, 1, x, xs, K, w, row_bytes, n0, n1, y, N); return; }
+    int64_t m = 0;
+#define TILE16(MT) mm_tile16_rows(type, MT, x + m * K, K, w, row_bytes, n0, n1, y + m * N, N); m += MT
+    while (M - m >= 8) { TILE16(8); }
+    const int64_t rest = M - m;
+    if (rest >= 4) { TILE16(4); }
+    if (rest - (rest >= 4 ? 4 : 0) >= 2) { TILE16(2); }
+    if (rest & 1) { TILE16(1); }
+#undef TILE16
+}
+
 #define DEFINE_TYPE16(T)                                                                                   \
     static void mm16_##T(const float *x, const float *xs, int64_t M, int64_t K, const uint8_t *w,          \
                          int64_t row_bytes, int64_t N, float *y, int nthreads) {                           \
@@ -434,8 +480,7 @@ INLINE void mm_tile16(const int type, const int MT, const float *x, const float 
         _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")                              \
         for (int64_t c = 0; c < chunks; c++) {                                                              \
             const int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;                             \
-            if (M == 2) mm_tile16(T, 2, x, xs, K, w, row_bytes, n0, n1, y, N);                              \
-            else mm_tile16(T, 1, x, xs, K, w, row_bytes, n0, n1, y, N);                                     \
+            mm16_span(T, x, xs, M, K, w, row_bytes, n0, n1, y, N);                                          \
         }                                                                                                   \
     }
 
@@ -446,12 +491,14 @@ DEFINE_TYPE16(Q8_0)
 /* 1 when the 16-float path took the product, 0 when it does not apply (or cannot allocate). */
 static int mm16(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t row_bytes, int64_t N,
                 float *y, int nthreads) {
-    if (M > 2 || (type != Q4_0 && type != Q5_0 && type != Q8_0)) return 0;
+    if (type != Q4_0 && type != Q5_0 && type != Q8_0) return 0;
     const int64_t groups = K / 32;
-    float *xs = aligned_alloc(64, ((size_t)(M * groups * 16) * sizeof(float) + 63) / 64 * 64);
+    // The offset terms of the factored one- and two-row products (more rows take decoded weights).
+    const int64_t xs_rows = M <= 2 ? M : 0;
+    float *xs = aligned_alloc(64, ((size_t)(xs_rows * groups * 16 + 16) * sizeof(float) + 63) / 64 * 64);
     if (!xs) return 0;
     const float factor = -(float)q_offset(type);
-    for (int64_t m = 0; m < M; m++)
+    for (int64_t m = 0; m < xs_rows; m++)
         for (int64_t g = 0; g < groups; g++)
             for (int i = 0; i < 16; i++)
                 xs[(m * groups + g) * 16 + i] = factor * (x[m * K + 32 * g + i] + x[m * K + 32 * g + 16 + i]);
