@@ -45,7 +45,9 @@ def test_kernel_matches_oracle(dtype, m, k, n, bits, group, act_order):
 
 def test_online_int4_on_the_gpu_equals_its_decoded_weights():
     """``--quantization int4`` on CUDA: each linear in the W4A16 layout through the kernel; greedy tokens equal the
-    same model with the decoded weights (float32, the kernel's float16 activations aside: logprobs within 2e-2)."""
+    same model with the decoded weights, in float16, logprobs within 2e-2. The tiny random model's next-token
+    distribution is nearly flat, so a greedy choice may flip where the reference's top two are that close: the
+    tokens are compared up to such a near-tie, which the test checks is one."""
     import os
     import sys
 
@@ -62,16 +64,23 @@ def test_online_int4_on_the_gpu_equals_its_decoded_weights():
         qc._write(dst, state, None)
 
     prompts = [list(range(5 + 3 * i, 21 + 11 * i)) for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
 
     def run(path: str, **kw):
         llm = LLM(model=path, dtype="float16", device="cuda", max_model_len=128, skip_tokenizer_init=True,
                   enforce_eager=True, gpu_memory_utilization=0.1, **kw)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         del llm
-        return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].cumulative_logprob for o in outs]
+        return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].logprobs for o in outs]
 
     tokens, lps = run(qc.base_model(), quantization="int4")
     ref_tokens, ref_lps = run(qc._cached("int4-wna16-reference", make))
-    assert tokens == ref_tokens
-    assert all(abs(a - b) < 2e-2 * max(1.0, abs(b)) for a, b in zip(lps, ref_lps))
+    flips = 0
+    for ours, theirs, our_lp, their_lp in zip(tokens, ref_tokens, lps, ref_lps):
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            if a != b:  # a near-tie of the reference: our token is its runner-up, within 2e-2 of its choice
+                assert a in their_lp[i] and their_lp[i][b].logprob - their_lp[i][a].logprob < 2e-2, (i, a, b)
+                flips += 1
+                break
+            assert abs(our_lp[i][a].logprob - their_lp[i][b].logprob) < 2e-2, (i, a)
+    assert flips <= 1, f"{flips} of {len(prompts)} prompts diverge"

@@ -37,7 +37,11 @@ def _shifts(values: Sequence[int], device: torch.device, ndim: int, axis: int) -
     """A uint8 tensor of shift amounts laid along ``axis`` of an ``ndim``-dim broadcast shape."""
     shape = [1] * ndim
     shape[axis] = len(values)
-    return torch.tensor(values, dtype=torch.uint8, device=device).reshape(shape)
+    step = values[1] - values[0] if len(values) > 1 else 1
+    if list(values) != list(range(values[0], values[0] + step * len(values), step)):
+        raise ValueError(f"shift amounts {list(values)} are not an arithmetic progression")
+    # arange fills on the device: no host-to-device copy, so a CUDA graph can capture the decoders.
+    return torch.arange(values[0], values[0] + step * len(values), step, dtype=torch.uint8, device=device).reshape(shape)
 
 
 def _nibbles(qs: torch.Tensor, groups: int) -> torch.Tensor:
