@@ -9,10 +9,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 _cache_dir: Path | None = None
@@ -81,3 +83,27 @@ def build(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
         return ctypes.CDLL(str(target))
     except OSError as e:
         raise BuildError(f"cannot load {target}: {e}") from None
+
+
+def load_vector_kernel(
+    source: Path,
+    flags: tuple[str, ...],
+    declare: Callable[[ctypes.CDLL], ctypes.CDLL],
+    unavailable: str,
+    avx512_flags: tuple[str, ...] = (),
+) -> ctypes.CDLL | None:
+    """``build`` for a kernel that needs AVX2 + FMA (plus ``avx512_flags`` where torch runs AVX-512), its entry
+    points given their signatures by ``declare``; None, logging once why and ``unavailable`` (what takes its
+    place), where the CPU lacks the vectors or the build fails."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        reason = f"the CPU's vector capability is {capability}, the kernels need AVX2 and FMA"
+    else:
+        try:
+            return declare(build(source, flags + (avx512_flags if capability == "AVX512" else ())))
+        except BuildError as e:
+            reason = str(e)
+    logging.getLogger("pagedllm").warning("%s unavailable (%s): %s", source.name, reason, unavailable)
+    return None

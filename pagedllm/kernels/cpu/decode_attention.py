@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
-from pagedllm.kernels.cpu.build import BuildError, build
+from pagedllm.kernels.cpu.build import load_vector_kernel
 
-logger = logging.getLogger("pagedllm")
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
@@ -33,25 +31,18 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.decode_attention_f32.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32,
+                                         _ptr, ctypes.c_int]
+    lib.decode_attention_f32.restype = _i64
+    lib.write_kv_f32.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr]
+    lib.write_kv_f32.restype = _i64
+    return lib
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        reason = f"the CPU's vector capability is {capability}, the kernel needs AVX2 and FMA"
-    else:
-        try:
-            lib = build(SOURCE, FLAGS)
-        except BuildError as e:
-            reason = str(e)
-        else:
-            lib.decode_attention_f32.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
-                                                 _f32, _f32, _ptr, ctypes.c_int]
-            lib.decode_attention_f32.restype = _i64
-            lib.write_kv_f32.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr]
-            lib.write_kv_f32.restype = _i64
-            return lib
-    logger.warning("CPU decode attention kernel unavailable (%s): decode attention takes the torch path", reason)
-    return None
+    return load_vector_kernel(SOURCE, FLAGS, _declare, "decode attention takes the torch path")
 
 
 def available() -> bool:

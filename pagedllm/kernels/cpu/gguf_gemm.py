@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from pagedllm.kernels.cpu.build import BuildError, build
+from pagedllm.kernels.cpu.build import load_vector_kernel
 
-logger = logging.getLogger("pagedllm")
 
 # ggml type id -> (elements per block, bytes per block)
 BLOCKS: dict[int, tuple[int, int]] = {2: (32, 18), 6: (32, 22), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
@@ -64,18 +62,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        reason = f"the CPU's vector capability is {capability}, the kernels need AVX2 and FMA"
-    else:
-        try:
-            lib = build(SOURCE, FLAGS + (AVX512_FLAGS if capability == "AVX512" else ()))
-        except BuildError as e:
-            reason = str(e)
-        else:
-            return declare(lib)
-    logger.warning("GGUF CPU kernels unavailable (%s): quantized weights take the dense path", reason)
-    return None
+    return load_vector_kernel(SOURCE, FLAGS, declare, "quantized weights take the dense path", AVX512_FLAGS)
 
 
 def available() -> bool:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.kernels.cpu.build import BuildError, build
+from pagedllm.kernels.cpu.build import load_vector_kernel
 
 logger = logging.getLogger("pagedllm")
 
@@ -34,24 +34,17 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.rms_norm_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _f32, _int, _int, _int]
+    lib.rms_norm_f32.restype = None
+    lib.rotary_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _int, _int]
+    lib.rotary_f32.restype = None
+    return lib
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        reason = f"the CPU's vector capability is {capability}, the kernels need AVX2"
-    else:
-        try:
-            lib = build(SOURCE, FLAGS)
-        except BuildError as e:
-            reason = str(e)
-        else:
-            lib.rms_norm_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _f32, _int, _int, _int]
-            lib.rms_norm_f32.restype = None
-            lib.rotary_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _int, _int]
-            lib.rotary_f32.restype = None
-            return lib
-    logger.warning("CPU norm/rotary kernels unavailable (%s): RMSNorm and rotary take the torch path", reason)
-    return None
+    return load_vector_kernel(SOURCE, FLAGS, _declare, "RMSNorm and rotary take the torch path")
 
 
 @functools.cache
