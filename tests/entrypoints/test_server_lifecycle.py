@@ -51,6 +51,21 @@ def _health_ok(server: Server) -> None:
     assert time.monotonic() - start < 2
 
 
+def _wait_in_engine(server: Server, count: int, limit_s: float) -> bool:
+    """True once /metrics counts `count` requests running or waiting in the engine core."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{server.url}/metrics", timeout=5).text
+        held = sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(("pagedllm:num_requests_running{", "pagedllm:num_requests_waiting{"))
+        )
+        if held >= count:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_partial_headers_are_closed_within_the_header_timeout(limits_server):
     socks = [_connect(limits_server) for _ in range(20)]
     for s in socks:
@@ -246,6 +261,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(draining_server):
         t.start()
     for name, event in started.items():
         assert event.wait(60), f"{name} never started:\n{server.log_tail()}"
+    # The non-streaming requests show no progress to the client: wait until the engine holds all four,
+    # or SIGTERM may land before one was sent and it would rightly be refused.
+    assert _wait_in_engine(server, 4, 60), f"not all four requests reached the engine:\n{server.log_tail()}"
     signalled = time.monotonic()
     # To the server and every child, as a supervisor that signals the whole group does (systemd): the
     # engine core must keep serving the drain.
