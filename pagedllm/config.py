@@ -81,6 +81,7 @@ class ModelConfig:
     generation_config: dict = field(default_factory=dict)  # defaults from generation_config.json
     gguf_file: str | None = None
     quantization: str | None = None  # a QUANTIZATION_METHODS name applied to the linears at load, or None
+    cpu_int8_activations: bool = False  # GGUF / int4 CPU products quantize decode activations to 8-bit groups
 
     @property
     def architecture(self) -> str:

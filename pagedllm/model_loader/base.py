@@ -44,14 +44,17 @@ def build_model(
         return model_cls(model_config, attn_backend)
 
 
-def finalize_model(model: nn.Module, device: torch.device | str, quantization: str | None = None) -> nn.Module:
-    """The loaded model on ``device`` in eval mode, its linears quantized when ``quantization`` names a method."""
+def finalize_model(
+    model: nn.Module, device: torch.device | str, quantization: str | None = None, int8_activations: bool = False
+) -> nn.Module:
+    """The loaded model on ``device`` in eval mode, its linears quantized when ``quantization`` names a method
+    (``int8_activations``: int4's CPU products take 8-bit activations)."""
     model.requires_grad_(False)
     model = model.to(device).eval()
     if quantization is not None:
         from pagedllm.layers.quantization import quantize_model
 
-        quantize_model(model, quantization)
+        quantize_model(model, quantization, int8_activations)
     return model
 
 

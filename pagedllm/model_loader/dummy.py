@@ -38,4 +38,4 @@ class DummyModelLoader(BaseModelLoader):
     ) -> nn.Module:
         model = build_model(model_config, device, attn_backend)
         initialize_dummy_weights(model, seed=model_config.seed)
-        return finalize_model(model, device, model_config.quantization)
+        return finalize_model(model, device, model_config.quantization, model_config.cpu_int8_activations)

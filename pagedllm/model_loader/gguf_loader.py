@@ -284,7 +284,7 @@ class GGUFModelLoader(BaseModelLoader):
         check_all_loaded(model, loaded, path)
         if keep:
             store_converted(path, model_config.hf_config, keep)
-        return finalize_model(model, device, model_config.quantization)
+        return finalize_model(model, device, model_config.quantization, model_config.cpu_int8_activations)
 
     def _load_packed(
         self, path: str, model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]
@@ -293,7 +293,7 @@ class GGUFModelLoader(BaseModelLoader):
         from pagedllm.layers.linear import default_linear_method
         from pagedllm.layers.quantization.gguf import GGUFConfig, finish_loading, keeps_packed
 
-        config = GGUFConfig()
+        config = GGUFConfig(int8_activations=model_config.cpu_int8_activations)
         with default_linear_method(config.linear_method), default_embedding_method(config.embedding_method):
             model = build_model(model_config, device, attn_backend)
         reader = open_gguf(path, skip_arrays=True)

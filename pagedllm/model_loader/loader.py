@@ -64,7 +64,7 @@ class DefaultModelLoader(BaseModelLoader):
             from pagedllm.layers.quantization.base import process_loaded_weights
 
             process_loaded_weights(model)
-        return finalize_model(model, device, model_config.quantization)
+        return finalize_model(model, device, model_config.quantization, model_config.cpu_int8_activations)
 
 
 def available_load_formats() -> list[str]:

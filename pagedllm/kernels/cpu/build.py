@@ -1,7 +1,7 @@
 """Compiles a C kernel source at first use with the system C compiler into a per-user cache and loads it.
 
-The shared library is named by a hash of the source, the flags and the compiler, so an edited source or a
-new compiler builds afresh and stale builds are simply never loaded again. A build goes to a temporary file
+The shared library is named by a hash of the source (and the headers beside it), the flags and the compiler,
+so an edited source or a new compiler builds afresh and stale builds are simply never loaded again. A build goes to a temporary file
 beside its final name and is renamed into place, so concurrent processes never load a half-written file.
 """
 from __future__ import annotations
@@ -60,7 +60,8 @@ def build(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
     cc = compiler()
     if cc is None:
         raise BuildError("no C compiler (cc, gcc or clang) on PATH")
-    text = source.read_bytes()
+    # The headers beside the source (which it may include) are part of what is built.
+    text = b"\0".join([source.read_bytes(), *(h.read_bytes() for h in sorted(source.parent.glob("*.h")))])
     key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), cc.encode(), _compiler_version(cc).encode()]))
     target = cache_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
     if not target.is_file():

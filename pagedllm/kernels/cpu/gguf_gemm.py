@@ -5,6 +5,9 @@ Contract (callers in layers/ depend on exactly this):
 - ``available()``: whether the kernel can run here; callers keep weights dense when it cannot.
 - ``gguf_mm(x, qweight, qtype)``: x [M, K] float32, qweight [N, K // block * type_size] uint8 rows of blocks
   -> [M, N] float32.
+- ``gguf_mm(x, qweight, qtype, int8_activations=True)``: the same product with each row of x first quantized to
+  signed bytes in groups of 32 (llama.cpp's arithmetic, ``gguf_q8_gemm.c``: integer dot products), up to
+  ``Q8_MAX_ROWS`` rows of x (decode); more rows, or where that kernel is not built, take the float32 product.
 - ``gguf_dequantize(qweight, qtype)``: [N, row_bytes] uint8 -> [N, K] float32 (for row gathers: embeddings).
 - ``gguf_dequantize_rows(qweight, qtype, ids)``: ids [T] int64 -> [T, K] float32, only those rows decoded.
 
@@ -48,6 +51,11 @@ AVX512_FLAGS = ("-mavx512f",)
 FUSED_MAX_ROWS = 16
 DECODED_MAX_ELEMS = 1 << 22
 
+# The integer path serves decode steps; a prompt's rows stay float32 (a register-blocked float product is
+# compute-bound there, and a prompt's activations are where outliers are largest).
+Q8_MAX_ROWS = 16
+Q8_SOURCE = Path(__file__).with_name("gguf_q8_gemm.c")
+
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -63,6 +71,30 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     return load_vector_kernel(SOURCE, FLAGS, declare, "quantized weights take the dense path", AVX512_FLAGS)
+
+
+def _declare_q8(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.gguf_mm_q8.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, ctypes.c_int]
+    lib.gguf_mm_q8.restype = ctypes.c_int
+    return lib
+
+
+def _dot_product_flags() -> tuple[str, ...]:
+    """Compiler flags for the CPU's byte dot-product instructions (AVX-512 VNNI, else AVX-VNNI), if it has them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return ()
+    if "avx512_vnni" in flags and "avx512vl" in flags:
+        return ("-mavx512vnni", "-mavx512vl")
+    return ("-mavxvnni",) if "avx_vnni" in flags else ()
+
+
+@functools.cache
+def _q8_library() -> ctypes.CDLL | None:
+    return load_vector_kernel(Q8_SOURCE, FLAGS + _dot_product_flags(), _declare_q8,
+                              "int8 activations take the float32 product")
 
 
 def available() -> bool:
@@ -131,8 +163,10 @@ def _rows(qweight: torch.Tensor, qtype: int, K: int, ids: torch.Tensor | None) -
     return out
 
 
-def gguf_mm(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:
-    """``x @ W.T`` with W given by its ggml blocks: x [M, K] f32, qweight [N, row_bytes] u8 -> [M, N] f32."""
+def gguf_mm(x: torch.Tensor, qweight: torch.Tensor, qtype: int, int8_activations: bool = False) -> torch.Tensor:
+    """``x @ W.T`` with W given by its ggml blocks: x [M, K] f32, qweight [N, row_bytes] u8 -> [M, N] f32.
+
+    ``int8_activations``: up to ``Q8_MAX_ROWS`` rows of x are quantized to bytes in groups of 32 first."""
     blocks = BLOCKS.get(qtype)
     # One expression for the common case: a decode step makes over a hundred of these calls.
     valid = (blocks is not None and isinstance(x, torch.Tensor) and isinstance(qweight, torch.Tensor)
@@ -151,6 +185,11 @@ def gguf_mm(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:
     if M > FUSED_MAX_ROWS and N * K <= DECODED_MAX_ELEMS:
         return x @ _rows(qweight, qtype, K, None).t()
     y = torch.empty(M, N, dtype=torch.float32)
+    if int8_activations and M <= Q8_MAX_ROWS and (q8 := _q8_library()) is not None:
+        if q8.gguf_mm_q8(qtype, x.data_ptr(), M, K, qweight.data_ptr(), qweight.shape[1], N, y.data_ptr(),
+                         torch.get_num_threads()):
+            raise MemoryError(f"gguf_mm: no memory for the {M} x {K} quantized activations")
+        return y
     status = lib.gguf_mm_f32(qtype, x.data_ptr(), M, K, qweight.data_ptr(), qweight.shape[1], N, y.data_ptr(),
                              torch.get_num_threads())
     if status:

@@ -12,10 +12,11 @@ from pagedllm.config import ONLINE_QUANTIZATION_METHODS, QUANTIZATION_METHODS
 logger = logging.getLogger("pagedllm")
 
 
-def quantize_model(model: nn.Module, method: str) -> int:
+def quantize_model(model: nn.Module, method: str, int8_activations: bool = False) -> int:
     """Quantizes every linear layer of ``model`` that ``method`` can hold, in place, one layer at a time
     (so the peak is the loaded model plus one layer); layers a float8 checkpoint already filled stay as
-    they are. Returns how many layers it quantized."""
+    they are (``int8_activations``: int4's CPU products take 8-bit activations). Returns how many layers it
+    quantized."""
     from pagedllm.layers.linear import LinearBase
     from pagedllm.layers.quantization.base import QuantizedLinearMethod
     from pagedllm.layers.quantization.fp8 import Fp8LinearMethod, quantizable
@@ -25,7 +26,7 @@ def quantize_model(model: nn.Module, method: str) -> int:
     if method not in ONLINE_QUANTIZATION_METHODS:
         return 0  # the checkpoint stored its linears quantized; the loader filled them as they are
     if method in ("int8", "int4"):
-        return _quantize_integer(model, method)
+        return _quantize_integer(model, method, int8_activations)
     done, kept = 0, []
     for name, layer in model.named_modules():
         if not isinstance(layer, LinearBase) or getattr(layer, "keep_unquantized", False):
@@ -69,7 +70,7 @@ def quantize_model(model: nn.Module, method: str) -> int:
     return done
 
 
-def _quantize_integer(model: nn.Module, method: str) -> int:
+def _quantize_integer(model: nn.Module, method: str, int8_activations: bool = False) -> int:
     """Every 16/32-bit decoder linear to int8 rows with a scale each, activations quantized per token (W8A8), or
     to 4-bit weights only (``int4.py``)."""
     from pagedllm.layers.linear import LinearBase, UnquantizedLinearMethod
@@ -86,7 +87,7 @@ def _quantize_integer(model: nn.Module, method: str) -> int:
             if not int4.quantizable(layer):
                 kept.append(name)
                 continue
-            layer.quant_method = int4.Int4LinearMethod()
+            layer.quant_method = int4.Int4LinearMethod(int8_activations)
             int4.Int4LinearMethod.quantize_loaded(layer)
         else:
             layer.quant_method = W8A8Int8LinearMethod("symmetric")

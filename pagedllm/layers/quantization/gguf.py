@@ -56,15 +56,18 @@ class GGUFConfig(QuantizationConfig):
 
     name = engine_method = "gguf"
 
+    def __init__(self, int8_activations: bool = False) -> None:
+        self.int8_activations = int8_activations  # CPU decode products take 8-bit activations (gguf_gemm.gguf_mm)
+
     @classmethod
     def from_config(cls, cfg: dict) -> GGUFConfig:
         return cls()
 
     def linear_method(self) -> GGUFLinearMethod:
-        return GGUFLinearMethod()
+        return GGUFLinearMethod(self.int8_activations)
 
     def embedding_method(self) -> GGUFEmbeddingMethod:
-        return GGUFEmbeddingMethod()
+        return GGUFEmbeddingMethod(self.int8_activations)
 
 
 def _placeholders(layer: nn.Module, loaders, expected: tuple) -> None:
@@ -85,6 +88,9 @@ def _store(data: torch.Tensor) -> torch.Tensor:
 
 
 class GGUFLinearMethod(QuantizedLinearMethod):
+    def __init__(self, int8_activations: bool = False) -> None:
+        self.int8_activations = int8_activations
+
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype
     ) -> None:
@@ -165,13 +171,13 @@ class GGUFLinearMethod(QuantizedLinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [T, K] -> [T, N]
         segments = layer.gguf_segments
         if len(segments) == 1:
-            y = _product(x, layer.qweight_0, segments[0][2], layer.gguf_dense_packed[0])
+            y = _product(x, layer.qweight_0, segments[0][2], layer.gguf_dense_packed[0], self.int8_activations)
         else:
             n = sum(size for _, size, _ in segments)
             y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
             for i, (offset, size, qtype) in enumerate(segments):
                 y[:, offset : offset + size] = _product(x, getattr(layer, f"qweight_{i}"), qtype,
-                                                        layer.gguf_dense_packed[i])
+                                                        layer.gguf_dense_packed[i], self.int8_activations)
         if bias is not None:
             y = y + bias
         return y.to(x.dtype)
@@ -189,7 +195,9 @@ def _input_slice(src: torch.Tensor, qtype: int, k: int, rank: int, full_k: int) 
     return src.narrow(1, rank * (k // block) * size, (k // block) * size)
 
 
-def _product(x: torch.Tensor, w: torch.Tensor, qtype: int, dense_packed: PackedWeight | None) -> torch.Tensor:
+def _product(
+    x: torch.Tensor, w: torch.Tensor, qtype: int, dense_packed: PackedWeight | None, int8_activations: bool = False
+) -> torch.Tensor:
     """x [T, K] @ w.T -> [T, N] float32, w packed rows of ``qtype`` or (F32) a dense weight."""
     if qtype == F32:
         y = cpu_linear(x, w, None, dense_packed) if x.device.type == "cpu" else F.linear(x.to(w.dtype), w)
@@ -198,7 +206,7 @@ def _product(x: torch.Tensor, w: torch.Tensor, qtype: int, dense_packed: PackedW
         from pagedllm.kernels.gguf_triton import gguf_mm_triton
 
         return gguf_mm_triton(x, w, qtype)  # in x's dtype: the GPU keeps 16-bit activations
-    return gguf_gemm.gguf_mm(x.float().contiguous(), w, qtype)
+    return gguf_gemm.gguf_mm(x.float().contiguous(), w, qtype, int8_activations)
 
 
 def _columns(w: torch.Tensor, qtype: int) -> int:
@@ -234,6 +242,9 @@ def gguf_type_name(qtype: int) -> str:
 class GGUFEmbeddingMethod:
     """The token embedding and the LM head (a vocabulary shard of rows each): the embedding decodes only the rows
     its tokens pick, the LM head multiplies through the kernel. A tied head reads the embedding's rows."""
+
+    def __init__(self, int8_activations: bool = False) -> None:
+        self.int8_activations = int8_activations
 
     def create_weights(self, layer: nn.Module) -> None:
         _placeholders(layer, (self._load_type, self._load_rows), (None,))
@@ -286,7 +297,7 @@ class GGUFEmbeddingMethod:
         return _dequantize_rows(layer.qweight_data, layer.gguf_qtype, ids).to(layer.params_dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [N, E] -> [N, V]
-        y = _product(x, layer.qweight_data, layer.gguf_qtype, layer.gguf_dense_packed)
+        y = _product(x, layer.qweight_data, layer.gguf_qtype, layer.gguf_dense_packed, self.int8_activations)
         return y if bias is None else y + bias
 
 

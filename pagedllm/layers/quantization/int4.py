@@ -54,8 +54,8 @@ def wna16_symmetric(weight: torch.Tensor, group: int = CUDA_GROUP) -> wna16_layo
 class Int4LinearMethod(QuantizedLinearMethod):
     """A linear quantized at load; ``quantize_loaded`` picks the layout by the weight's device."""
 
-    def __init__(self) -> None:
-        self.cpu = gguf_method.GGUFLinearMethod()
+    def __init__(self, int8_activations: bool = False) -> None:
+        self.cpu = gguf_method.GGUFLinearMethod(int8_activations)
 
     @staticmethod
     def quantize_loaded(layer: nn.Module) -> None:
