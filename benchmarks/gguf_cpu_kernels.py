@@ -5,7 +5,9 @@ Workload: Gemma 3 270M Q4_K_M's linear shapes with their GGUF types (the tied LM
 q/gate/up/k Q5_0, v Q8_0, o and some down Q4_K, the other down Q6_K), at M rows of x. Weights are random
 valid blocks (the kernels' speed does not depend on the values). Each entry is the fastest of repeated
 calls (at least --min-reps, more while under --seconds), so that other load on the machine shows less.
-GB/s counts the packed weight's bytes once per call; ``dense`` is ``torch.mm`` with the float32 weight.
+GB/s counts the packed weight's bytes once per call; ``dense`` is ``torch.mm`` with the float32 weight;
+``int8`` is the product with activations quantized to 8-bit groups (``int8_activations=True``,
+``--cpu-int8-activations``; up to 16 rows, more take the float32 product).
 As in a model's step, where each weight is read once, successive calls go to different copies of the
 weight, enough to overflow the last-level cache (--cold-mb), so that small weights are read from memory
 and not from the cache (``--cold-mb 0``: one copy, hot).
@@ -92,7 +94,7 @@ def main() -> None:
         raise SystemExit("the GGUF CPU kernels are not available here (see the log line above)")
     rows = []
     print(f"threads {torch.get_num_threads()}")
-    print(f"{'shape':>16} {'type':>5} {'M':>4} {'ms':>9} {'GB/s':>6} {'dense ms':>9} {'x dense':>7}")
+    print(f"{'shape':>16} {'type':>5} {'M':>4} {'ms':>9} {'GB/s':>6} {'int8 ms':>8} {'dense ms':>9} {'x dense':>7}")
     for name in args.shapes.split(","):
         qtype, k, n = SHAPES[name]
         w = random_blocks(qtype, n, k)
@@ -101,14 +103,18 @@ def main() -> None:
         for m in (int(v) for v in args.m.split(",")):
             x = torch.randn(m, k)
             ms = best_ms(lambda: gguf_mm(x, next(packed), qtype), args.min_reps, args.seconds)
+            int8_ms = best_ms(lambda: gguf_mm(x, next(packed), qtype, int8_activations=True), args.min_reps,
+                              args.seconds) if m <= 16 else None
             dense_ms = None if dense is None else best_ms(lambda: torch.mm(x, next(dense).t()), args.min_reps,
                                                           args.seconds)
             row = {"shape": name, "k": k, "n": n, "type": TYPE_NAMES[qtype], "m": m, "ms": round(ms, 4),
-                   "gb_s": round(w.numel() / ms / 1e6, 2), "dense_ms": dense_ms and round(dense_ms, 4)}
+                   "gb_s": round(w.numel() / ms / 1e6, 2), "int8_ms": int8_ms and round(int8_ms, 4),
+                   "dense_ms": dense_ms and round(dense_ms, 4)}
             rows.append(row)
             speedup = f"{dense_ms / ms:7.2f}" if dense_ms else f"{'-':>7}"
             dense_col = f"{dense_ms:9.3f}" if dense_ms else f"{'-':>9}"
-            print(f"{f'{name} {k}->{n}':>16} {row['type']:>5} {m:4d} {ms:9.3f} {row['gb_s']:6.1f} {dense_col} {speedup}",
+            int8_col = f"{int8_ms:8.3f}" if int8_ms else f"{'-':>8}"
+            print(f"{f'{name} {k}->{n}':>16} {row['type']:>5} {m:4d} {ms:9.3f} {row['gb_s']:6.1f} {int8_col} {dense_col} {speedup}",
                   flush=True)
         del dense
     if args.json:
@@ -136,12 +142,13 @@ def model_step(args: argparse.Namespace) -> None:
     for m in (int(v) for v in args.m.split(",")):
         xs = {k: torch.randn(m, k) for k in {k for _, k, _ in weights}}
 
-        def step():
-            for qtype, k, w in weights:
-                gguf_mm(xs[k], w, qtype)
+        for int8 in (False, True) if m <= 16 else (False,):
+            def step():
+                for qtype, k, w in weights:
+                    gguf_mm(xs[k], w, qtype, int8_activations=int8)
 
-        ms = best_ms(step, args.min_reps, args.seconds)
-        print(f"M={m:4d}: {ms:8.2f} ms per step, {nbytes / ms / 1e6:5.1f} GB/s", flush=True)
+            ms = best_ms(step, args.min_reps, args.seconds)
+            print(f"M={m:4d}{' int8' if int8 else ''}: {ms:8.2f} ms per step, {nbytes / ms / 1e6:5.1f} GB/s", flush=True)
 
 
 if __name__ == "__main__":
