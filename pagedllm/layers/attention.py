@@ -57,6 +57,7 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
         self._scaled_norms: tuple | None = None  # (q_norm, k_norm, their copies with k_scale folded in)
+        self._qk: tuple | None = None  # (the modules and tensors it was made from, QKTransform)
 
     def forward(
         self,
@@ -91,10 +92,19 @@ class Attention(nn.Module):
             value.view(num_tokens, self.num_kv_heads, self.head_size),
             kv_cache,
             attn_metadata,
-            qk_transform(rotary, q_norm, k_norm, self.head_size),
+            self._qk_transform(rotary, q_norm, k_norm),
         )
         out = out.reshape(num_tokens, self.num_heads * self.head_size)
         return out * self.v_scale if scaled_v else out
+
+    def _qk_transform(self, rotary: nn.Module | None, q_norm: nn.Module | None, k_norm: nn.Module | None) -> QKTransform:
+        """``qk_transform`` of the modules, made once: a decode step calls every layer with the same ones."""
+        source = (rotary, q_norm, k_norm, getattr(rotary, "inv_freq", None), getattr(q_norm, "weight", None),
+                  getattr(k_norm, "weight", None))
+        cached = self._qk
+        if cached is None or len(cached[0]) != len(source) or any(a is not b for a, b in zip(cached[0], source)):
+            cached = self._qk = (source, qk_transform(rotary, q_norm, k_norm, self.head_size))
+        return cached[1]
 
     def _norms_with_k_scale(self, q_norm: nn.Module | None, k_norm: nn.Module | None) -> tuple:
         cached = self._scaled_norms

@@ -306,4 +306,8 @@ class GGUFModelLoader(BaseModelLoader):
         loaded = model.load_weights(weights)
         check_all_loaded(model, loaded, path)
         finish_loading(model)
+        if torch.device(device).type == "cpu":
+            from pagedllm.kernels.cpu.hugepages import move_to_huge_pages
+
+            move_to_huge_pages(model, ("qweight_", "qweight_data"))  # the products stream them every step
         return finalize_model(model, device, None)

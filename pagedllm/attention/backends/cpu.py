@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -41,12 +42,20 @@ class _DecodeGroup:
     """The batched decode requests' keys under one sliding window."""
 
     slots: torch.Tensor  # [Bd * S] int64, flat cache slots, request-major
-    bias: torch.Tensor  # [Bd, 1, S] float32, 0 where the key is visible, -inf elsewhere
     num_keys: int  # S
     counts: torch.Tensor  # [Bd] int64, visible keys per request: its first counts[b] slots
     # (Hq, Hkv) -> [Bd * Hq, S] int64 rows of the cache viewed as [slots * Hkv, D] that query head
     # (b, h) reads: the bags of the probability-weighted value sum (see CpuAttentionImpl._decode).
     value_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _bias: torch.Tensor | None = None
+
+    @property
+    def bias(self) -> torch.Tensor:  # [Bd, 1, S] float32, 0 where the key is visible, -inf elsewhere
+        """Made at first use: the C decode kernel reads ``counts`` instead, and a step builds two groups."""
+        if self._bias is None:
+            hidden = torch.arange(self.num_keys)[None, :] >= self.counts[:, None]
+            self._bias = torch.zeros(len(self.counts), 1, self.num_keys).masked_fill_(hidden[:, None, :], float("-inf"))
+        return self._bias
 
     def value_rows_for(self, num_heads: int, num_kv_heads: int) -> torch.Tensor:  # [Bd * Hq, S] int64
         rows = self.value_rows.get((num_heads, num_kv_heads))
@@ -112,18 +121,21 @@ def _decode_group(
     md: AttentionMetadata, decode_reqs: list[int], lens: torch.Tensor, window: int | None, block_size: int
 ) -> _DecodeGroup:
     # Request b's query sits at position lens[b] - 1 and sees keys from lens[b] - window on (HF's
-    # convention: key position > query position - window), or from 0 without a window.
-    first = (lens - window).clamp(min=0) if window is not None else torch.zeros_like(lens)
-    count = lens - first
+    # convention: key position > query position - window), or from 0 without a window. numpy: a few
+    # small arrays, built twice a step (local and global windows), where torch's per-call cost dominates.
+    n = lens.numpy()
+    first = np.maximum(n - window, 0) if window is not None else np.zeros_like(n)
+    count = n - first
     num_keys = int(count.max())
-    j = torch.arange(num_keys)
-    visible = j[None, :] < count[:, None]  # [Bd, S]
+    j = np.arange(num_keys)
     # Invisible positions read the request's own last token: written, finite, and weighted by exactly 0.
-    pos = torch.where(visible, first[:, None] + j[None, :], (lens - 1)[:, None])
-    table = md.block_table if len(decode_reqs) == md.num_reqs else md.block_table[decode_reqs]
-    slots = _slots_of(table.cpu(), pos, block_size)
-    bias = torch.zeros(len(decode_reqs), 1, num_keys).masked_fill_(~visible[:, None, :], float("-inf"))
-    return _DecodeGroup(slots.view(-1), bias, num_keys, count.contiguous())
+    pos = np.where(j[None, :] < count[:, None], first[:, None] + j[None, :], (n - 1)[:, None])  # [Bd, S]
+    table = md.block_table.cpu().numpy()
+    if len(decode_reqs) != md.num_reqs:
+        table = table[decode_reqs]
+    blocks = np.take_along_axis(table, pos // block_size, axis=1).astype(np.int64)
+    slots = torch.from_numpy((blocks * block_size + pos % block_size).reshape(-1))
+    return _DecodeGroup(slots, num_keys, torch.from_numpy(count))
 
 
 def _prefill_chunks(md: AttentionMetadata, reqs: list[int], window: int | None, block_size: int) -> list[_PrefillChunk]:

@@ -93,6 +93,10 @@ def _quantize_integer(model: nn.Module, method: str, int8_activations: bool = Fa
             layer.quant_method = W8A8Int8LinearMethod("symmetric")
             W8A8Int8LinearMethod.quantize_loaded(layer)
         done += 1
+    if method == "int4" and next(model.buffers(), torch.empty(0)).device.type == "cpu":
+        from pagedllm.kernels.cpu.hugepages import move_to_huge_pages
+
+        move_to_huge_pages(model, ("qweight_",))  # the Q4_0 rows every decode step streams
     if kept:
         logger.info("quantization int4: %d linear layers kept unquantized (inputs not a multiple of the 4-bit "
                     "block): %s", len(kept), ", ".join(kept[:4]))
