@@ -30,7 +30,7 @@ from pagedllm.worker.input_batch import BatchInputs, InputBatch
 from pagedllm.worker.step_records import (
     DeferredSampling, ForwardPass, LogprobsTensorsOnHost, StepInFlight, StepInfo, last_token_rows, logprobs_to_lists,
 )
-from pagedllm.worker.step_sampling import sample_isolating, sample_states
+from pagedllm.worker.step_sampling import prompt_logprobs_of, sample_isolating, sample_states
 from pagedllm.worker.warmup_runs import profile_run, warm_up_kernels
 
 logger = logging.getLogger("pagedllm")
@@ -353,7 +353,7 @@ class ModelRunner:
         if not self.is_last_stage:  # the hidden states went on to the next stage; nothing to sample here
             self._in_flight = StepInFlight(b.req_ids, {}, start_event=start_event)
             return
-        prompt_logprobs = self._prompt_logprobs(b, hidden)
+        prompt_logprobs = prompt_logprobs_of(b, hidden, self.input_batch.requests, self.model, self.device)
         step = StepInFlight(b.req_ids, prompt_logprobs, start_event=start_event)
         num_sampled = len(b.logits_indices)
         if num_sampled:
@@ -471,34 +471,6 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, states: list):  # [S, vocab] -> SamplerOutput
         return sample_states(self.sampler, logits, states, self.device)
-
-    def _prompt_logprobs(self, b: BatchInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
-        """Logprobs of each prompt token given its prefix, for the prompt positions in this step."""
-        from pagedllm.sample.logprobs import compute_token_logprobs
-
-        out: dict[str, LogprobsLists] = {}
-        for i, rid in enumerate(b.req_ids):
-            st = self.input_batch.requests[rid]
-            k = st.sampling_params.prompt_logprobs
-            if k is None:
-                continue
-            start_tok, end_tok = int(b.query_start_loc[i]), int(b.query_start_loc[i + 1])
-            start_pos = int(b.positions[start_tok])
-            num_prompt = len(st.prompt_token_ids)
-            # Hidden state at position p predicts prompt token p + 1.
-            n = min(end_tok - start_tok, num_prompt - 1 - start_pos)
-            if n <= 0:
-                continue
-            logits = self.model.compute_logits(hidden[start_tok : start_tok + n])
-            if logits is None:  # another tensor rank samples and reports them
-                continue
-            targets = torch.tensor(st.prompt_token_ids[start_pos + 1 : start_pos + 1 + n], device=self.device)
-            lp = compute_token_logprobs(logits, targets, k)
-            rows = logprobs_to_lists(lp)
-            out[rid] = LogprobsLists(
-                [r.token_ids[0] for r in rows], [r.logprobs[0] for r in rows], [r.ranks[0] for r in rows]
-            )
-        return out
 
     def warm_up_kernels(self) -> None:
         warm_up_kernels(self)

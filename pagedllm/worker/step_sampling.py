@@ -1,5 +1,5 @@
-"""A step's sampling for the model runner: the sampling metadata of its requests, and the fallback that ends
-only the requests whose own sampling raises when a batch's sampling does."""
+"""A step's sampling for the model runner: the sampling metadata of its requests, the fallback that ends only
+the requests whose own sampling raises when a batch's sampling does, and the prompt tokens' logprobs."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +7,9 @@ from typing import Callable
 
 import torch
 
+from pagedllm.core.scheduler_output import LogprobsLists
 from pagedllm.sample.validity import INVALID_TOKEN_ID
+from pagedllm.worker.step_records import logprobs_to_lists
 
 logger = logging.getLogger("pagedllm")
 
@@ -67,3 +69,34 @@ def sample_isolating(sample: Callable, logits: torch.Tensor, states: list, devic
                 for t in (out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks)
             ))
     return token_ids, checked, lp, errors
+
+
+def prompt_logprobs_of(
+    b, hidden: torch.Tensor, requests: dict, model, device: torch.device  # b: BatchInputs; hidden [T, H]
+) -> dict[str, LogprobsLists]:
+    """Logprobs of each prompt token given its prefix, for the prompt positions in this step."""
+    from pagedllm.sample.logprobs import compute_token_logprobs
+
+    out: dict[str, LogprobsLists] = {}
+    for i, rid in enumerate(b.req_ids):
+        st = requests[rid]
+        k = st.sampling_params.prompt_logprobs
+        if k is None:
+            continue
+        start_tok, end_tok = int(b.query_start_loc[i]), int(b.query_start_loc[i + 1])
+        start_pos = int(b.positions[start_tok])
+        num_prompt = len(st.prompt_token_ids)
+        # Hidden state at position p predicts prompt token p + 1.
+        n = min(end_tok - start_tok, num_prompt - 1 - start_pos)
+        if n <= 0:
+            continue
+        logits = model.compute_logits(hidden[start_tok : start_tok + n])
+        if logits is None:  # another tensor rank samples and reports them
+            continue
+        targets = torch.tensor(st.prompt_token_ids[start_pos + 1 : start_pos + 1 + n], device=device)
+        lp = compute_token_logprobs(logits, targets, k)
+        rows = logprobs_to_lists(lp)
+        out[rid] = LogprobsLists(
+            [r.token_ids[0] for r in rows], [r.logprobs[0] for r in rows], [r.ranks[0] for r in rows]
+        )
+    return out
