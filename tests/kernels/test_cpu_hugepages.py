@@ -49,3 +49,4 @@ def test_huge_page_buffer_starts_on_a_huge_page() -> None:
 
 def test_nothing_to_move() -> None:
     assert move_to_huge_pages(nn.Linear(4, 4), ("qweight_",)) == 0
+

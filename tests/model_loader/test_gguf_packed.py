@@ -204,6 +204,17 @@ def test_engine_keeps_gguf_packed_and_greedy_tokens_match_dense(tmp_path, caplog
     assert packed_tokens == dense_tokens
 
 
+def test_packed_weights_share_one_huge_page_arena(tmp_path) -> None:
+    # kernels/cpu/hugepages.py: a decode step streams them; one arena of 2 MiB pages, the tied head included.
+    path = str(tmp_path / "gemma3.gguf")
+    write_gguf(path, "gemma3", mixed)
+    model, _ = load(path, "gguf")
+    packed = [t for n, t in model.named_buffers() if n.rsplit(".", 1)[-1].startswith("qweight") and t.dtype == torch.uint8]
+    assert len(packed) > 10
+    assert len({t.untyped_storage().data_ptr() for t in packed}) == 1
+    assert model.lm_head.qweight_data is model.model.embed_tokens.qweight_data
+
+
 def test_type_without_kernel_takes_dense_path(tmp_path, caplog) -> None:
     path = str(tmp_path / "m.gguf")
     no_kernel = [t for t in (T.Q4_1, T.Q5_1) if int(t) not in gguf_gemm.KERNEL_TYPES]
