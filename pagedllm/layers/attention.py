@@ -102,7 +102,7 @@ class Attention(nn.Module):
         source = (rotary, q_norm, k_norm, getattr(rotary, "inv_freq", None), getattr(q_norm, "weight", None),
                   getattr(k_norm, "weight", None))
         cached = self._qk
-        if cached is None or len(cached[0]) != len(source) or any(a is not b for a, b in zip(cached[0], source)):
+        if cached is None or any(a is not b for a, b in zip(cached[0], source)):
             cached = self._qk = (source, qk_transform(rotary, q_norm, k_norm, self.head_size))
         return cached[1]
 
