@@ -10,7 +10,7 @@ import subprocess
 import threading
 import time
 
-from serve_process import REPO, tail
+from serve_process import REPO, group_alive, tail
 
 
 def loadavg() -> list[float]:
@@ -201,13 +201,7 @@ class ServerProcess:
                            f"{tail(self.log_path)}")
 
     def _group_alive(self) -> bool:
-        try:
-            os.killpg(self.proc.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+        return group_alive(self.proc.pid)
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM to the whole process group, SIGKILL to what is left after `timeout`."""

@@ -38,6 +38,17 @@ def tail(path: str, n: int = 3000) -> str:
         return ""
 
 
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the process group is still there."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
 class Server:
     """``pagedllm serve`` with ``serve_flags`` (model and engine flags) on a free loopback port; its output
     goes to ``log_path`` (or nowhere)."""
@@ -68,13 +79,7 @@ class Server:
         raise RuntimeError(f"the server was not healthy after {timeout:.0f} s:\n{tail(self.log_path)}")
 
     def _group_alive(self) -> bool:
-        try:
-            os.killpg(self.pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+        return group_alive(self.pgid)
 
     def stop(self, timeout: float = 60.0) -> float:
         """SIGTERM to the whole group (front end and engine core), SIGKILL what is left after `timeout`."""
