@@ -4,6 +4,7 @@ Weights come out as the HF safetensors checkpoint of the same model would hold t
 classes' ``load_weights`` take them unchanged: tensor names are mapped back with gguf-py's name
 tables, and the two edits llama.cpp's converter makes are undone the way transformers undoes them:
 the rotary row permutation of llama Q/K projections, and the ``+ 1`` folded into Gemma norm weights.
+Mixture-of-experts files (stacked experts, routers, Qwen2-MoE's shared expert) are handled in ``gguf_experts.py``.
 """
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import ModelConfig
 from pagedllm.layers.quantization.gguf_dequant import SUPPORTED_TYPES, dequantize, type_name
-from pagedllm.model_loader.gguf_reader import ARCHITECTURES, open_gguf
+from pagedllm.model_loader import gguf_experts as moe
+from pagedllm.model_loader.gguf_reader import (
+    ARCHITECTURES, field_value, hf_architecture, open_gguf, supported_architectures,
+)
 from pagedllm.model_loader.base import BaseModelLoader, build_model, check_all_loaded, finalize_model
 
 logger = logging.getLogger(__name__)
@@ -43,37 +47,33 @@ _HF_BLOCK = (
 )
 
 
-def _value(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def _architecture(reader: Any, path: str | os.PathLike) -> str:
-    arch = _value(reader, "general.architecture")
+    arch = field_value(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"GGUF {path} has architecture {arch!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
+        raise ValueError(f"GGUF {path} has architecture {arch!r}; supported: {supported_architectures()}")
     return arch
 
 
-def _config_beyond_transformers(reader: Any, arch: str, config: dict[str, Any]) -> None:
+def _config_beyond_transformers(reader: Any, arch: str, hf_arch: str, config: dict[str, Any]) -> None:
     """Facts llama.cpp reads or hardcodes that transformers' GGUF table leaves at class defaults.
 
     Each only applies when it differs from what transformers would pick, so for files where
     transformers is right (Gemma 3 270M included) the config stays equal to its.
     """
     # Qwen3 heads are not hidden/heads wide; transformers relies on Qwen3Config's default of 128.
-    if arch == "qwen3" and (key_length := _value(reader, "qwen3.attention.key_length")) is not None:
+    if arch == "qwen3" and (key_length := field_value(reader, "qwen3.attention.key_length")) is not None:
         config["head_dim"] = int(key_length)
     # Gemma 3 27B (62 layers) scales queries by hidden/heads, not head_dim (llama.cpp's f_attention_scale).
     if arch == "gemma3" and config.get("num_hidden_layers") == 62:
         config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"]
-    scaling = _value(reader, f"{arch}.rope.scaling.type")
+    scaling = field_value(reader, f"{arch}.rope.scaling.type")
     if scaling in ("linear", "yarn"):
-        rope_scaling = {"rope_type": scaling, "factor": float(_value(reader, f"{arch}.rope.scaling.factor"))}
-        original = _value(reader, f"{arch}.rope.scaling.original_context_length")
+        rope_scaling = {"rope_type": scaling, "factor": float(field_value(reader, f"{arch}.rope.scaling.factor"))}
+        original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
         if original is not None:
             rope_scaling["original_max_position_embeddings"] = int(original)
         config["rope_scaling"] = rope_scaling  # the legacy key: config classes fold it into rope_parameters
+    moe.moe_config(reader, arch, hf_arch, config)
 
 
 def _items_skipped(field: Any) -> bool:
@@ -96,9 +96,11 @@ def gguf_hf_config(path: str | os.PathLike, reader: Any = None) -> Any:
 
     reader = reader if reader is not None else open_gguf(path, skip_arrays=True)
     arch = _architecture(reader, path)
-    model_type, hf_arch = ARCHITECTURES[arch]
+    model_type, hf_arch = hf_architecture(reader, arch)
     config: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type) or GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {})
-    tables = {arch: GGUF_CONFIG_MAPPING[arch], "tokenizer": GGUF_CONFIG_MAPPING["tokenizer"]}
+    # transformers keys its table by HF model_type for the MoE files (qwen3_moe for qwen3moe keys).
+    table = GGUF_CONFIG_MAPPING.get(arch) or GGUF_CONFIG_MAPPING[model_type]
+    tables = {arch: table, "tokenizer": GGUF_CONFIG_MAPPING["tokenizer"]}
     for key, field in reader.fields.items():
         prefix, _, rest = key.partition(".")
         hf_key = tables.get(prefix, {}).get(rest)
@@ -113,20 +115,24 @@ def gguf_hf_config(path: str | os.PathLike, reader: Any = None) -> Any:
         if tokens is None:
             raise ValueError(f"GGUF {path} states no vocab_size and has no tokenizer.ggml.tokens to count")
         config["vocab_size"] = int(tokens.parts[-1][0]) if _items_skipped(tokens) else len(tokens.data)
-    _config_beyond_transformers(reader, arch, config)
+    _config_beyond_transformers(reader, arch, hf_arch, config)
     hf_config = CONFIG_MAPPING[model_type].from_dict(config)
     hf_config.architectures = [hf_arch]
     hf_config._name_or_path = os.fspath(path)
     return hf_config
 
 
-def gguf_to_hf_names(arch: str, num_layers: int) -> dict[str, str]:
-    """GGUF tensor name -> HF checkpoint name, e.g. ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+def gguf_to_hf_names(arch: str, num_layers: int, hf_arch: str | None = None) -> dict[str, str]:
+    """GGUF tensor name -> HF checkpoint name, e.g. ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``.
+
+    With a mixture-of-experts ``hf_arch`` the routers and shared expert too, named as that family names them
+    (the stacked experts are not one-to-one: ``gguf_experts.expert_tensor_index``)."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     (arch_id,) = [k for k, v in MODEL_ARCH_NAMES.items() if v == arch]
     table = get_tensor_name_map(arch_id, num_layers)
-    hf_modules = list(_HF_GLOBAL) + [f"model.layers.{i}.{m}" for i in range(num_layers) for m in _HF_BLOCK]
+    block = _HF_BLOCK + (moe.moe_block_modules(hf_arch) if hf_arch else ())
+    hf_modules = list(_HF_GLOBAL) + [f"model.layers.{i}.{m}" for i in range(num_layers) for m in block]
     names = {}
     for hf in hf_modules:
         gguf_name = table.get_name(hf)
@@ -152,6 +158,7 @@ def iter_gguf_weights(
     device: torch.device | str = "cpu",
     reader: Any = None,
     keep_packed: Callable[[int], bool] | None = None,
+    experts: range | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields ``(hf_name, tensor)`` for every tensor of the file, dequantized to ``dtype`` on ``device``.
 
@@ -162,26 +169,35 @@ def iter_gguf_weights(
     (``layers/quantization/gguf.py``): ``<module>.qweight_type`` (its ggml type, or F32 for one dequantized
     here), then ``<module>.qweight`` (its packed rows [N, row_bytes] uint8, or the dequantized [N, K]).
     Q/K rows are un-permuted either way: the permutation moves whole rows.
+
+    A mixture-of-experts file's stacked experts come one tensor per expert, dequantized (``gguf_experts.py``), only
+    those in ``experts`` (an expert-parallel rank's range) when given; its routers come dense, never packed.
     """
     from pagedllm.layers.quantization.gguf import F32
 
     reader = reader if reader is not None else open_gguf(path, skip_arrays=True)
     arch = _architecture(reader, path)
-    num_layers = int(_value(reader, f"{arch}.block_count"))
-    names = gguf_to_hf_names(arch, num_layers)
-    unknown = [t.name for t in reader.tensors if t.name not in names and t.name not in _NO_HF_TENSOR]
+    num_layers = int(field_value(reader, f"{arch}.block_count"))
+    _, hf_arch = hf_architecture(reader, arch)
+    names = gguf_to_hf_names(arch, num_layers, hf_arch)
+    stacked = moe.expert_tensor_index(reader, arch, hf_arch, num_layers, os.fspath(path))
+    unknown = [t.name for t in reader.tensors
+               if t.name not in names and t.name not in stacked and t.name not in _NO_HF_TENSOR]
     if unknown:
         raise ValueError(f"GGUF {path} has tensors with no HF name for {arch}: {', '.join(unknown[:8])}")
     # Checked up front so an unsupported file fails before any weight is loaded.
     unsupported = sorted({type_name(t.tensor_type) for t in reader.tensors if t.tensor_type not in SUPPORTED_TYPES})
     if unsupported:
         raise NotImplementedError(f"GGUF {path} holds {', '.join(unsupported)} tensors, which cannot be dequantized yet")
-    n_heads = int(_value(reader, f"{arch}.attention.head_count"))
-    n_kv_heads = int(_value(reader, f"{arch}.attention.head_count_kv", n_heads))
+    n_heads = int(field_value(reader, f"{arch}.attention.head_count"))
+    n_kv_heads = int(field_value(reader, f"{arch}.attention.head_count_kv", n_heads))
 
     for tensor in reader.tensors:
         if tensor.name in _NO_HF_TENSOR:
             logger.warning("ignoring GGUF tensor %s: it has no HF checkpoint counterpart", tensor.name)
+            continue
+        if tensor.name in stacked:
+            yield from moe.iter_experts(tensor, *stacked[tensor.name], hf_arch, dtype, device, experts)
             continue
         shape = tuple(reversed([int(n) for n in tensor.shape]))  # torch order (out, in); GGUF lists dims fastest-first
         with warnings.catch_warnings():
@@ -191,7 +207,7 @@ def iter_gguf_weights(
         base = tensor.name.rsplit(".", 1)[0]
         permuted = arch in _QK_PERMUTED and base.endswith((".attn_q", ".attn_k"))
         heads = n_heads if base.endswith(".attn_q") else n_kv_heads
-        matrix = keep_packed is not None and len(shape) == 2
+        matrix = keep_packed is not None and len(shape) == 2 and not moe.is_router(tensor.name)
         if matrix and keep_packed(int(tensor.tensor_type)):
             rows = raw.reshape(shape[0], -1)  # [N, row_bytes] uint8
             module = names[tensor.name].rsplit(".", 1)[0]
@@ -211,7 +227,7 @@ def iter_gguf_weights(
             yield module + ".qweight_type", torch.tensor(F32)
             yield module + ".qweight", w
         else:
-            yield names[tensor.name], w
+            yield names[tensor.name], moe.router_weight(tensor.name, w)
 
 
 def _dense_reason(model_config: ModelConfig, device: torch.device) -> str:
@@ -236,7 +252,9 @@ def _packing_summary(reader: Any, dtype: torch.dtype, keep_packed: Callable[[int
             continue
         n = int(t.n_elements)
         as_float32 += 4 * n
-        if len(t.shape) == 2 and keep_packed(int(t.tensor_type)):
+        if moe.is_router(t.name):  # counted in the experts' line
+            held += n * dtype.itemsize
+        elif len(t.shape) == 2 and keep_packed(int(t.tensor_type)):
             packed[type_name(t.tensor_type)] += 1
             held += int(t.n_bytes)
         else:
@@ -253,6 +271,14 @@ def _packing_summary(reader: Any, dtype: torch.dtype, keep_packed: Callable[[int
         for name, count in dense.most_common():
             _startup_log.info("gguf: %d %s tensors dequantized to %s (dense path: %s)", count, name,
                         str(dtype).removeprefix("torch."), reason)
+
+
+def _log_experts(path: str, reader: Any, dtype: torch.dtype, experts: range | None) -> None:
+    """A MoE file's line on its experts (checked first, so a malformed file fails before any weight loads)."""
+    arch = _architecture(reader, path)
+    _, hf_arch = hf_architecture(reader, arch)
+    index = moe.expert_tensor_index(reader, arch, hf_arch, int(field_value(reader, f"{arch}.block_count")), path)
+    moe.log_experts(reader, index, dtype, experts)
 
 
 class GGUFModelLoader(BaseModelLoader):
@@ -274,10 +300,13 @@ class GGUFModelLoader(BaseModelLoader):
         model = build_model(model_config, device, attn_backend)
         _startup_log.info("gguf: every tensor dequantized to %s (dense path: %s)",
                           str(model_config.dtype).removeprefix("torch."), _dense_reason(model_config, device))
-        weights = iter_gguf_weights(path, model_config.dtype, device)
+        reader, experts = open_gguf(path, skip_arrays=True), moe.local_experts(model)
+        _log_experts(path, reader, model_config.dtype, experts)
+        weights = iter_gguf_weights(path, model_config.dtype, device, reader, experts=experts)
         # Float32 loads keep an exact copy for the converted cache: the next start reads safetensors
-        # instead of parsing metadata and dequantizing again.
-        keep: dict[str, torch.Tensor] | None = {} if model_config.dtype == torch.float32 else None
+        # instead of parsing metadata and dequantizing again. Not an expert-parallel rank's: it lacks the
+        # other ranks' experts.
+        keep: dict[str, torch.Tensor] | None = {} if model_config.dtype == torch.float32 and experts is None else None
         if keep is not None:
             weights = tee_float32(weights, keep)
         loaded = model.load_weights(weights)
@@ -301,8 +330,10 @@ class GGUFModelLoader(BaseModelLoader):
         def keep_packed(qtype: int) -> bool:
             return keeps_packed(qtype, device)
 
+        experts = moe.local_experts(model)
         _packing_summary(reader, model_config.dtype, keep_packed, device)
-        weights = iter_gguf_weights(path, model_config.dtype, device, reader, keep_packed)
+        _log_experts(path, reader, model_config.dtype, experts)
+        weights = iter_gguf_weights(path, model_config.dtype, device, reader, keep_packed, experts)
         loaded = model.load_weights(weights)
         check_all_loaded(model, loaded, path)
         finish_loading(model)

@@ -14,7 +14,33 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+# Mixture-of-experts architectures of their own, and those llama.cpp writes under a dense name with
+# ``{arch}.expert_count`` set (Mixtral is ``llama`` with experts).
+MOE_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe"})
+WITH_EXPERTS: dict[str, tuple[str, str]] = {"llama": ("mixtral", "MixtralForCausalLM")}
+
+
+def field_value(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata field's value, or ``default`` when the file lacks it."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def hf_architecture(reader: Any, arch: str) -> tuple[str, str]:
+    """(HF model_type, HF architectures entry) of a file of ``general.architecture`` ``arch`` (one of ARCHITECTURES)."""
+    if arch in WITH_EXPERTS and int(field_value(reader, f"{arch}.expert_count", 0) or 0) > 0:
+        return WITH_EXPERTS[arch]
+    return ARCHITECTURES[arch]
+
+
+def supported_architectures() -> str:
+    """The architectures pagedllm runs from a GGUF file, for error messages."""
+    dense = sorted(set(ARCHITECTURES) - MOE_ARCHITECTURES)
+    moe = sorted(MOE_ARCHITECTURES | {f"{a} with {a}.expert_count ({hf})" for a, (_, hf) in WITH_EXPERTS.items()})
+    return f"{', '.join(dense)}; with experts: {', '.join(moe)}"
 
 
 def _fast_reader_class() -> type:
