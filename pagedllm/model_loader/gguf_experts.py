@@ -9,16 +9,19 @@ expert, named as HF checkpoints name it (``mlp.experts.3.gate_proj.weight``, Mix
 ``block_sparse_moe.experts.3.w1.weight``), so the models stack them into ``MoEExperts`` as they do from
 safetensors. An expert-parallel rank decodes only its own experts' slices of the memory-mapped file.
 
-The experts are dequantized to the model's dtype at load, also when the other matrices stay packed
-(``quantization="gguf"``): ``MoEExperts`` has no product that reads ggml blocks. The routers are read dense too
-(the model keeps them in its dtype); the shared expert is a dense MLP and takes the GGUF linears' path.
+Where the other matrices stay packed on the CPU (``quantization="gguf"``), so do the experts of a type the packed
+kernel reads: each expert comes as its ggml type and packed rows (``...experts.3.gate_proj.qweight_type``,
+``.qweight``) for ``layers/fused_moe/gguf_experts.py``; an expert of another type comes dequantized under the type
+F32. Elsewhere (a GPU, whose MoE kernels read 16-bit or float8 experts, or ``gguf_dequantize``) the experts are
+dequantized to the model's dtype at load. The routers are always read dense (the model keeps them in its dtype);
+the shared expert is a dense MLP and takes the GGUF linears' path.
 """
 from __future__ import annotations
 
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -164,18 +167,34 @@ def expert_tensor_index(reader: Any, arch: str, hf_arch: str, num_layers: int, p
 
 def iter_experts(
     tensor: Any, layer: int, projection: int, hf_arch: str, dtype: torch.dtype, device: torch.device | str,
-    experts: range | None = None,
+    experts: range | None = None, keep_packed: Callable[[int], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A stacked GGUF expert tensor [E, N, K] as ``(hf_name, [N, K] tensor in dtype)``, one per expert of ``experts``
-    (all when None); only those experts' bytes are read from the mapping."""
+    (all when None); only those experts' bytes are read from the mapping. With ``keep_packed`` (ggml type -> whether
+    it stays packed) each expert comes as ``<proj>.qweight_type`` then ``<proj>.qweight``: its rows [N, row_bytes]
+    uint8 where the type stays packed, else F32 and the rows dequantized [N, K] in dtype."""
+    from pagedllm.layers.quantization.gguf import F32
+
     family = _FAMILIES[hf_arch]
     shape = _torch_shape(tensor)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # a read-only mapping, only read
         raw = torch.from_numpy(tensor.data)  # [E, N, row_bytes] uint8 blocks, or [E, N, K] F32/F16 values
-    name = f"model.layers.{layer}.{family.block}.experts.{{}}.{family.projections[projection]}.weight"
+    stem = f"model.layers.{layer}.{family.block}.experts.{{}}.{family.projections[projection]}."
+    qtype = int(tensor.tensor_type)
+    packed = keep_packed is not None and keep_packed(qtype)
     for e in experts if experts is not None else range(shape[0]):
-        yield name.format(e), dequantize(raw[e].to(device), tensor.tensor_type, shape[1:], dtype)
+        module = stem.format(e)
+        if packed:
+            yield module + "qweight_type", torch.tensor(qtype)
+            yield module + "qweight", raw[e].to(device)  # a view of the mapping: the layer copies it
+            continue
+        w = dequantize(raw[e].to(device), tensor.tensor_type, shape[1:], dtype)
+        if keep_packed is None:
+            yield module + "weight", w
+        else:
+            yield module + "qweight_type", torch.tensor(F32)
+            yield module + "qweight", w
 
 
 def local_experts(model: nn.Module) -> range | None:
@@ -188,14 +207,37 @@ def local_experts(model: nn.Module) -> range | None:
     return None
 
 
-def log_experts(reader: Any, index: dict[str, tuple[int, int]], dtype: torch.dtype, experts: range | None) -> None:
-    """The start-up line of a MoE file: its stacked expert tensors by type, all dequantized, and the experts read."""
+def log_experts(
+    reader: Any, index: dict[str, tuple[int, int]], dtype: torch.dtype, experts: range | None,
+    keep_packed: Callable[[int], bool] | None = None,
+) -> None:
+    """The start-up line of a MoE file: its stacked expert tensors by type, those kept packed (``keep_packed``, and
+    the bytes this rank holds of them) and those dequantized, and the experts read."""
     if not index:
         return
-    by_type = Counter(type_name(t.tensor_type) for t in reader.tensors if t.name in index)
+    stacked = [t for t in reader.tensors if t.name in index]
+    kept = [keep_packed is not None and keep_packed(int(t.tensor_type)) for t in stacked]
+    packed = [t for t, k in zip(stacked, kept) if k]
+    dense = [t for t, k in zip(stacked, kept) if not k]
     routers = sum(is_router(t.name) for t in reader.tensors)
+    share = len(experts) / _torch_shape(stacked[0])[0] if experts else 1.0
     which = f"; this expert-parallel rank reads experts {experts.start}-{experts.stop - 1}" if experts else ""
-    _startup_log.info("gguf: %d stacked expert tensors (%s) and %d router tensors dequantized to %s at load (experts "
-                      "have no packed product; routers stay in the model's dtype)%s", len(index),
-                      ", ".join(f"{k} x {v}" for k, v in by_type.most_common()), routers,
-                      str(dtype).removeprefix("torch."), which)
+    dtype_name = str(dtype).removeprefix("torch.")
+    if not packed:
+        why = ("no packed kernel for their types" if keep_packed
+               else "experts stay packed only on the CPU under quantization gguf")
+        _startup_log.info("gguf: %d stacked expert tensors (%s) and %d router tensors dequantized to %s at load (%s; "
+                          "routers stay in the model's dtype)%s", len(index), _by_type(dense), routers, dtype_name,
+                          why, which)
+        return
+    held = share * sum(int(t.n_bytes) for t in packed)
+    size = f"{held / 2**30:.2f} GiB" if held >= 2**30 else f"{held / 2**20:.2f} MiB"
+    also = (f", {len(dense)} dequantized to {dtype_name} ({_by_type(dense)}: no packed kernel for the type)"
+            if dense else "")
+    _startup_log.info("gguf: %d stacked expert tensors kept packed (%s; %s held)%s; %d router tensors dequantized to "
+                      "%s (routers stay in the model's dtype)%s", len(packed), _by_type(packed), size, also, routers,
+                      dtype_name, which)
+
+
+def _by_type(tensors: list[Any]) -> str:
+    return ", ".join(f"{k} x {v}" for k, v in Counter(type_name(t.tensor_type) for t in tensors).most_common())

@@ -159,6 +159,7 @@ def iter_gguf_weights(
     reader: Any = None,
     keep_packed: Callable[[int], bool] | None = None,
     experts: range | None = None,
+    pack_experts: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields ``(hf_name, tensor)`` for every tensor of the file, dequantized to ``dtype`` on ``device``.
 
@@ -170,8 +171,10 @@ def iter_gguf_weights(
     here), then ``<module>.qweight`` (its packed rows [N, row_bytes] uint8, or the dequantized [N, K]).
     Q/K rows are un-permuted either way: the permutation moves whole rows.
 
-    A mixture-of-experts file's stacked experts come one tensor per expert, dequantized (``gguf_experts.py``), only
-    those in ``experts`` (an expert-parallel rank's range) when given; its routers come dense, never packed.
+    A mixture-of-experts file's stacked experts come one tensor per expert (``gguf_experts.py``), only those in
+    ``experts`` (an expert-parallel rank's range) when given: dequantized, or with ``pack_experts`` as the matrices
+    above (``<expert projection>.qweight_type`` then ``.qweight``, packed where ``keep_packed`` says); its routers
+    come dense, never packed.
     """
     from pagedllm.layers.quantization.gguf import F32
 
@@ -197,7 +200,8 @@ def iter_gguf_weights(
             logger.warning("ignoring GGUF tensor %s: it has no HF checkpoint counterpart", tensor.name)
             continue
         if tensor.name in stacked:
-            yield from moe.iter_experts(tensor, *stacked[tensor.name], hf_arch, dtype, device, experts)
+            yield from moe.iter_experts(tensor, *stacked[tensor.name], hf_arch, dtype, device, experts,
+                                        keep_packed if pack_experts else None)
             continue
         shape = tuple(reversed([int(n) for n in tensor.shape]))  # torch order (out, in); GGUF lists dims fastest-first
         with warnings.catch_warnings():
@@ -240,8 +244,11 @@ def _dense_reason(model_config: ModelConfig, device: torch.device) -> str:
     return "gguf_dequantize"
 
 
-def _packing_summary(reader: Any, dtype: torch.dtype, keep_packed: Callable[[int], bool], device: torch.device) -> None:
-    """One log line per decision: the matrices kept packed by type, those dequantized and why, and weight bytes."""
+def _packing_summary(
+    reader: Any, dtype: torch.dtype, keep_packed: Callable[[int], bool], device: torch.device, pack_experts: bool
+) -> None:
+    """One log line per decision: the matrices kept packed by type, those dequantized and why, and weight bytes
+    (stacked experts counted there, their types in the experts' line)."""
     from pagedllm.layers.quantization.gguf import packed_kernel_available
 
     packed: Counter[str] = Counter()
@@ -254,6 +261,8 @@ def _packing_summary(reader: Any, dtype: torch.dtype, keep_packed: Callable[[int
         as_float32 += 4 * n
         if moe.is_router(t.name):  # counted in the experts' line
             held += n * dtype.itemsize
+        elif len(t.shape) == 3:  # stacked experts, also in the experts' line
+            held += int(t.n_bytes) if pack_experts and keep_packed(int(t.tensor_type)) else n * dtype.itemsize
         elif len(t.shape) == 2 and keep_packed(int(t.tensor_type)):
             packed[type_name(t.tensor_type)] += 1
             held += int(t.n_bytes)
@@ -273,19 +282,22 @@ def _packing_summary(reader: Any, dtype: torch.dtype, keep_packed: Callable[[int
                         str(dtype).removeprefix("torch."), reason)
 
 
-def _log_experts(path: str, reader: Any, dtype: torch.dtype, experts: range | None) -> None:
+def _log_experts(
+    path: str, reader: Any, dtype: torch.dtype, experts: range | None, keep_packed: Callable[[int], bool] | None = None
+) -> None:
     """A MoE file's line on its experts (checked first, so a malformed file fails before any weight loads)."""
     arch = _architecture(reader, path)
     _, hf_arch = hf_architecture(reader, arch)
     index = moe.expert_tensor_index(reader, arch, hf_arch, int(field_value(reader, f"{arch}.block_count")), path)
-    moe.log_experts(reader, index, dtype, experts)
+    moe.log_experts(reader, index, dtype, experts, keep_packed)
 
 
 class GGUFModelLoader(BaseModelLoader):
     """``load_format="gguf"``: the model for ``hf_config`` filled from ``model_config.gguf_file`` (or ``.model``).
 
     Under ``quantization="gguf"`` matrices whose type the packed kernel reads stay in their blocks
-    (``layers/quantization/gguf.py``) and nothing is cached: reading the file is the whole start. Otherwise
+    (``layers/quantization/gguf.py``; a MoE file's experts too on the CPU, ``layers/fused_moe/gguf_experts.py``)
+    and nothing is cached: reading the file is the whole start. Otherwise
     every tensor is dequantized, and float32 loads keep a converted copy for later starts (``gguf_cache.py``).
     """
 
@@ -319,11 +331,17 @@ class GGUFModelLoader(BaseModelLoader):
         self, path: str, model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]
     ) -> nn.Module:
         from pagedllm.layers.embedding import default_embedding_method
+        from pagedllm.layers.fused_moe import gguf_experts
+        from pagedllm.layers.fused_moe.layer import default_experts_method
         from pagedllm.layers.linear import default_linear_method
         from pagedllm.layers.quantization.gguf import GGUFConfig, finish_loading, keeps_packed
 
         config = GGUFConfig(int8_activations=model_config.cpu_int8_activations)
-        with default_linear_method(config.linear_method), default_embedding_method(config.embedding_method):
+        # Experts stay packed on the CPU only: a GPU's MoE kernels read 16-bit or float8 experts.
+        pack_experts = gguf_experts.packs_experts(device)
+        experts_method = gguf_experts.GGUFExpertsMethod(config.int8_activations) if pack_experts else None
+        with (default_linear_method(config.linear_method), default_embedding_method(config.embedding_method),
+              default_experts_method(experts_method)):
             model = build_model(model_config, device, attn_backend)
         reader = open_gguf(path, skip_arrays=True)
 
@@ -331,14 +349,16 @@ class GGUFModelLoader(BaseModelLoader):
             return keeps_packed(qtype, device)
 
         experts = moe.local_experts(model)
-        _packing_summary(reader, model_config.dtype, keep_packed, device)
-        _log_experts(path, reader, model_config.dtype, experts)
-        weights = iter_gguf_weights(path, model_config.dtype, device, reader, keep_packed, experts)
+        _packing_summary(reader, model_config.dtype, keep_packed, device, pack_experts)
+        _log_experts(path, reader, model_config.dtype, experts, keep_packed if pack_experts else None)
+        weights = iter_gguf_weights(path, model_config.dtype, device, reader, keep_packed, experts, pack_experts)
         loaded = model.load_weights(weights)
         check_all_loaded(model, loaded, path)
         finish_loading(model)
+        gguf_experts.finish_loading(model)
         if torch.device(device).type == "cpu":
             from pagedllm.kernels.cpu.hugepages import move_to_huge_pages
 
-            move_to_huge_pages(model, ("qweight_", "qweight_data"))  # the products stream them every step
+            # The products stream them every step.
+            move_to_huge_pages(model, ("qweight_", "qweight_data") + gguf_experts.PACKED_BUFFERS)
         return finalize_model(model, device, None)

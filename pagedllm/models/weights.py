@@ -20,8 +20,9 @@ StackedMapping = Sequence[tuple[str, str, int | str]]  # (fused param name, chec
 # checkpoint projection of one expert (``gate_proj``, ``w1``) -> (stacked parameter name, shard id)
 ExpertMapping = Mapping[str, tuple[str, str]]
 
-# A float8 checkpoint stores each expert projection's scales beside it (``experts.3.gate_proj.weight_scale``).
-_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.([^.]+)\.(weight|weight_scale)$")
+# A float8 checkpoint stores each expert projection's scales beside it (``experts.3.gate_proj.weight_scale``); a
+# GGUF file's packed experts come as their ggml type and rows (``.qweight_type``, ``.qweight``).
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.([^.]+)\.(weight|weight_scale|qweight|qweight_type)$")
 
 
 def _expert_target(name: str, mapping: ExpertMapping) -> tuple[str, str, int] | None:
@@ -30,8 +31,7 @@ def _expert_target(name: str, mapping: ExpertMapping) -> tuple[str, str, int] | 
     if m is None or m.group(2) not in mapping:
         return None
     param_name, shard_id = mapping[m.group(2)]
-    if m.group(3) == "weight_scale":
-        param_name += "_scale"
+    param_name = param_name.removesuffix("weight") + m.group(3)  # w13_weight -> w13_weight_scale, w13_qweight, ...
     return f"{name[:m.start()]}.experts.{param_name}", shard_id, int(m.group(1))
 
 

@@ -1,12 +1,14 @@
 """Mixture-of-experts GGUF files (qwen3moe, qwen2moe, and llama with experts for Mixtral), written from tiny random
 HF models as llama.cpp's converter lays them out: the same pagedllm weights and greedy tokens as the HF safetensors of
-the same float32 values, transformers' own GGUF reading where it has one, an expert-parallel rank's reads, and
-malformed expert tensors refused by name."""
+the same float32 values, transformers' own GGUF reading where it has one, an expert-parallel rank's reads, experts
+kept packed on the CPU (Q8_0, Q4_K_M's types) against the same experts dequantized, also split over tensor-, expert-
+and data-parallel ranks, and malformed expert tensors refused by name."""
 from __future__ import annotations
 
 import json
 import logging
 import os
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from test_gguf_loader import _config_diff, _llama_cpp_permute, _reference_checkpoint  # noqa: E402
+from test_gguf_packed import _K_SCALES, _blocks, assert_relative, load, prefill_logits  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
@@ -43,20 +46,27 @@ CPU = torch.device("cpu")
 
 
 def _encoded(value: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray]:
-    """(what the GGUF stores, the float32 values it decodes to) of ``value`` in ``qtype``."""
+    """(what the GGUF stores, the float32 values it decodes to) of ``value`` in ``qtype``; a k-quant, which gguf-py
+    cannot quantize to, as random codes under small scales (``test_gguf_packed._blocks``)."""
     if qtype == T.F32:
         return value, value
     if qtype == T.F16:
         return value.astype(np.float16), value.astype(np.float16).astype(np.float32)
-    blocks = gguf.quants.quantize(value, qtype)
+    if qtype in _K_SCALES:
+        rows = value.reshape(-1, value.shape[-1])
+        blocks = _blocks(rows, qtype, np.random.default_rng(rows.shape[0])).reshape(*value.shape[:-1], -1)
+    else:
+        blocks = gguf.quants.quantize(value, qtype)
     return blocks, gguf.quants.dequantize(blocks, qtype).reshape(value.shape).astype(np.float32)
 
 
-def write_moe_gguf(hf_dir: str, path: str, kind: str, qtype: T = T.F32, edit=None) -> dict[str, np.ndarray]:
+def write_moe_gguf(hf_dir: str, path: str, kind: str, qtype: T = T.F32, edit=None,
+                   expert_qtypes: tuple[T, T, T] | None = None) -> dict[str, np.ndarray]:
     """The HF checkpoint in ``hf_dir`` as llama.cpp's converter writes it: experts stacked per layer and projection,
     llama Q/K rows interleaved, routers and vectors in F32, the shared expert's gate squeezed to [H]; every other
-    matrix in ``qtype``. ``edit(gguf_name, array)`` may change a tensor or drop it (None). Returns the HF tensors
-    (per expert) holding the float32 values the file decodes to."""
+    matrix in ``qtype``, the stacked experts in ``expert_qtypes`` (gate, up, down) when given. ``edit(gguf_name,
+    array)`` may change a tensor or drop it (None). Returns the HF tensors (per expert) holding the float32 values
+    the file decodes to."""
     arch, hf_arch, _ = KINDS[kind]
     with open(os.path.join(hf_dir, "config.json")) as f:
         c = json.load(f)
@@ -115,7 +125,11 @@ def write_moe_gguf(hf_dir: str, path: str, kind: str, qtype: T = T.F32, edit=Non
         # llama.cpp keeps routers (and vectors) in F32. Quantization is per row, so the rows that the Q/K
         # interleave moves decode alike.
         t = qtype if stored.ndim >= 2 and ".ffn_gate_inp" not in gguf_name else T.F32
-        (raw, _), (_, back) = _encoded(stored, t), _encoded(value, t)
+        if expert_qtypes is not None and stored.ndim == 3:
+            t = expert_qtypes[STACKED.index(gguf_name.split(".")[2])]
+        raw, back = _encoded(stored, t)
+        if stored is not value:  # Q/K rows interleaved: the HF values decode from the rows un-permuted
+            back = _encoded(value, t)[1]
         w.add_tensor(gguf_name, raw, raw_dtype=t if raw.dtype == np.uint8 else None)
         decoded |= dict(zip(names, back)) if len(names) > 1 else {names[0]: back}
     w.write_header_to_file()
@@ -189,12 +203,12 @@ def test_gguf_model_equals_safetensors_model(kind: str, qtype: T, hf_models, tmp
 PROMPTS = [[3, 17, 250, 8, 99, 4, 41], [7, 7, 120, 299, 5], list(range(10, 40))]
 
 
-def _greedy(model: str, **kwargs) -> list[list[int]]:
+def _greedy(model: str, prompts: list[list[int]] = PROMPTS, **kwargs) -> list[list[int]]:
     llm = LLM(model=model, dtype="float32", device="cpu", skip_tokenizer_init=True, max_model_len=256,
               kv_cache_memory_bytes=1 << 22, **kwargs)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
         llm.llm_engine.shutdown()
@@ -215,30 +229,126 @@ def test_engine_greedy_tokens_equal_safetensors(kind: str, hf_models, tmp_path, 
     assert _greedy(path) == want  # the default on a CPU: matrices packed where a kernel reads them (none in F32)
 
 
-def test_packed_file_keeps_dense_linears_packed_and_experts_dequantized(hf_models, tmp_path, monkeypatch,
-                                                                         caplog) -> None:
-    """quantization "gguf" (a CPU's default): attention and the shared expert stay in Q8_0 blocks, experts and
-    routers are float32; greedy tokens equal the safetensors model of the decoded values."""
+def _packed_kernel() -> None:
     from pagedllm.kernels.cpu import gguf_gemm
 
     if not gguf_gemm.available():
         pytest.skip("the packed GGUF CPU kernel is not available")
+
+
+def _experts(model: torch.nn.Module) -> list:
+    from pagedllm.layers.fused_moe import MoEExperts
+
+    return [m for m in model.modules() if isinstance(m, MoEExperts)]
+
+
+def _lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("gguf: ")]
+
+
+def test_packed_file_keeps_dense_linears_and_experts_packed(hf_models, tmp_path, monkeypatch, caplog) -> None:
+    """quantization "gguf" (a CPU's default): attention, the shared expert and the experts stay in Q8_0 blocks, the
+    routers are float32; greedy tokens equal the safetensors model of the decoded values."""
+    _packed_kernel()
     monkeypatch.setattr(envs, "PAGEDLLM_CACHE", tmp_path / "cache")
     kind, path = "qwen2_moe", str(tmp_path / "m.gguf")
     ref = _reference_dir(hf_models[kind], tmp_path / "ref", write_moe_gguf(hf_models[kind], path, kind, T.Q8_0))
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         model = _load(path, gguf_hf_config(path), "gguf", quantization="gguf")
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gguf: ")]
+    lines = _lines(caplog)
     # Per layer q, k, v, o and the shared expert's gate, up, down; then the embedding and the head.
     assert lines[0].startswith("gguf: 16 tensors kept packed (Q8_0 x 16), 0 dequantized;"), lines
     # Per layer the router and the shared expert's gate.
-    assert lines[1:] == ["gguf: 6 stacked expert tensors (Q8_0 x 6) and 4 router tensors dequantized to float32 at "
-                         "load (experts have no packed product; routers stay in the model's dtype)"]
+    assert lines[1:] == ["gguf: 6 stacked expert tensors kept packed (Q8_0 x 6; 0.05 MiB held); 4 router tensors "
+                         "dequantized to float32 (routers stay in the model's dtype)"]
     mlp = model.model.layers[1].mlp
     assert model.model.layers[1].self_attn.qkv_proj.gguf_segments[0][2] == int(T.Q8_0)
     assert mlp.shared_expert.down_proj.gguf_segments[0][2] == int(T.Q8_0)
-    assert mlp.experts.w13_weight.dtype == mlp.gate.weight.dtype == mlp.shared_expert_gate.weight.dtype == torch.float32
+    assert mlp.gate.weight.dtype == mlp.shared_expert_gate.weight.dtype == torch.float32
+    # 4 experts of 2 x 32 gate/up rows of 64 inputs (two 34-byte Q8_0 blocks), 64 down rows of 32 inputs (one).
+    assert (mlp.experts.w13_qweight.dtype, tuple(mlp.experts.w13_qweight.shape)) == (torch.uint8, (4, 64, 68))
+    assert (mlp.experts.w2_qweight.dtype, tuple(mlp.experts.w2_qweight.shape)) == (torch.uint8, (4, 64, 34))
+    assert not any(t.is_floating_point() for n, t in mlp.experts.named_buffers())
+    assert not list(mlp.experts.parameters())
     assert _greedy(path) == _greedy(ref)
+
+
+# Expert types (gate, up, down): Q8_0 on the 64-wide models, and Q4_K_M's (gate and up Q4_K, down Q6_K) on models
+# 256 wide, a k-quant block.
+EXPERT_MIXES = {"q8_0": (T.Q8_0, T.Q8_0, T.Q8_0), "q4_k_m": (T.Q4_K, T.Q4_K, T.Q6_K)}
+WIDE = {"qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256),
+        "qwen2_moe": dict(hidden_size=256, moe_intermediate_size=256),
+        "mixtral": dict(hidden_size=256, intermediate_size=256)}
+
+
+@pytest.fixture(scope="module")
+def wide_models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("hf_wide")
+    return {kind: make_tiny_model(kind, root / kind, seed=2, **(KINDS[kind][2] | WIDE[kind])) for kind in KINDS}
+
+
+@pytest.mark.parametrize("mix", sorted(EXPERT_MIXES))
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_packed_experts_match_dequantized_experts(kind: str, mix: str, hf_models, wide_models, tmp_path, monkeypatch,
+                                                  caplog) -> None:
+    """Experts packed (the CPU default) against the same file dequantized: prefill logits within the dense packed
+    linears' tolerance, and the engine's greedy tokens identical."""
+    from pagedllm.layers.quantization.gguf import row_bytes
+
+    _packed_kernel()
+    monkeypatch.setattr(envs, "PAGEDLLM_CACHE", tmp_path / "cache")
+    gate, up, down = EXPERT_MIXES[mix]
+    path = str(tmp_path / "m.gguf")
+    hf_dir = (wide_models if mix == "q4_k_m" else hf_models)[kind]
+    write_moe_gguf(hf_dir, path, kind, T.Q8_0, expert_qtypes=(gate, up, down))
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        packed, mc = load(path, "gguf")
+    config, layers = mc.hf_config, mc.hf_config.num_hidden_layers
+    h, i = config.hidden_size, getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    experts = _experts(packed)
+    assert len(experts) == layers
+    for layer in experts:
+        e = layer.num_experts
+        w13, w2 = layer.w13_qweight, layer.w2_qweight
+        assert (w13.dtype, tuple(w13.shape)) == (torch.uint8, (e, 2 * i, row_bytes(gate, h)))
+        assert (w2.dtype, tuple(w2.shape)) == (torch.uint8, (e, h, row_bytes(down, i)))
+        assert layer.gguf_w13 == (("w13_qweight", int(gate)),) and layer.gguf_w2 == ("w2_qweight", int(down))
+    # The experts share the other packed weights' huge-page arena.
+    arena = {packed.model.embed_tokens.qweight_data.untyped_storage().data_ptr()}
+    assert {t.untyped_storage().data_ptr() for layer in experts for _, t in layer.named_buffers()} == arena
+    by_type = ", ".join(f"{t} x {n * layers}" for t, n in Counter([gate.name, up.name, down.name]).most_common())
+    assert any(line.startswith(f"gguf: {3 * layers} stacked expert tensors kept packed ({by_type}; ")
+               for line in _lines(caplog)), _lines(caplog)
+    dense, _ = load(path, None)
+    assert _experts(dense)[0].w13_weight.dtype == torch.float32
+    assert_relative(prefill_logits(packed, mc, PROMPTS), prefill_logits(dense, mc, PROMPTS))
+    del packed, dense
+    assert _greedy(path) == _greedy(path, gguf_dequantize=True)
+
+
+def test_gate_and_up_of_two_types_and_a_type_without_kernel(hf_models, tmp_path, caplog) -> None:
+    """Gate and up of different types stay packed apart (two products an expert); down projections of a type the
+    kernel does not read are dequantized, and the log says which."""
+    from pagedllm.kernels.cpu import gguf_gemm
+
+    _packed_kernel()
+    assert int(T.Q4_1) not in gguf_gemm.KERNEL_TYPES
+    kind, path = "qwen3_moe", str(tmp_path / "m.gguf")
+    write_moe_gguf(hf_models[kind], path, kind, T.Q8_0, expert_qtypes=(T.Q8_0, T.Q5_0, T.Q4_1))
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        packed, mc = load(path, "gguf")
+    assert any(line.startswith("gguf: 4 stacked expert tensors kept packed (Q8_0 x 2, Q5_0 x 2; ") and
+               line.endswith("held), 2 dequantized to float32 (Q4_1 x 2: no packed kernel for the type); 2 router "
+                             "tensors dequantized to float32 (routers stay in the model's dtype)")
+               for line in _lines(caplog)), _lines(caplog)
+    layer = _experts(packed)[0]
+    assert layer.gguf_w13 == (("w1_qweight", int(T.Q8_0)), ("w3_qweight", int(T.Q5_0)))
+    assert layer.gguf_w2 == ("w2_qweight", 0)  # F32: dequantized, in the model's dtype
+    assert (layer.w1_qweight.dtype, tuple(layer.w1_qweight.shape)) == (torch.uint8, (8, 32, 68))
+    assert (layer.w3_qweight.dtype, tuple(layer.w3_qweight.shape)) == (torch.uint8, (8, 32, 44))
+    assert (layer.w2_qweight.dtype, tuple(layer.w2_qweight.shape)) == (torch.float32, (8, 64, 32))
+    dense, _ = load(path, None)
+    assert_relative(prefill_logits(packed, mc, PROMPTS), prefill_logits(dense, mc, PROMPTS))
 
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
@@ -280,6 +390,14 @@ def test_expert_parallel_rank_reads_only_its_experts(hf_models, tmp_path, monkey
     assert ours.keys() - experts == {n for n in every if ".experts." not in n}
     for name, w in ours.items():
         assert torch.equal(w, every[name]), name
+    # Packed: the rank's experts' type and rows, nothing decoded.
+    decoded.clear()
+    rows = dict(iter_gguf_weights(path, experts=range(2, 4), keep_packed=lambda t: True, pack_experts=True))
+    kept = {n for n in rows if ".experts." in n}
+    assert not decoded and {int(n.split(".experts.")[1].split(".")[0]) for n in kept} == {2, 3}
+    assert len(kept) == 2 * 3 * 2 * 2 and all(n.endswith((".qweight", ".qweight_type")) for n in kept)
+    w1 = rows["model.layers.1.block_sparse_moe.experts.3.w1.qweight"]
+    assert w1.dtype == torch.uint8 and tuple(w1.shape) == (32, 68)  # 32 rows of two Q8_0 blocks
 
 
 def test_expert_parallel_engine_greedy_tokens_equal_one_process(hf_models, tmp_path, monkeypatch) -> None:
@@ -289,6 +407,26 @@ def test_expert_parallel_engine_greedy_tokens_equal_one_process(hf_models, tmp_p
     kind, path = "qwen3_moe", str(tmp_path / "m.gguf")
     write_moe_gguf(hf_models[kind], path, kind, T.Q8_0)
     assert _greedy(path, tensor_parallel_size=2, enable_expert_parallel=True) == _greedy(path)
+
+
+def test_tensor_parallel_engine_splits_packed_experts(wide_models, tmp_path, monkeypatch) -> None:
+    """Two tensor-parallel worker processes, each holding every expert's half of the gate/up rows and of the down
+    rows' blocks (128 of 256 inputs: four Q8_0 blocks), give one process's tokens."""
+    _packed_kernel()
+    monkeypatch.setattr(envs, "PAGEDLLM_CACHE", tmp_path / "cache")
+    kind, path = "qwen3_moe", str(tmp_path / "m.gguf")
+    write_moe_gguf(wide_models[kind], path, kind, T.Q8_0)
+    assert _greedy(path, tensor_parallel_size=2) == _greedy(path)
+
+
+def test_data_parallel_cores_share_packed_experts(hf_models, tmp_path, monkeypatch) -> None:
+    """Two engine cores holding four packed experts each, one of them without a request (it runs the MoE layers
+    over no tokens while the other decodes), give one process's tokens."""
+    _packed_kernel()
+    monkeypatch.setattr(envs, "PAGEDLLM_CACHE", tmp_path / "cache")
+    kind, path = "qwen3_moe", str(tmp_path / "m.gguf")
+    write_moe_gguf(hf_models[kind], path, kind, T.Q8_0)
+    assert _greedy(path, PROMPTS[:1], data_parallel_size=2, enable_expert_parallel=True) == _greedy(path, PROMPTS[:1])
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])

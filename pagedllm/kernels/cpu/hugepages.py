@@ -71,10 +71,15 @@ def move_to_huge_pages(model: nn.Module, names: tuple[str, ...]) -> int:
         return 0
     arena = huge_page_buffer(total)
     views: dict[int, torch.Tensor] = {}
-    for module, name, t in found:
+    # Each original is let go once copied: the peak stays near the weights' size, not twice it (a packed mixture
+    # of experts can be most of the machine's memory).
+    found.reverse()
+    while found:
+        module, name, t = found.pop()
         view = views.get(id(t))
         if view is None:
             start = offsets[id(t)]
             view = views[id(t)] = arena[start : start + t.numel()].view(t.shape).copy_(t)
         module._buffers[name] = view
+        del t
     return total

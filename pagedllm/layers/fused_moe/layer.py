@@ -16,8 +16,18 @@ Float8 experts (``quantize_fp8``, run by ``--quantization fp8`` after loading) h
 a float32 scale per expert and output row: ``w13_weight_scale`` [E, 2I], ``w2_weight_scale`` [E, H]. A float8
 checkpoint (built under a serialized ``Fp8LinearMethod`` default) loads into that layout directly: each
 expert's ``weight_scale`` (one a row, or one for the tensor, repeated over its rows) into its scale rows.
+
+An experts method set while the model is built (``default_experts_method``; GGUF experts kept in their ggml
+blocks on the CPU, ``gguf_experts.py``) holds the experts its own way: ``create_weights(layer)``, then
+``apply(layer, x, topk_weights, topk_ids)`` for this rank's experts.
 """
 from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +48,18 @@ def _serialized_fp8() -> bool:
 
 # Checkpoint shard ids: w1 the gate projection, w3 the up projection, w2 the down projection.
 SHARD_IDS = ("w1", "w2", "w3")
+
+_EXPERTS_METHOD: ContextVar[Any] = ContextVar("pagedllm_experts_method", default=None)
+
+
+@contextmanager
+def default_experts_method(method: Any) -> Iterator[None]:
+    """MoE layers built inside hold their experts through ``method`` (None: the stacked parameters)."""
+    token = _EXPERTS_METHOD.set(method)
+    try:
+        yield
+    finally:
+        _EXPERTS_METHOD.reset(token)
 
 
 class MoEExperts(nn.Module):
@@ -81,11 +103,17 @@ class MoEExperts(nn.Module):
         self.renormalize = renormalize
         self.activation = activation
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        dtype = params_dtype or torch.get_default_dtype()
-        self.act_dtype = dtype  # the activations' type, which float8 experts keep
-        i = self.intermediate_size_per_partition
+        self.act_dtype = params_dtype or torch.get_default_dtype()  # the activations' type, which float8 experts keep
+        self.experts_method = _EXPERTS_METHOD.get()
+        if self.experts_method is not None:
+            self.experts_method.create_weights(self)
+        else:
+            self._create_params(self.num_local_experts, self.intermediate_size_per_partition, hidden_size)
+
+    def _create_params(self, local: int, i: int, hidden_size: int) -> None:
+        """The stacked experts in the model's dtype (float8 for a float8 checkpoint)."""
+        dtype = self.act_dtype
         # Empty, not initialized: a checkpoint or the dummy loader overwrites them.
-        local = self.num_local_experts
         self.w13_weight = nn.Parameter(torch.empty(local, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, i, dtype=dtype), requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
@@ -131,12 +159,8 @@ class MoEExperts(nn.Module):
             for e in range(self.first_expert, self.first_expert + self.num_local_experts):
                 self._load_whole_expert(param, loaded_weight[e], e)
             return
-        if shard_id not in SHARD_IDS:
-            raise ValueError(f"expert shard id must be one of {', '.join(SHARD_IDS)}; got {shard_id!r}")
-        if expert_id is None or not 0 <= expert_id < self.num_experts:
-            raise ValueError(f"expert id must be in [0, {self.num_experts}); got {expert_id!r}")
-        local_id = expert_id - self.first_expert
-        if not 0 <= local_id < self.num_local_experts:
+        local_id = self.local_expert(shard_id, expert_id)
+        if local_id is None:
             return  # another expert-parallel rank's expert
         i = self.intermediate_size_per_partition
         if param is self.w13_weight_scale or param is self.w2_weight_scale:
@@ -153,6 +177,15 @@ class MoEExperts(nn.Module):
                              f"checkpoint {tuple(src.shape)}")
         dst.copy_(src)
         self._filled["w2" if shard_id == "w2" else "w13"].add((shard_id, expert_id))
+
+    def local_expert(self, shard_id: str | None, expert_id: int | None) -> int | None:
+        """This rank's index of ``expert_id`` once both ids are checked; None for another expert-parallel rank's."""
+        if shard_id not in SHARD_IDS:
+            raise ValueError(f"expert shard id must be one of {', '.join(SHARD_IDS)}; got {shard_id!r}")
+        if expert_id is None or not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert id must be in [0, {self.num_experts}); got {expert_id!r}")
+        local_id = expert_id - self.first_expert
+        return local_id if 0 <= local_id < self.num_local_experts else None
 
     def _load_scale(
         self,
@@ -224,6 +257,8 @@ class MoEExperts(nn.Module):
         topk_weights: torch.Tensor,  # [T, K] float32
         topk_ids: torch.Tensor,  # [T, K] ids of this rank's experts
     ) -> torch.Tensor:  # [T, H]
+        if self.experts_method is not None:
+            return self.experts_method.apply(self, hidden_states, topk_weights, topk_ids)
         if hidden_states.is_cuda:
             from pagedllm.kernels.moe import fused_experts, usable
 
@@ -236,7 +271,8 @@ class MoEExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size_per_partition}, renormalize={self.renormalize}, "
-                f"tp={self.tp_size}, experts_per_rank={self.num_local_experts}, dtype={self.w13_weight.dtype}")
+                f"tp={self.tp_size}, experts_per_rank={self.num_local_experts}, "
+                f"dtype={self.experts_method or self.w13_weight.dtype}")
 
 
 @torch.inference_mode()
@@ -245,6 +281,6 @@ def run_moe_collectives(model: nn.Module) -> None:
     the other data-parallel cores' ranks wait for, when this core has nothing to run (no attention, no KV)."""
     for layer in model.modules():
         if isinstance(layer, MoEExperts) and layer.ep_group.world_size > 1:
-            device = layer.w13_weight.device
+            device = next(itertools.chain(layer.parameters(), layer.buffers())).device
             hidden = torch.empty(0, layer.hidden_size, dtype=layer.act_dtype, device=device)
             layer(hidden, torch.empty(0, layer.num_experts, dtype=layer.act_dtype, device=device))

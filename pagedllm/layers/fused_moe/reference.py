@@ -1,5 +1,8 @@
-"""The torch reference of the experts' computation, one expert at a time: the oracle, and the CPU path."""
+"""The torch reference of the experts' computation, one expert at a time: the oracle, and the CPU path; its
+loop (``per_expert``) also runs GGUF experts' packed products."""
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,22 @@ def fused_experts_ref(
 
     Float8 experts (with their per-row scales) are dequantized through float32 one expert at a time, so
     the reference never holds more than one expert in the activation's dtype.
+    """
+    def expert(x: torch.Tensor, e: int) -> torch.Tensor:  # [n, H] -> [n, H]
+        h = gated_activation(F.linear(x, _expert(w13, w13_scale, e, x.dtype)), activation)
+        return F.linear(h, _expert(w2, w2_scale, e, x.dtype))
+
+    return per_expert(hidden_states, topk_weights, topk_ids, w13.shape[0], expert)
+
+
+def per_expert(
+    hidden_states: torch.Tensor,  # [T, H]
+    topk_weights: torch.Tensor,  # [T, K] float32
+    topk_ids: torch.Tensor,  # [T, K] integer expert ids in [0, num_experts)
+    num_experts: int,
+    expert: Callable[[torch.Tensor, int], torch.Tensor],  # (rows [n, H], expert id) -> that expert's output [n, H]
+) -> torch.Tensor:  # [T, H]
+    """sum_k w[t, k] * expert(x_t, ids[t, k]): each expert called once, on the rows of the tokens that chose it.
 
     Experts are visited in increasing id and their rows added in that order, so every token sums its
     experts' outputs lowest id first, as HF transformers' loop does; an expert no token chose costs nothing.
@@ -37,17 +56,16 @@ def fused_experts_ref(
         return out
     flat_ids = topk_ids.reshape(-1).long()
     order = torch.argsort(flat_ids, stable=True)  # [T*K] (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # one host sync per layer
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # one host sync per layer
     top_k = topk_ids.shape[1]
     start = 0
-    for expert, n in enumerate(counts):
+    for e, n in enumerate(counts):
         if n == 0:
             continue
         pairs = order[start:start + n]
         start += n
         tokens = pairs // top_k
-        h = gated_activation(F.linear(hidden_states[tokens], _expert(w13, w13_scale, expert, out.dtype)), activation)
-        h = F.linear(h, _expert(w2, w2_scale, expert, out.dtype))
+        h = expert(hidden_states[tokens], e)
         weights = topk_weights.reshape(-1)[pairs].unsqueeze(-1)
         out.index_add_(0, tokens, (h * weights).to(out.dtype))
     return out

@@ -132,7 +132,7 @@ class GGUFLinearMethod(QuantizedLinearMethod):
             src = loaded.narrow(0, rank * size, size)
         k = layer.gguf_input_size
         if hasattr(layer, "input_size_per_partition") and layer.tp_size > 1:
-            src = _input_slice(src, qtype, k, layer.tp_rank, layer.input_size)
+            src = input_slice(src, qtype, k, layer.tp_rank, layer.input_size)
         width = k if qtype == F32 else row_bytes(qtype, k)
         if src.dim() != 2 or src.shape[0] != size or src.shape[1] != width:
             raise ValueError(f"gguf: shard {shard_id!r} of type {gguf_type_name(qtype)} has shape {tuple(src.shape)}; "
@@ -183,7 +183,7 @@ class GGUFLinearMethod(QuantizedLinearMethod):
         return y.to(x.dtype)
 
 
-def _input_slice(src: torch.Tensor, qtype: int, k: int, rank: int, full_k: int) -> torch.Tensor:
+def input_slice(src: torch.Tensor, qtype: int, k: int, rank: int, full_k: int) -> torch.Tensor:
     """A row-parallel rank's ``k`` of ``full_k`` input channels out of full rows, on whole blocks only."""
     if qtype == F32:
         return src.narrow(1, rank * k, k)
