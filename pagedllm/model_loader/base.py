@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -12,6 +13,9 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import LoadConfig, ModelConfig
 from pagedllm.models.registry import resolve_model_class
+
+if TYPE_CHECKING:
+    from pagedllm.layers.quantization.base import QuantizationConfig
 
 
 class BaseModelLoader(ABC):
@@ -42,6 +46,25 @@ def build_model(
     model_cls = resolve_model_class(model_config.hf_config)
     with _default_dtype(model_config.dtype), torch.device(device):
         return model_cls(model_config, attn_backend)
+
+
+def build_checkpoint_model(
+    model_config: ModelConfig, device: torch.device | str, attn_backend: type[AttentionBackend]
+) -> tuple[nn.Module, QuantizationConfig | None]:
+    """(model, quantization config): the model built with the linears its checkpoint's ``quantization_config``
+    declares (``model_loader/quant_config.py``; None and plain linears for an unquantized checkpoint)."""
+    from pagedllm.model_loader.quant_config import checkpoint_quant_config
+
+    qconfig = checkpoint_quant_config(model_config.hf_config)
+    if qconfig is None:
+        return build_model(model_config, device, attn_backend), None
+    from pagedllm.layers.linear import default_linear_method
+    from pagedllm.layers.quantization.base import keep_ignored_unquantized
+
+    with default_linear_method(qconfig.linear_method):
+        model = build_model(model_config, device, attn_backend)
+    keep_ignored_unquantized(model, qconfig.ignores)
+    return model, qconfig
 
 
 def finalize_model(

@@ -6,7 +6,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import ModelConfig
-from pagedllm.model_loader.base import BaseModelLoader, build_model, finalize_model
+from pagedllm.model_loader.base import BaseModelLoader, build_checkpoint_model, finalize_model
 
 
 def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3, seed: int = 0) -> None:
@@ -36,6 +36,12 @@ class DummyModelLoader(BaseModelLoader):
     def load_model(
         self, model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]
     ) -> nn.Module:
-        model = build_model(model_config, device, attn_backend)
+        # A config with a quantization_config (an AWQ/GPTQ/W8A8 model's shape) gets that format's linears, so
+        # random weights time like the checkpoint.
+        model, qconfig = build_checkpoint_model(model_config, device, attn_backend)
         initialize_dummy_weights(model, seed=model_config.seed)
+        if qconfig is not None:
+            from pagedllm.layers.quantization.base import process_loaded_weights
+
+            process_loaded_weights(model)
         return finalize_model(model, device, model_config.quantization, model_config.cpu_int8_activations)

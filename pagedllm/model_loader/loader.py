@@ -15,7 +15,7 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.config import LoadConfig, ModelConfig
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.layers.kv_scales import attach_kv_scales, collect_kv_scales
-from pagedllm.model_loader.base import BaseModelLoader, build_model, check_all_loaded, finalize_model
+from pagedllm.model_loader.base import BaseModelLoader, build_checkpoint_model, check_all_loaded, finalize_model
 from pagedllm.model_loader.weight_utils import iterate_weights
 
 # load_format -> (module, loader class)
@@ -35,18 +35,7 @@ class DefaultModelLoader(BaseModelLoader):
     def load_model(
         self, model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]
     ) -> nn.Module:
-        from pagedllm.model_loader.quant_config import checkpoint_quant_config
-
-        qconfig = checkpoint_quant_config(model_config.hf_config)
-        if qconfig is None:
-            model = build_model(model_config, device, attn_backend)
-        else:
-            from pagedllm.layers.linear import default_linear_method
-            from pagedllm.layers.quantization.base import keep_ignored_unquantized
-
-            with default_linear_method(qconfig.linear_method):
-                model = build_model(model_config, device, attn_backend)
-            keep_ignored_unquantized(model, qconfig.ignores)
+        model, qconfig = build_checkpoint_model(model_config, device, attn_backend)
         # Under tensor parallelism each rank reads only its shard of every tensor, under pipeline parallelism
         # only its stage's tensors.
         sharded = get_tp_group().world_size * get_pp_group().world_size > 1

@@ -140,6 +140,31 @@ def test_dummy_load_from_config_alone(dtype, device):
     assert logits.shape == (7, model_config.vocab_size) and torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("quant_cfg", [
+    {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+    {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
+], ids=["awq", "gptq"])
+def test_dummy_load_of_a_quantized_config_builds_its_format(quant_cfg):
+    """Random weights for a quantized model's shape take the format's packed linears, as its checkpoint
+    would: the benchmarks time AWQ/GPTQ shapes this way."""
+    from pagedllm.layers.quantization.base import QuantizedLinearMethod
+
+    hf_config = tiny_config("llama")
+    hf_config.architectures = ["LlamaForCausalLM"]
+    hf_config.quantization_config = quant_cfg
+    model_config = ModelConfig(model="", tokenizer=None, hf_config=hf_config, dtype=torch.float32, max_model_len=512)
+    model = get_model(model_config, LoadConfig(load_format="dummy"), CPU, get_attn_backend("torch_ref", "cpu"))
+    methods = {type(m.quant_method).__name__ for m in model.modules()
+               if isinstance(getattr(m, "quant_method", None), QuantizedLinearMethod)}
+    assert methods, "no linear took the checkpoint's quantization method"
+    assert any(p.dtype == torch.int32 for p in model.parameters())  # packed 4-bit words
+    batcher = PagedBatcher([7], num_blocks=2, device="cpu")
+    positions, md = batcher.step([7])
+    with torch.no_grad():
+        logits = model.compute_logits(model(torch.arange(7), positions, _kv_caches(model_config, 2, "cpu"), md))
+    assert logits.shape == (7, model_config.vocab_size) and torch.isfinite(logits).all()
+
+
 def test_sharded_and_pt_checkpoints_load_the_same(tiny_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
