@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels import int8_quant
 from pagedllm.layers.quantization.base import QuantizedLinearMethod
 from pagedllm.layers.quantization.packed_params import PackedParam
 
@@ -49,11 +50,23 @@ def quantize_int8_rows(
     return torch.round(scaled.clamp(QMIN, QMAX)).to(torch.int8), scale, zero
 
 
+# cuBLAS's int8 product takes more than 16 rows: fewer (decode) are padded with zero rows to this many, which
+# costs nothing next to reading the weight, where the float fallback would convert the whole weight every call.
+_INT_MM_MIN_ROWS = 32
+
+
 def _int_mm_usable(xq: torch.Tensor, wq: torch.Tensor) -> bool:
     if xq.device.type == "cpu":
         return True
-    # cuBLAS's int8 product: more than 16 rows, both inner and outer sizes multiples of 8.
-    return xq.shape[0] > 16 and xq.shape[1] % 8 == 0 and wq.shape[0] % 8 == 0
+    # cuBLAS's int8 product: both inner and outer sizes multiples of 8.
+    return xq.shape[1] % 8 == 0 and wq.shape[0] % 8 == 0
+
+
+def _int_mm(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:  # [T, K] int8 x [N, K] int8 -> [T', N] int32
+    """The exact int32 product; on CUDA its first T rows are the product (T' >= T rows, padded)."""
+    if xq.is_cuda and xq.shape[0] < _INT_MM_MIN_ROWS:
+        xq = F.pad(xq, (0, 0, 0, _INT_MM_MIN_ROWS - xq.shape[0]))
+    return torch._int_mm(xq, wq.t())
 
 
 def w8a8_linear(
@@ -63,9 +76,13 @@ def w8a8_linear(
     bias: torch.Tensor | None,  # [N]
     act_symmetric: bool,
 ) -> torch.Tensor:  # [T, N] in x's dtype
+    if act_symmetric and int8_quant.usable(x) and _int_mm_usable(x, weight):
+        # One launch quantizes the rows, one scales the product back: the same arithmetic as below.
+        xq, xs = int8_quant.quantize_rows(x)
+        return int8_quant.scale_rows(_int_mm(xq, weight), xs, weight_scale, bias, x.dtype)
     xq, xs, xz = quantize_int8_rows(x, act_symmetric)
     if _int_mm_usable(xq, weight):
-        acc = torch._int_mm(xq, weight.t())  # [T, N] int32, exact
+        acc = _int_mm(xq, weight)[: x.shape[0]]  # [T, N] int32, exact
     else:
         acc = (xq.float() @ weight.float().t()).round().to(torch.int32)
     y = acc.float()

@@ -1,0 +1,53 @@
+"""The W8A8 int8 kernels (``kernels/int8_quant.py``) against the torch path of ``layers/quantization/int8.py``
+under Triton's interpreter: the row quantizer and the product's epilogue agree bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels import int8_quant
+from pagedllm.layers.quantization.int8 import quantize_int8_rows, w8a8_linear
+
+
+def _rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 2, m)[:, None]  # rows of very different ranges
+    x[0, : k // 3] = 0.5  # a run of equal values
+    if m > 2:
+        x[2] = 0.0  # a row of zeros takes the eps scale
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k", [(1, 64), (5, 1000), (3, 2500)])  # one block, a ragged block, several blocks
+def test_row_quantizer_is_bit_exact(m, k, dtype):
+    x = _rows(m, k, dtype, seed=m * k)
+    q, s = int8_quant.quantize_rows(x)
+    q_ref, s_ref, _ = quantize_int8_rows(x, symmetric=True)
+    assert q.dtype == torch.int8 and s.shape == (m, 1)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q, q_ref)
+
+
+def test_row_quantizer_rounds_ties_to_even():
+    # 127.5 maps the row's largest magnitude to the range's edge; 0.5 and 2.5 steps are exact ties.
+    x = torch.tensor([[127.5, 0.5, 1.5, 2.5, -0.5, -2.5, 3.49]])
+    q, s = int8_quant.quantize_rows(x)
+    assert s.item() == 1.0
+    assert q.tolist() == [[127, 0, 2, 2, 0, -2, 3]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_epilogue_matches_the_torch_product(dtype, bias):
+    m, k, n = 6, 96, 200
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    ws = torch.rand(n, 1, generator=g) * 1e-2
+    b = (torch.randn(n, generator=g) * 0.1).to(dtype) if bias else None
+    xq, xs = int8_quant.quantize_rows(x)
+    acc = torch._int_mm(xq, w.t())  # [M, N] int32; padded rows are ignored by the epilogue
+    acc = torch.cat([acc, torch.full((3, n), 12345, dtype=torch.int32)])
+    got = int8_quant.scale_rows(acc, xs, ws, b, dtype)
+    assert torch.equal(got, w8a8_linear(x, w, ws, b, act_symmetric=True))
