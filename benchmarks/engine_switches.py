@@ -140,7 +140,11 @@ def main() -> None:
         results[name]["wall_s"] = time.time() - t0
         if os.path.exists(path):
             os.remove(path)  # one output file in all
-        print(f"== {name}: {results[name].get('error', 'ok')[:300]} ({results[name]['wall_s']:.0f} s)", flush=True)
+        res = results[name]
+        figures = "".join(f" {key} {res[key][field]:.{digits}f}" for key, field, digits in (
+            ("batch1", "tpot_ms", 3), ("workload2", "output_tok_per_s", 0), ("workload1", "output_tok_per_s", 0))
+            if key in res)  # as each variant ends: a run cut short still tells what it measured
+        print(f"== {name}: {res.get('error', 'ok')[:300]}{figures} ({res['wall_s']:.0f} s)", flush=True)
     with open(os.path.join(args.out, "engine_switches.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
 
