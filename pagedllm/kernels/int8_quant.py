@@ -18,6 +18,7 @@ from pagedllm.kernels.numerics import add_rn, exact_rounding, mul_rn
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HALF_RANGE = tl.constexpr(127.5)  # (QMAX - QMIN) / 2: a symmetric row's largest magnitude maps here
+INV_HALF_RANGE = tl.constexpr(float(torch.tensor(1.0) / torch.tensor(127.5)))  # its float32 reciprocal
 EPS = tl.constexpr(torch.finfo(torch.float32).eps)  # the scale of a row of zeros
 
 
@@ -39,6 +40,7 @@ def _quant_rows_kernel(
     stride_xm,
     BLOCK_K: tl.constexpr,
     EXACT: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
 ):
     wait_for_previous_kernel(USE_GDC, False)
@@ -49,7 +51,10 @@ def _quant_rows_kernel(
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.math.div_rn(tl.max(amax, axis=0), HALF_RANGE)
+    if RECIPROCAL:  # torch on CUDA divides by a scalar as a product with its float32 reciprocal
+        scale = mul_rn(tl.max(amax, axis=0), INV_HALF_RANGE, EXACT)
+    else:
+        scale = tl.math.div_rn(tl.max(amax, axis=0), HALF_RANGE)
     scale = tl.where(scale == 0.0, EPS, scale)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
@@ -101,7 +106,8 @@ def quantize_rows(
         return q, scales
     _quant_rows_kernel[(m,)](
         x, q, scales, k, x.stride(0),
-        BLOCK_K=min(1024, triton.next_power_of_2(k)), EXACT=exact_rounding(x), num_warps=4, **pdl_launch_args(x),
+        BLOCK_K=min(1024, triton.next_power_of_2(k)), EXACT=exact_rounding(x), RECIPROCAL=exact_rounding(x),
+        num_warps=4, **pdl_launch_args(x),
     )
     return q, scales
 
