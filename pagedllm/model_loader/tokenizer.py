@@ -34,9 +34,10 @@ def get_tokenizer(model_config: ModelConfig) -> Any | None:
 def _architecture_source(model_config: ModelConfig, arch: str) -> str:
     """How the architecture was known, for the log line: a GGUF's general.architecture, or the HF config."""
     if model_config.gguf_file or model_config.model.endswith(".gguf"):
-        from pagedllm.model_loader.gguf_reader import ARCHITECTURES
+        from pagedllm.model_loader.gguf_reader import ARCHITECTURES, WITH_EXPERTS
 
-        gguf_arch = next((k for k, (_, hf_arch) in ARCHITECTURES.items() if hf_arch == arch), None)
+        tables = list(ARCHITECTURES.items()) + list(WITH_EXPERTS.items())  # Mixtral's file says 'llama'
+        gguf_arch = next((k for k, (_, hf_arch) in tables if hf_arch == arch), None)
         if gguf_arch is not None:
             return f"GGUF general.architecture {gguf_arch!r}"
     return f"architecture {arch}"
