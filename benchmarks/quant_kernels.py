@@ -1,9 +1,10 @@
 """Microseconds per product of the W4A16/W8A16 Triton kernel (``kernels/wna16.py``) against a bfloat16
 ``torch.matmul`` of the dense weight, on Llama-3-8B projection shapes at M = 1, 16, 256, 4096 rows.
 
-Prints a table (shape, M, bf16 us, wna16 us as the engine runs it, ratio, the tile kernel's and the
-dequantize-then-GEMM path's us) and, with ``--out DIR``, writes the rows as JSON. ``--sweep`` also times a
-grid of tile configs per row (up to ``--sweep-budget-s`` seconds) and reports the best.
+Prints a table (shape, M, bf16 us, wna16 us as the engine runs it, ratio, the tile kernel's, the
+dequantize-then-GEMM path's and, at one row, the GEMV's (``wna16_gemv``) us) and, with ``--out DIR``, writes
+the rows as JSON. ``--sweep`` also times a grid of tile configs per row (up to ``--sweep-budget-s`` seconds) and
+reports the best.
 ``PYTHONPATH=$PWD python benchmarks/quant_kernels.py [--bits 4] [--group 128] [--m 1,16,64,256,4096] [--sweep] [--out DIR]``
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from pagedllm.kernels.wna16 import DENSE_FROM_ROWS, wna16_matmul
+from pagedllm.kernels.wna16 import DENSE_FROM_ROWS, wna16_gemv, wna16_matmul
 from pagedllm.layers.quantization.unpack import pack_int32
 
 # Llama-3-8B linears as (name, K inputs, N outputs): fused qkv, o, fused gate/up, down.
@@ -63,7 +64,7 @@ def main() -> None:
     dev = torch.device("cuda")
     rows = []
     deadline = time.monotonic() + args.sweep_budget_s
-    print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'wna16':>8} {'ratio':>6} {'tile':>8} {'dense':>8}"
+    print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'wna16':>8} {'ratio':>6} {'tile':>8} {'dense':>8} {'gemv':>8}"
           f"{'  best tile (us, block, split, warps/stages)' if args.sweep else ''}")
     for name, k, n in SHAPES:
         q = torch.randint(0, 1 << args.bits, (k, n), device=dev)
@@ -79,9 +80,11 @@ def main() -> None:
             tile = _time_us(lambda: wna16_matmul(x, qw, s, z, args.bits, args.group, dense_from_rows=1 << 30),
                             args.iters)
             deq = _time_us(lambda: wna16_matmul(x, qw, s, z, args.bits, args.group, dense_from_rows=1), args.iters)
+            gemv = (_time_us(lambda: wna16_gemv(x, qw, s, z, args.bits, args.group), args.iters) if m == 1
+                    else float("nan"))  # the one-row kernel without tensor cores
             row = {"shape": name, "k": k, "n": n, "m": m, "bits": args.bits, "group": args.group,
                    "bf16_us": ref, "wna16_us": got, "ratio": got / ref, "tile_us": tile, "dense_us": deq,
-                   "dense_from_rows": DENSE_FROM_ROWS}
+                   "gemv_us": gemv, "dense_from_rows": DENSE_FROM_ROWS}
             best = None
             if args.sweep and m <= 256:
                 for block, split, ws in _grid(m):
@@ -98,7 +101,7 @@ def main() -> None:
                 row["best_tile"] = best
             rows.append(row)
             extra = f"  {best[0]:.1f} {best[1]} {best[2]} {best[3]}" if best else ""
-            print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {got:>8.1f} {got / ref:>6.2f} {tile:>8.1f} {deq:>8.1f}"
+            print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {got:>8.1f} {got / ref:>6.2f} {tile:>8.1f} {deq:>8.1f} {gemv:>8.1f}"
                   f"{extra}", flush=True)
     if args.out:
         path = os.path.join(args.out, "quant_kernels.json") if os.path.isdir(args.out) else args.out

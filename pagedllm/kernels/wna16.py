@@ -80,6 +80,92 @@ def _wna16_kernel(
 
 
 @triton.jit
+def _wna16_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+    N, K, CHUNKS_PER_SPLIT,
+    stride_os,
+    GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One row of x: no tensor-core tile to fill, and the zero point and scale applied once per BLOCK_K rows
+    instead of per weight: ``sum_k x[k] (q[k, n] - z) s = s (sum_k x[k] q[k, n] - z sum_k x[k])`` within a group
+    (BLOCK_K divides GROUP). Each weight costs a shift, a mask, a conversion and a multiply-add."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    WORDS: tl.constexpr = BLOCK_K // PACK
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_w = tl.arange(0, WORDS)
+    offs_p = tl.arange(0, PACK)
+    shifts = offs_p * BITS
+    c_start = pid_s * CHUNKS_PER_SPLIT
+    c_end = tl.minimum(c_start + CHUNKS_PER_SPLIT, K // BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for c in range(c_start, c_end):
+        k0 = c * BLOCK_K
+        words = tl.load(qw_ptr + (k0 // PACK + offs_w)[:, None] * N + offs_n[None, :], mask=n_ok[None, :],
+                        other=0)  # [WORDS, BN]
+        q = ((words[:, None, :] >> shifts[None, :, None]) & MASK).to(tl.float32)  # [WORDS, PACK, BN]
+        xk = tl.load(x_ptr + k0 + offs_w[:, None] * PACK + offs_p[None, :]).to(tl.float32)  # [WORDS, PACK]
+        part = tl.sum(tl.sum(q * xk[:, :, None], axis=1), axis=0)  # [BN]
+        xsum = tl.sum(tl.sum(xk, axis=1), axis=0)
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        acc += s * (part - z * xsum)
+    tl.store(out_ptr + pid_s * stride_os + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _gemv_block_k(group_size: int, k: int, bits: int) -> int | None:
+    """The rows a GEMV step takes (dividing the group, so one scale row serves it), None where none fits."""
+    pack = 32 // bits
+    for bk in (128, 64, 32):
+        if group_size % bk == 0 and k % bk == 0 and bk % pack == 0:
+            return bk
+    return None
+
+
+def wna16_gemv(
+    x: torch.Tensor,  # [1, K]
+    qweight: torch.Tensor,  # [K / (32 // bits), N] int32
+    scales: torch.Tensor,  # [G, N]
+    zeros: torch.Tensor,  # [G, N] float
+    bits: int,
+    group_size: int,
+    block_n: int = 128,
+    split_k: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:  # [1, N] in x's dtype
+    """The one-row product without tensor cores (``_wna16_gemv_kernel``); groups in order (no ``g_idx``) whose
+    size a power-of-two step of 32-128 rows divides."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    bk = _gemv_block_k(group_size, k, bits)
+    if m != 1 or bk is None:
+        raise ValueError(f"wna16_gemv: one row and a group size divisible by 32 (got {m} rows, group {group_size}, "
+                         f"K {k})")
+    chunks = k // bk
+    split = split_k
+    if split is None:
+        split = 1
+        if x.device.type == "cuda":
+            # Few column blocks (o: 32 of 128) leave SMs idle: split the rows until about two waves run.
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            tiles = triton.cdiv(n, block_n)
+            while tiles * split * 2 <= 2 * sms and chunks // (split * 2) >= 4:
+                split *= 2
+    per_split = triton.cdiv(chunks, split)
+    split = triton.cdiv(chunks, per_split)
+    out = torch.empty((split, 1, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    _wna16_gemv_kernel[(triton.cdiv(n, block_n), split)](
+        x.contiguous(), qweight, scales, zeros, out, n, k, per_split, out.stride(0),
+        GROUP=group_size, BITS=bits, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps,
+    )
+    return out[0] if split == 1 else out.sum(0).to(x.dtype)
+
+
+@triton.jit
 def _wna16_dequant_kernel(
     qw_ptr, s_ptr, z_ptr, gidx_ptr, w_ptr, N, K,
     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,

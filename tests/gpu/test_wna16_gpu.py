@@ -43,6 +43,22 @@ def test_kernel_matches_oracle(dtype, m, k, n, bits, group, act_order):
     assert err <= 2e-2 * scale, (err, scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k,n,bits,group", [(4096, 28672, 4, 128), (14336, 4096, 4, 128), (4096, 6144, 8, 64),
+                                           (4096, 4096, 4, 32)])
+def test_one_row_gemv_matches_oracle(dtype, k, n, bits, group):
+    from pagedllm.kernels.wna16 import wna16_gemv
+
+    gen = torch.Generator().manual_seed(k + n)
+    qw, qz, s, g_idx = _gptq(k, n, bits, group, False, gen)
+    w = layout.from_gptq(qw.cuda(), qz.cuda(), s.to(dtype).cuda(), None, bits, group, 1)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    want = x.cuda().float() @ gptq_dequantize(qw, qz, s.to(dtype), g_idx, bits, 1).float().cuda().t()
+    got = wna16_gemv(x.cuda(), w.qweight, w.scales, w.zeros, w.bits, w.group_size).float()
+    err = (got - want).abs().max().item()
+    assert err <= 1e-2 * want.abs().max().item(), err
+
+
 def test_online_int4_on_the_gpu_equals_its_decoded_weights():
     """``--quantization int4`` on CUDA: each linear in the W4A16 layout through the kernel; greedy tokens equal the
     same model with the decoded weights, in float16, logprobs within 4e-2. The tiny random model's next-token

@@ -176,3 +176,35 @@ def test_many_rows_take_the_dequantized_weight(act_order: bool):
     w = layout.from_gptq(qw, qz, s, g_idx, 4, g, 0)
     oracle = gptq_dequantize(qw, qz, s, g_idx if act_order else torch.arange(k, dtype=torch.int32) // g, 4, 0)
     _check(w, oracle, 7, torch.float32, gen, dense_from_rows=1)
+
+
+@pytest.mark.parametrize("bits,g,k,n,split", [(4, 128, 512, 96, None), (4, 32, 256, 40, 3), (8, 64, 256, 72, 2),
+                                              (4, 512, 1024, 200, None), (8, 256, 256, 33, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_row_gemv_against_the_oracle(bits, g, k, n, split, dtype):
+    """The one-row kernel (scales applied once per step of rows, not per weight) over group sizes, zero points,
+    split rows and a column count no block divides."""
+    from pagedllm.kernels.wna16 import wna16_gemv
+
+    gen = torch.Generator().manual_seed(bits * k + n)
+    q = torch.randint(0, 1 << bits, (k, n), generator=gen)
+    z = torch.randint(0, 1 << bits, (k // g, n), generator=gen).float()
+    s = (torch.rand(k // g, n, generator=gen) * 0.01 + 0.002).to(dtype)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    w = (q.float() - z.repeat_interleave(g, 0)) * s.float().repeat_interleave(g, 0)  # [K, N]
+    want = x.float() @ w
+    got = wna16_gemv(x, pack_int32(q, bits, 0).contiguous(), s, z, bits, g, block_n=32, split_k=split)
+    assert got.shape == (1, n) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    assert torch.allclose(got.float(), want, atol=tol * k ** 0.5, rtol=tol), (got.float() - want).abs().max()
+
+
+def test_one_row_gemv_refuses_what_it_cannot_run():
+    from pagedllm.kernels.wna16 import wna16_gemv
+
+    qw = torch.zeros(16, 8, dtype=torch.int32)
+    s = torch.ones(1, 8)
+    with pytest.raises(ValueError, match="one row and a group size divisible by 32"):
+        wna16_gemv(torch.zeros(2, 128), qw, s, s, 4, 128)
+    with pytest.raises(ValueError, match="group 48"):
+        wna16_gemv(torch.zeros(1, 128), qw, s, s, 4, 48)
