@@ -4,7 +4,7 @@
 Prints a table (shape, M, bf16 us, wna16 us as the engine runs it, ratio, the tile kernel's, the
 dequantize-then-GEMM path's and, at one row, the GEMV's (``wna16_gemv``) us) and, with ``--out DIR``, writes
 the rows as JSON. ``--sweep`` also times a grid of tile configs per row (up to ``--sweep-budget-s`` seconds) and
-reports the best.
+reports the best (at one row, a grid of GEMV configs: block_n, split, warps).
 ``PYTHONPATH=$PWD python benchmarks/quant_kernels.py [--bits 4] [--group 128] [--m 1,16,64,256,4096] [--sweep] [--out DIR]``
 """
 from __future__ import annotations
@@ -77,8 +77,8 @@ def main() -> None:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = _time_us(lambda: torch.matmul(x, dense.t()), args.iters)
             got = _time_us(lambda: wna16_matmul(x, qw, s, z, args.bits, args.group), args.iters)
-            tile = _time_us(lambda: wna16_matmul(x, qw, s, z, args.bits, args.group, dense_from_rows=1 << 30),
-                            args.iters)
+            tile = _time_us(lambda: wna16_matmul(x, qw, s, z, args.bits, args.group, dense_from_rows=1 << 30,
+                                                 gemv=False), args.iters)
             deq = _time_us(lambda: wna16_matmul(x, qw, s, z, args.bits, args.group, dense_from_rows=1), args.iters)
             gemv = (_time_us(lambda: wna16_gemv(x, qw, s, z, args.bits, args.group), args.iters) if m == 1
                     else float("nan"))  # the one-row kernel without tensor cores
@@ -86,7 +86,16 @@ def main() -> None:
                    "bf16_us": ref, "wna16_us": got, "ratio": got / ref, "tile_us": tile, "dense_us": deq,
                    "gemv_us": gemv, "dense_from_rows": DENSE_FROM_ROWS}
             best = None
-            if args.sweep and m <= 256:
+            if args.sweep and m == 1:
+                for bn, split, warps in itertools.product((32, 64, 128, 256), (None, 1, 2, 4, 8), (2, 4, 8)):
+                    if time.monotonic() > deadline:
+                        break
+                    t = _time_us(lambda: wna16_gemv(x, qw, s, z, args.bits, args.group, block_n=bn, split_k=split,
+                                                    num_warps=warps), 10)
+                    if best is None or t < best[0]:
+                        best = (t, bn, split, warps)
+                row["best_gemv"] = best
+            elif args.sweep and m <= 256:
                 for block, split, ws in _grid(m):
                     if time.monotonic() > deadline:
                         break

@@ -8,10 +8,15 @@ a group index is given, ``g = g_idx[k]``.
 
 Each program owns a BLOCK_M x BLOCK_N output tile and walks its share of the input BLOCK_K rows at a time:
 it loads the words covering those rows once, shifts and masks each word's values out into consecutive rows
-in registers, subtracts the zero point, scales (one row of scales per tile when the tile lies in one group), casts to the activation dtype and multiplies on the tensor
-cores with float32 accumulation. The weight never exists unpacked in memory. For few tokens (decode) the
-input is split over ``SPLIT_K`` programs per tile so that the grid fills the device; their float32 partial
-sums are added afterwards.
+in registers, subtracts the zero point, scales (one row of scales per tile when the tile lies in one group),
+casts to the activation dtype and multiplies on the tensor cores with float32 accumulation. The weight never
+exists unpacked in memory. For few tokens the input is split over ``SPLIT_K`` programs per tile so that the
+grid fills the device; their float32 partial sums are added afterwards. One row (batch-1 decode) takes a
+GEMV without tensor cores (``wna16_gemv``); many rows dequantize once and run the dense GEMM.
+
+Integers become floats by or-ing them into the mantissa of 2**23 and subtracting 2**23 (exact for any value
+below 2**23): the GPU converts integers to floats at a quarter of its float rate, and that conversion, once
+per weight, bound the kernels before.
 """
 from __future__ import annotations
 
@@ -21,6 +26,28 @@ import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SUPPORTED_BITS = (2, 4, 8)
+
+
+MAGIC_BITS = tl.constexpr(0x4B000000)  # float32 2**23: its 23 mantissa bits hold an unsigned integer exactly
+MAGIC = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _float_bits(words, MASK: tl.constexpr, SH: tl.constexpr):
+    """``q * 2**SH`` as float32 for the value in bits [SH, SH + bits) of each int32 word (SH + bits <= 23)."""
+    return ((words & (MASK << SH)) | MAGIC_BITS).to(tl.float32, bitcast=True) - MAGIC
+
+
+@triton.jit
+def _pow2_neg(SH: tl.constexpr):
+    return 1.0 / (1 << SH)
+
+
+@triton.jit
+def _unpack(words, shifts, MASK: tl.constexpr):
+    """The values of int32 words shifted out by ``shifts`` (broadcast), as exact float32: the masked value's bits
+    or'ed into 2**23's, minus 2**23, in place of a quarter-rate integer-to-float conversion."""
+    return (((words >> shifts) & MASK) | MAGIC_BITS).to(tl.float32, bitcast=True) - MAGIC
 
 
 @triton.jit
@@ -54,7 +81,7 @@ def _wna16_kernel(
         offs_w = k0 // PACK + tl.arange(0, WORDS)
         words = tl.load(qw_ptr + offs_w[:, None] * N + offs_n[None, :],
                         mask=(offs_w * PACK < k_end)[:, None] & n_ok[None, :], other=0)  # [BK / PACK, BN]
-        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N)).to(tl.float32)
+        q = tl.reshape(_unpack(words[:, None, :], shifts[None, :, None], MASK), (BLOCK_K, BLOCK_N))
         if ROW_GROUPS:
             # Groups change inside the tile (act-order indices, or groups smaller than BLOCK_K): per-row gathers.
             if HAS_GIDX:
@@ -86,9 +113,12 @@ def _wna16_gemv_kernel(
     stride_os,
     GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One row of x: no tensor-core tile to fill, and the zero point and scale applied once per BLOCK_K rows
-    instead of per weight: ``sum_k x[k] (q[k, n] - z) s = s (sum_k x[k] q[k, n] - z sum_k x[k])`` within a group
-    (BLOCK_K divides GROUP). Each weight costs a shift, a mask, a conversion and a multiply-add."""
+    """One row of x, without a tensor-core tile to fill. Within a group (BLOCK_K divides GROUP) the zero point
+    and scale are applied once per word instead of per weight: ``sum_p x_p (q_p - z) s = s sum_p x_p q_p -
+    z s sum_p x_p``. A value is taken out of its word in place, scaled by its position: ``(word & (MASK << SH))
+    | 2**23's bits`` read as a float is ``2**23 + q 2**SH`` exactly, and the matching activation carries
+    ``2**-SH``; so each weight costs one logic op, one subtract and one multiply-add (values above bit 22 share
+    one shift of the word by 16), with no integer-to-float conversion, which runs at a quarter of the rate."""
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     WORDS: tl.constexpr = BLOCK_K // PACK
@@ -97,24 +127,31 @@ def _wna16_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_w = tl.arange(0, WORDS)
-    offs_p = tl.arange(0, PACK)
-    shifts = offs_p * BITS
     c_start = pid_s * CHUNKS_PER_SPLIT
     c_end = tl.minimum(c_start + CHUNKS_PER_SPLIT, K // BLOCK_K)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
     for c in range(c_start, c_end):
         k0 = c * BLOCK_K
         words = tl.load(qw_ptr + (k0 // PACK + offs_w)[:, None] * N + offs_n[None, :], mask=n_ok[None, :],
                         other=0)  # [WORDS, BN]
-        q = ((words[:, None, :] >> shifts[None, :, None]) & MASK).to(tl.float32)  # [WORDS, PACK, BN]
-        xk = tl.load(x_ptr + k0 + offs_w[:, None] * PACK + offs_p[None, :]).to(tl.float32)  # [WORDS, PACK]
-        part = tl.sum(tl.sum(q * xk[:, :, None], axis=1), axis=0)  # [BN]
-        xsum = tl.sum(tl.sum(xk, axis=1), axis=0)
+        high = words >> 16
+        part = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+        xsum = tl.zeros((WORDS,), dtype=tl.float32)
+        for p in tl.static_range(PACK):
+            xp = tl.load(x_ptr + k0 + offs_w * PACK + p).to(tl.float32)  # [WORDS]: input p of each word
+            xsum += xp
+            if p * BITS + BITS <= 23:
+                qf = _float_bits(words, MASK, p * BITS)
+                part += qf * (xp * _pow2_neg(p * BITS))[:, None]
+            else:
+                qf = _float_bits(high, MASK, p * BITS - 16)
+                part += qf * (xp * _pow2_neg(p * BITS - 16))[:, None]
         g = k0 // GROUP
         s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        acc += s * (part - z * xsum)
-    tl.store(out_ptr + pid_s * stride_os + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        acc += part * s[None, :] - (z * s)[None, :] * xsum[:, None]
+    out = tl.sum(acc, axis=0)  # [BN]
+    tl.store(out_ptr + pid_s * stride_os + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def _gemv_block_k(group_size: int, k: int, bits: int) -> int | None:
@@ -137,8 +174,8 @@ def wna16_gemv(
     split_k: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:  # [1, N] in x's dtype
-    """The one-row product without tensor cores (``_wna16_gemv_kernel``); groups in order (no ``g_idx``) whose
-    size a power-of-two step of 32-128 rows divides."""
+    """The one-row product without tensor cores (``_wna16_gemv_kernel``), which ``wna16_matmul`` takes for one
+    row; groups in order (no ``g_idx``) whose size a power-of-two step of 32-128 rows divides."""
     m, k = x.shape
     n = qweight.shape[1]
     bk = _gemv_block_k(group_size, k, bits)
@@ -182,7 +219,7 @@ def _wna16_dequant_kernel(
     words = tl.load(qw_ptr + offs_w[:, None] * N + offs_n[None, :], mask=(offs_w * PACK < K)[:, None] & n_ok[None, :],
                     other=0)
     shifts = tl.arange(0, PACK) * BITS
-    q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N)).to(tl.float32)
+    q = tl.reshape(_unpack(words[:, None, :], shifts[None, :, None], MASK), (BLOCK_K, BLOCK_N))
     if HAS_GIDX:
         g = tl.load(gidx_ptr + offs_k, mask=k_ok, other=0)
     else:
@@ -245,6 +282,7 @@ def wna16_matmul(
     block: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K); None: chosen from the shape
     warps_stages: tuple[int, int] | None = None,  # (num_warps, num_stages); None: chosen from the shape
     dense_from_rows: int | None = None,  # None: DENSE_FROM_ROWS
+    gemv: bool | None = None,  # one row through wna16_gemv; None: wherever its group condition holds
 ) -> torch.Tensor:  # [M, N] in x's dtype
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"wna16: activation dtype {x.dtype} is not one of {SUPPORTED_DTYPES}")
@@ -268,6 +306,10 @@ def wna16_matmul(
         dense_from_rows = DENSE_FROM_ROWS
     if m >= dense_from_rows:
         return x @ wna16_dequantize(qweight, scales, zeros, bits, group_size, g_idx, x.dtype)
+    if gemv is None:
+        gemv = m == 1 and g_idx is None and block is None and _gemv_block_k(group_size, k, bits) is not None
+    if gemv:
+        return wna16_gemv(x, qweight, scales, zeros, bits, group_size)
     bm, bn, bk, split, warps, stages = _config(m, n, k, x.device)
     if block is not None:
         bm, bn, bk = block

@@ -179,7 +179,8 @@ def test_many_rows_take_the_dequantized_weight(act_order: bool):
 
 
 @pytest.mark.parametrize("bits,g,k,n,split", [(4, 128, 512, 96, None), (4, 32, 256, 40, 3), (8, 64, 256, 72, 2),
-                                              (4, 512, 1024, 200, None), (8, 256, 256, 33, 1)])
+                                              (4, 512, 1024, 200, None), (8, 256, 256, 33, 1),
+                                              (2, 128, 256, 40, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_one_row_gemv_against_the_oracle(bits, g, k, n, split, dtype):
     """The one-row kernel (scales applied once per step of rows, not per weight) over group sizes, zero points,
@@ -197,6 +198,23 @@ def test_one_row_gemv_against_the_oracle(bits, g, k, n, split, dtype):
     assert got.shape == (1, n) and got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     assert torch.allclose(got.float(), want, atol=tol * k ** 0.5, rtol=tol), (got.float() - want).abs().max()
+
+
+def test_one_row_product_takes_the_gemv():
+    """``wna16_matmul`` sends one row with groups in order to the GEMV, and act-order indices to the tile kernel."""
+    from pagedllm.kernels.wna16 import wna16_gemv
+
+    gen = torch.Generator().manual_seed(11)
+    k, n, g = 256, 48, 64
+    qw = pack_int32(torch.randint(0, 16, (k, n), generator=gen), 4, 0).contiguous()
+    z = torch.randint(0, 16, (k // g, n), generator=gen).float()
+    s = torch.rand(k // g, n, generator=gen) * 0.01
+    x = torch.randn(1, k, generator=gen)
+    assert torch.equal(wna16_matmul(x, qw, s, z, 4, g), wna16_gemv(x, qw, s, z, 4, g))
+    tile = wna16_matmul(x, qw, s, z, 4, g, gemv=False)
+    assert not torch.equal(tile, wna16_gemv(x, qw, s, z, 4, g))  # another summation order
+    g_idx = (torch.arange(k) // g).int()
+    assert torch.equal(wna16_matmul(x, qw, s, z, 4, g, g_idx), wna16_matmul(x, qw, s, z, 4, g, g_idx, gemv=False))
 
 
 def test_one_row_gemv_refuses_what_it_cannot_run():
