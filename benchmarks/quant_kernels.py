@@ -5,7 +5,8 @@ Prints a table (shape, M, bf16 us, wna16 us as the engine runs it, ratio, the ti
 dequantize-then-GEMM path's and, at one row, the GEMV's (``wna16_gemv``) us) and, with ``--out DIR``, writes
 the rows as JSON. ``--sweep`` also times a grid of tile configs per row (up to ``--sweep-budget-s`` seconds) and
 reports the best (at one row, a grid of GEMV configs: block_n, split, warps).
-``PYTHONPATH=$PWD python benchmarks/quant_kernels.py [--bits 4] [--group 128] [--m 1,16,64,256,4096] [--sweep] [--out DIR]``
+``--int8`` times the W8A8 linear instead (``int8_rows``).
+``PYTHONPATH=$PWD python benchmarks/quant_kernels.py [--bits 4] [--group 128] [--m 1,16,64,256,4096] [--sweep] [--int8] [--out DIR]``
 """
 from __future__ import annotations
 
@@ -51,9 +52,60 @@ def _grid(m: int):
     return itertools.product(blocks, splits, ws)
 
 
+def int8_rows(args, dev: torch.device, deadline: float) -> list[dict]:
+    """``--int8``: the W8A8 linear at each row count: the one-launch decode kernel (up to 16 rows), its two-launch
+    form (rows quantized first), the path of
+    more rows (row quantizer, cuBLAS int8 product padded to 32 rows, epilogue) and each of its three parts."""
+    from pagedllm.kernels import int8_quant
+    from pagedllm.kernels.int8_decode import MAX_ROWS, w8a8_decode
+    from pagedllm.layers.quantization.int8 import _int_mm
+
+    rows = []
+    print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'decode':>8} {'prequant':>8} {'ratio':>6} {'path':>8}"
+          f" {'quant':>8}"
+          f" {'int_mm':>8} {'epilog':>8}")
+    for name, k, n in SHAPES:
+        w = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8)
+        ws = torch.rand(n, 1, device=dev) * 1e-3
+        dense = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        for m in (int(v) for v in args.m.split(",")):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            xq, xs = int8_quant.quantize_rows(x)
+            acc = _int_mm(xq, w)
+            ref = _time_us(lambda: torch.matmul(x, dense.t()), args.iters)
+            dec = _time_us(lambda: w8a8_decode(x, w, ws, None), args.iters) if m <= MAX_ROWS else float("nan")
+            pre = (_time_us(lambda: w8a8_decode(x, w, ws, None, prequantize=True), args.iters) if m <= MAX_ROWS
+                   else float("nan"))
+            path = _time_us(lambda: int8_quant.scale_rows(_int_mm(int8_quant.quantize_rows(x)[0], w), xs, ws, None,
+                                                          x.dtype), args.iters)
+            quant = _time_us(lambda: int8_quant.quantize_rows(x), args.iters)
+            mm = _time_us(lambda: _int_mm(xq, w), args.iters)
+            epi = _time_us(lambda: int8_quant.scale_rows(acc, xs, ws, None, x.dtype), args.iters)
+            best = min(dec, pre, path) if m <= MAX_ROWS else path
+            tuned = None
+            if args.sweep and m <= MAX_ROWS:
+                for bn, bk, warps, prequantize in itertools.product((16, 32, 64), (128, 256, 512), (4, 8),
+                                                                   (False, True)):
+                    if time.monotonic() > deadline:
+                        break
+                    t = _time_us(lambda: w8a8_decode(x, w, ws, None, block_n=bn, block_k=bk, num_warps=warps,
+                                                     prequantize=prequantize), 10)
+                    if tuned is None or t < tuned[0]:
+                        tuned = (t, bn, bk, warps, prequantize)
+                print(f"   best decode tile (us, block_n, block_k, warps, prequantize): {tuned}", flush=True)
+            rows.append({"shape": name, "k": k, "n": n, "m": m, "bf16_us": ref, "decode_us": dec,
+                         "prequantized_us": pre, "path_us": path, "best_decode_tile": tuned,
+                         "ratio": best / ref, "quant_us": quant, "int_mm_us": mm, "epilogue_us": epi})
+            print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {dec:>8.1f} {pre:>8.1f} {best / ref:>6.2f} {path:>8.1f}"
+                  f" {quant:>8.1f}"
+                  f" {mm:>8.1f} {epi:>8.1f}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    ap.add_argument("--int8", action="store_true", help="time the W8A8 int8 linear instead")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--m", default="1,16,64,256,4096")
     ap.add_argument("--iters", type=int, default=50)
@@ -62,6 +114,12 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="a folder (quant_kernels.json is written there) or a file")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.int8:
+        rows = int8_rows(args, dev, time.monotonic() + args.sweep_budget_s)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(dev), "int8_rows": rows}, f, indent=1)
+        return
     rows = []
     deadline = time.monotonic() + args.sweep_budget_s
     print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'wna16':>8} {'ratio':>6} {'tile':>8} {'dense':>8} {'gemv':>8}"

@@ -32,6 +32,25 @@ def _round_half_even(v, EXACT: tl.constexpr):
 
 
 @triton.jit
+def row_scale(amax, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """The symmetric scale of rows whose largest magnitude is ``amax`` (float32, a scalar or one per row);
+    shared with ``int8_decode.py``'s fused product, which must compute the same scales."""
+    if RECIPROCAL:  # torch on CUDA divides by a scalar as a product with its float32 reciprocal
+        scale = mul_rn(amax, INV_HALF_RANGE, EXACT)
+    else:
+        scale = tl.math.div_rn(amax, HALF_RANGE)
+    return tl.where(scale == 0.0, EPS, scale)
+
+
+@triton.jit
+def quantize_int8(x, scale, EXACT: tl.constexpr):
+    """float32 ``x`` over its row's ``scale`` (broadcast to x's shape), clamped to [-128, 127] and rounded
+    half to even, as int8: ``quantize_int8_rows``'s arithmetic (IEEE division, as torch divides by a tensor)."""
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -128.0), 127.0)
+    return _round_half_even(v, EXACT).to(tl.int8)
+
+
+@triton.jit
 def _quant_rows_kernel(
     x_ptr,  # [M, K], last dim contiguous
     q_ptr,  # [M, K] int8, contiguous
@@ -51,18 +70,12 @@ def _quant_rows_kernel(
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    if RECIPROCAL:  # torch on CUDA divides by a scalar as a product with its float32 reciprocal
-        scale = mul_rn(tl.max(amax, axis=0), INV_HALF_RANGE, EXACT)
-    else:
-        scale = tl.math.div_rn(tl.max(amax, axis=0), HALF_RANGE)
-    scale = tl.where(scale == 0.0, EPS, scale)
+    scale = row_scale(tl.max(amax, axis=0), EXACT, RECIPROCAL)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + cols < K
         x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -128.0), 127.0)
-        q = _round_half_even(v, EXACT)
-        tl.store(q_ptr + row * K + k0 + cols, q.to(tl.int8), mask=mask)
+        tl.store(q_ptr + row * K + k0 + cols, quantize_int8(x, scale, EXACT), mask=mask)
 
 
 @triton.jit

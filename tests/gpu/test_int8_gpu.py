@@ -1,11 +1,13 @@
-"""The int8 W8A8 linear on a real GPU: the compiled row quantizer and epilogue give the torch path's bits, and
-the product at decode row counts (padded for cuBLAS) and prompt row counts equals the exact int32 product."""
+"""The int8 W8A8 linear on a real GPU: the compiled row quantizer and epilogue give the torch path's bits, the
+product at decode row counts and prompt row counts equals the exact int32 product, and the fused decode kernel
+(``kernels/int8_decode.py``) gives the bits of the quantizer + cuBLAS + epilogue launches it replaces."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from pagedllm.kernels import int8_quant
+from pagedllm.kernels import int8_decode, int8_quant
 from pagedllm.layers.quantization.int8 import quantize_int8_rows, w8a8_linear
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -39,3 +41,55 @@ def test_product_equals_the_exact_int32_product(m, dtype, bias):
         want = want + b.float()
     assert got.shape == (m, n) and got.dtype == dtype
     assert torch.equal(got, want.to(dtype))
+
+
+def _decode_case(m: int, k: int, n: int, dtype: torch.dtype, bias: bool):
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + k)
+    x = (torch.randn(m, k, device="cuda", generator=g) * torch.logspace(-3, 2, m, device="cuda")[:, None]).to(dtype)
+    if m > 2:
+        x[2] = 0.0  # a row of zeros: the eps scale
+    w = torch.randint(-128, 128, (n, k), device="cuda", generator=g, dtype=torch.int8)
+    ws = torch.rand(n, 1, device="cuda", generator=g) * 1e-3
+    b = (torch.randn(n, device="cuda", generator=g) * 0.1).to(dtype) if bias else None
+    return x, w, ws, b
+
+
+def _four_launches(x, w, ws, b):  # the path the fused kernel replaces: quantizer, padded cuBLAS product, epilogue
+    xq, xs = int8_quant.quantize_rows(x)
+    acc = torch._int_mm(F.pad(xq, (0, 0, 0, 32 - xq.shape[0])), w.t())  # cuBLAS takes more than 16 rows
+    return int8_quant.scale_rows(acc, xs, ws, b, x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("k,n", [(4096, 6144), (14336, 4096)])  # Llama-3-8B's qkv and down
+@pytest.mark.parametrize("bias", [False, True])
+def test_decode_kernel_equals_the_four_launches(m, k, n, dtype, bias):
+    x, w, ws, b = _decode_case(m, k, n, dtype, bias)
+    assert int8_decode.usable(x, w)
+    want = _four_launches(x, w, ws, b)
+    got = int8_decode.w8a8_decode(x, w, ws, b)
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert torch.equal(got, want)
+    assert torch.equal(w8a8_linear(x, w, ws, b, act_symmetric=True), want)  # the linear takes it
+
+
+@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize(
+    "tile",
+    [
+        {"block_m": 16},  # one full mma tile of rows, whatever M
+        {"block_n": 32, "block_k": 128},
+        {"block_n": 64, "block_k": 512, "num_warps": 8},
+        {"block_n": 16, "block_k": 32, "num_stages": 1},  # the int8 dot's shortest K
+        {"early_launch": True},
+    ],
+)
+def test_decode_kernel_tiles_give_the_same_bits(m, tile):
+    # Every tile a later sweep may pick, on a ragged shape too (K, N no multiples of the tile).
+    for k, n in ((4096, 6144), (1000, 100)):
+        x, w, ws, b = _decode_case(m, k, n, torch.bfloat16, bias=True)
+        xq, xs, _ = quantize_int8_rows(x, symmetric=True)
+        exact = (xq.double() @ w.double().t()).float()  # int32-exact in float64
+        want = (exact * xs * ws.view(1, -1) + b.float()).to(x.dtype)
+        assert torch.equal(int8_decode.w8a8_decode(x, w, ws, b, **tile), want)

@@ -6,7 +6,10 @@ quantizes each row of a 16/32-bit weight symmetrically as compressed-tensors doe
 127.5, rounded to nearest, clamped to [-128, 127]), so both give the same weights. Activations follow the
 same arithmetic per token, symmetric or asymmetric (a zero point per token). The product multiplies the
 int8 operands exactly in int32 (``torch._int_mm``) and applies the scales, and the activations' zero points
-through each row's weight sum, to that; asymmetric weights take the dequantized float path instead.
+through each row's weight sum, to that; asymmetric weights take the dequantized float path instead. On CUDA
+a symmetric product of at most 16 rows (decode) is one Triton launch (``kernels/int8_decode.py``: scales,
+quantization, int32 product and epilogue fused); more rows quantize and scale in ``kernels/int8_quant.py``'s
+launches around cuBLAS's int8 product. Both give the torch ops' bits.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import int8_quant
+from pagedllm.kernels import int8_decode, int8_quant
 from pagedllm.layers.quantization.base import QuantizedLinearMethod
 from pagedllm.layers.quantization.packed_params import PackedParam
 
@@ -76,6 +79,10 @@ def w8a8_linear(
     bias: torch.Tensor | None,  # [N]
     act_symmetric: bool,
 ) -> torch.Tensor:  # [T, N] in x's dtype
+    if act_symmetric and int8_quant.usable(x) and int8_decode.usable(x, weight):
+        # Decode rows: one launch for all of it, where the path below takes four and cuBLAS's int8 product
+        # is slow on a few rows. The same arithmetic.
+        return int8_decode.w8a8_decode(x, weight, weight_scale.float(), bias)
     if act_symmetric and int8_quant.usable(x) and _int_mm_usable(x, weight):
         # One launch quantizes the rows, one scales the product back: the same arithmetic as below.
         xq, xs = int8_quant.quantize_rows(x)

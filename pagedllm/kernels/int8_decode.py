@@ -1,0 +1,242 @@
+"""Triton W8A8 int8 linear of at most 16 rows (decode) in one launch, bit for bit ``w8a8_linear``'s torch path.
+
+The launch computes the rows' scales, quantizes the rows, takes their exact int32 product with the int8
+weight and applies both scales (and the bias). At decode the CUDA path of ``layers/quantization/int8.py``
+otherwise runs four launches a linear (the row quantizer, a pad to 32 rows, cuBLAS's int8 product,
+``int8_quant.py``'s epilogue), and cuBLAS answers a few rows against a wide weight slowly: batch-1
+Llama-3-8B with int8 weights was no faster than bf16 though it reads half the bytes.
+
+Each program owns ``BLOCK_N`` output columns, i.e. ``BLOCK_N`` contiguous weight rows of K bytes
+(coalesced), and walks all of K in ``BLOCK_K`` steps: no split-K, so no partial sums in memory, no second
+launch, and a fixed summation order. Every program first takes the activation rows' largest magnitudes
+(x, 16 rows at most, stays in L2), then per step quantizes its x tile with ``int8_quant``'s own arithmetic
+(shared jit helpers, so the bits cannot drift apart) and adds the tile's int8 x int8 tensor-core product
+to an int32 accumulator, exact as cuBLAS's. The price of one launch is that every program quantizes all
+of x again: ``BLOCK_M / BLOCK_N`` quantized values, each an IEEE division, per weight byte read. Compiled
+for sm_90 (offline, not timed), a 256-deep step of a 16 x 16 tile is ~940 instructions a warp, ~0.9 a weight
+byte, which at an H100's ~0.9 T warp-instructions/s would cap the weight stream near 1 TB/s; 1 x 16 is ~200
+(~0.2 a byte). Hence ``BLOCK_M`` is the rows rounded up to a power of two, not a fixed 16 (Triton pads
+the tensor-core tile), and ``BLOCK_N`` grows with N (``default_config``).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels import int8_quant
+from pagedllm.kernels.int8_quant import SUPPORTED_DTYPES, quantize_int8, row_scale
+from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.kernels.numerics import add_rn, exact_rounding, mul_rn
+
+# Rows one launch takes: one tensor-core tile's rows (the int8 mma is 16 rows deep); more keep the
+# quantizer + cuBLAS path, where the padded product stops being mostly waste.
+MAX_ROWS = 16
+# The longest input whose int32 sums cannot overflow (|q_x * q_w| <= 128 * 128): compiled int8 mma
+# saturates (``.satfinite``) where cuBLAS would wrap, so past it the two could differ.
+MAX_K = (2**31 - 1) // (128 * 128)
+# Programs a launch aims for: two per SM of an H100/H200 (132 SMs), so the weight stream has enough
+# loads in flight and the last wave's imbalance is small.
+_TARGET_PROGRAMS = 2 * 132
+
+
+class DecodeConfig(NamedTuple):
+    block_m: int  # activation rows a program holds (a power of two >= M, at most 16; rows >= M masked)
+    block_n: int  # output columns (weight rows) a program owns
+    block_k: int  # input columns a step reads; >= 32, the int8 dot's shortest K on NVIDIA
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _x_tile(x_ptrs, k0, rows_in, ks, K):
+    """The [BLOCK_M, BLOCK_K] activation tile at ``k0`` as float32, zeros past M rows and K columns."""
+    return tl.load(x_ptrs + k0, mask=rows_in[:, None] & (k0 + ks < K)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _xq_tile(x_ptrs, k0, rows_in, ks, K):
+    """The [BLOCK_M, BLOCK_K] tile of already quantized int8 rows at ``k0``, zeros past M rows and K columns."""
+    return tl.load(x_ptrs + k0, mask=rows_in[:, None] & (k0 + ks < K)[None, :], other=0)
+
+
+@triton.jit
+def _w_tile(w_ptrs, k0, cols_in, ks, K):
+    """The [BLOCK_N, BLOCK_K] int8 weight tile at ``k0``, zeros past N rows and K columns (they add nothing)."""
+    return tl.load(w_ptrs + k0, mask=cols_in[:, None] & (k0 + ks < K)[None, :], other=0)
+
+
+@triton.jit
+def _w8a8_decode_kernel(
+    x_ptr,  # [M, K] float16/bfloat16/float32 (int8 under PREQUANT), last dim contiguous
+    xs_ptr,  # [M] float32 row scales (read only under PREQUANT)
+    w_ptr,  # [N, K] int8, last dim contiguous
+    ws_ptr,  # [N] float32 weight row scales, contiguous
+    b_ptr,  # [N] bias, contiguous (read only when HAS_BIAS)
+    out_ptr,  # [M, N] x's dtype, contiguous
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EXACT: tl.constexpr,  # compiled NVIDIA code: explicit round-to-nearest products and sums (numerics.py)
+    RECIPROCAL: tl.constexpr,  # the scale as torch on CUDA computes it (int8_quant.row_scale)
+    EARLY_LAUNCH: tl.constexpr,  # (USE_GDC) let the next kernel launch as soon as this one has waited
+    USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
+    PREQUANT: tl.constexpr,  # x is already int8_quant.quantize_rows's output, its scales at xs_ptr
+):
+    rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    rows_in = rows < M
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    cols_in = cols < N
+    ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
+    # No kernel writes the weights or their scales: under PDL they are read while the previous kernel
+    # (which writes x) finishes, and only x waits for it.
+    w = _w_tile(w_ptrs, 0, cols_in, ks, K)
+    ws = tl.load(ws_ptr + cols, mask=cols_in, other=0.0)  # [BLOCK_N]
+    wait_for_previous_kernel(USE_GDC, EARLY_LAUNCH)
+
+    if PREQUANT:
+        xs = tl.load(xs_ptr + rows, mask=rows_in, other=1.0)  # [BLOCK_M]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        acc = tl.dot(_xq_tile(x_ptrs, 0, rows_in, ks, K), tl.trans(w), acc, out_dtype=tl.int32)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            acc = tl.dot(_xq_tile(x_ptrs, k0, rows_in, ks, K), tl.trans(_w_tile(w_ptrs, k0, cols_in, ks, K)), acc,
+                         out_dtype=tl.int32)
+    else:
+        # Each row's scale as int8_quant's row quantizer computes it: max is exact and order-free, so
+        # reducing a [BLOCK_M, BLOCK_K] tile of running maxima gives its bits.
+        amax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            amax = tl.maximum(amax, tl.abs(_x_tile(x_ptrs, k0, rows_in, ks, K)))
+        xs = row_scale(tl.max(amax, axis=1), EXACT, RECIPROCAL)  # [BLOCK_M]; EPS for a row of zeros (and rows >= M)
+
+        # The exact int32 product: int8 x int8 tensor-core steps, K-major on both sides (W's rows are K-contiguous,
+        # the layout 8-bit mma operands need). Masked entries quantize to 0 (0 / scale) and add nothing.
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        xq = quantize_int8(_x_tile(x_ptrs, 0, rows_in, ks, K), xs[:, None], EXACT)  # [BLOCK_M, BLOCK_K] int8
+        acc = tl.dot(xq, tl.trans(w), acc, out_dtype=tl.int32)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            xq = quantize_int8(_x_tile(x_ptrs, k0, rows_in, ks, K), xs[:, None], EXACT)
+            acc = tl.dot(xq, tl.trans(_w_tile(w_ptrs, k0, cols_in, ks, K)), acc, out_dtype=tl.int32)
+
+    # int8_quant's epilogue: (acc * x scale) * w scale (+ bias), each rounded as torch's float32 ops.
+    y = mul_rn(mul_rn(acc.to(tl.float32), xs[:, None], EXACT), ws[None, :], EXACT)  # [BLOCK_M, BLOCK_N]
+    if HAS_BIAS:
+        y = add_rn(y, tl.load(b_ptr + cols, mask=cols_in, other=0.0).to(tl.float32)[None, :], EXACT)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
+
+
+def default_config(m: int, n: int, k: int) -> DecodeConfig:
+    """The tile for an [m, k] x [n, k]^T product of at most 16 rows. Untuned (chosen on paper, not timed yet):
+
+    - rows: M rounded up to a power of two (1, 2, 4, 8, 16): the rows past M are quantized too, and that
+      arithmetic, repeated by every program, is what a wide tile costs (see the module docstring);
+    - columns: the widest of 64 / 32 / 16 that still gives ``_TARGET_PROGRAMS`` programs, so that Llama-3-8B's
+      products fill an H100's 132 SMs about twice (o and down 4096 -> 256 programs, qkv 6144 -> 384, gate or up
+      14336 -> 448, gate_up 28672 -> 448) while the wider tiles quantize x fewer times per weight byte;
+    - K steps of 256 (a 4 KB int8 weight tile at 16 columns; the float32 x tile is 32 registers a thread
+      at 4 warps), shorter for a short input, never under the int8 dot's 32; a 3-stage pipeline.
+    """
+    block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= _TARGET_PROGRAMS), 16)
+    block_k = min(256, max(32, triton.next_power_of_2(k)))
+    return DecodeConfig(max(1, triton.next_power_of_2(m)), block_n, block_k, 4, 3)
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """1-16 rows on CUDA in a 16/32-bit float type against a contiguous-rowed int8 weight of the same input size
+    (at most ``MAX_K``)."""
+    return (
+        x.dim() == 2
+        and x.is_cuda
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.dtype in SUPPORTED_DTYPES
+        and x.stride(-1) == 1
+        and weight.dim() == 2
+        and weight.device == x.device
+        and weight.dtype == torch.int8
+        and weight.shape[1] == x.shape[1]
+        and weight.shape[1] <= MAX_K
+        and weight.stride(-1) == 1
+    )
+
+
+def _check_config(cfg: DecodeConfig, m: int) -> None:
+    def pow2(v: int) -> bool:
+        return v > 0 and v & (v - 1) == 0
+
+    if not (pow2(cfg.block_m) and m <= cfg.block_m <= MAX_ROWS):
+        raise ValueError(f"block_m={cfg.block_m}: must be a power of two from the {m} rows up to {MAX_ROWS}")
+    if not (pow2(cfg.block_n) and pow2(cfg.block_k) and cfg.block_k >= 32):
+        raise ValueError(f"block_n={cfg.block_n}, block_k={cfg.block_k}: powers of two, block_k >= 32")
+
+
+def w8a8_decode(
+    x: torch.Tensor,  # [M, K] float16/bfloat16/float32, M <= 16, last dim contiguous
+    weight: torch.Tensor,  # [N, K] int8, last dim contiguous
+    weight_scale: torch.Tensor,  # [N, 1] or [N] float32
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    early_launch: bool = False,
+    prequantize: bool = False,  # quantize the rows in their own launch first (int8_quant.quantize_rows)
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """``x @ W^T`` of W8A8 int8: x's rows quantized symmetrically per row, the exact int32 product, scaled by
+    both scales (+ bias) in float32, rounded to x's dtype; one launch. Tile arguments left None take
+    ``default_config``'s."""
+    if x.dim() != 2 or x.dtype not in SUPPORTED_DTYPES or (x.numel() and x.stride(-1) != 1):
+        raise ValueError(f"x: a [M, K] float16/bfloat16/float32 tensor with contiguous rows, got "
+                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+    m, k = x.shape
+    if m > MAX_ROWS:
+        raise ValueError(f"x has {m} rows: w8a8_decode takes at most {MAX_ROWS} (more take int8_quant + _int_mm)")
+    if k > MAX_K:
+        raise ValueError(f"x: K={k} past MAX_K={MAX_K}, where int32 sums could overflow")
+    if weight.dim() != 2 or weight.dtype != torch.int8 or weight.shape[1] != k or weight.stride(-1) != 1:
+        raise ValueError(f"weight: an [N, {k}] int8 tensor with contiguous rows, got {weight.dtype} "
+                         f"{tuple(weight.shape)} strides {weight.stride()}")
+    n = weight.shape[0]
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) not in ((n,), (n, 1)):
+        raise ValueError(f"weight_scale: [{n}, 1] or [{n}] float32, got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}")
+    if bias is not None and (bias.shape != (n,) or not bias.is_floating_point()):
+        raise ValueError(f"bias: [{n}] floating point, got {bias.dtype} {tuple(bias.shape)}")
+    given = (block_m, block_n, block_k, num_warps, num_stages)
+    cfg = DecodeConfig(*(v if v is not None else d for v, d in zip(given, default_config(m, n, k))))
+    _check_config(cfg, m)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    xin, xs = x, out
+    if prequantize:
+        # Two launches, but no program repeats the rows' quantization (a division per value).
+        xin, xs = int8_quant.quantize_rows(x)
+    _w8a8_decode_kernel[(triton.cdiv(n, cfg.block_n),)](
+        xin, xs, weight, weight_scale.reshape(-1).contiguous(), bias.contiguous() if bias is not None else out, out,
+        m, n, k, xin.stride(0), weight.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        EXACT=exact_rounding(x),
+        RECIPROCAL=exact_rounding(x),  # as int8_quant.quantize_rows: torch's CUDA scalar division
+        EARLY_LAUNCH=early_launch,
+        PREQUANT=prequantize,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **pdl_launch_args(x),
+    )
+    return out

@@ -1,0 +1,116 @@
+"""The fused W8A8 decode product (``kernels/int8_decode.py``) against the torch path of
+``layers/quantization/int8.py`` under Triton's interpreter (tests/conftest.py turns it on without a GPU): the
+same bits for 1-16 rows, ragged tiles, rows of very different ranges and a row of zeros."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels import int8_decode, int8_quant
+from pagedllm.layers.quantization.int8 import w8a8_linear
+
+
+def _rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:  # [m, k]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 2, m)[:, None]  # rows of very different ranges
+    x[0, : k // 3] = 0.5  # a run of equal values
+    if m > 2:
+        x[2] = 0.0  # a row of zeros takes the eps scale
+    return x.to(dtype)
+
+
+def _weight(n: int, k: int, dtype: torch.dtype, seed: int):  # int8 [n, k], scales [n, 1], bias [n]
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    w[0] = -128  # the extreme product: -128 * -128 in every column a quantized row reaches -128
+    ws = torch.rand(n, 1, generator=g) * 1e-2
+    return w, ws, (torch.randn(n, generator=g) * 0.1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "k,n,tile",
+    [
+        (200, 50, {"block_k": 64, "block_n": 16}),  # K: 3 steps + 8; N: 3 tiles + 2
+        (1000, 72, {}),  # the default tile: K 256 deep (3 steps + 232), N 16 wide (4 tiles + 8)
+    ],
+)
+def test_decode_product_is_bit_exact(dtype, m, bias, k, n, tile):
+    x = _rows(m, k, dtype, seed=m * k)
+    w, ws, b = _weight(n, k, dtype, seed=n)
+    b = b if bias else None
+    got = int8_decode.w8a8_decode(x, w, ws, b, **tile)
+    want = w8a8_linear(x, w, ws, b, act_symmetric=True)  # on CPU: quantize_int8_rows, torch._int_mm, epilogue
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_prequantized_rows_give_the_same_bits(m):
+    # The two-launch form (rows quantized by int8_quant.quantize_rows, the kernel reading int8 rows).
+    x = _rows(m, 300, torch.float16, seed=m)
+    w, ws, b = _weight(40, 300, torch.float16, seed=7)
+    got = int8_decode.w8a8_decode(x, w, ws, b, block_n=16, block_k=64, prequantize=True)
+    assert torch.equal(got, w8a8_linear(x, w, ws, b, act_symmetric=True))
+
+
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_row_tile_wider_than_the_rows(block_m):
+    # Rows past M are masked (a zero row, eps scale) and add nothing; nothing is stored for them.
+    x = _rows(3, 300, torch.float16, seed=5)
+    w, ws, b = _weight(40, 300, torch.float16, seed=6)
+    got = int8_decode.w8a8_decode(x, w, ws.view(-1), b, block_m=block_m, block_n=32, block_k=128)
+    assert torch.equal(got, w8a8_linear(x, w, ws, b, act_symmetric=True))
+
+
+def test_bfloat16_matches_the_two_launch_kernels():
+    # The interpreter casts float32 to bfloat16 by truncation (torch and compiled code round to nearest), so
+    # bfloat16 is checked here against int8_quant's kernels, which share that cast; on a GPU, test_int8_gpu.py.
+    x = _rows(5, 500, torch.bfloat16, seed=9)
+    w, ws, b = _weight(70, 500, torch.bfloat16, seed=10)
+    xq, xs = int8_quant.quantize_rows(x)
+    want = int8_quant.scale_rows(torch._int_mm(xq, w.t()), xs, ws, b, torch.bfloat16)
+    assert torch.equal(int8_decode.w8a8_decode(x, w, ws, b), want)
+
+
+def test_default_tiles():
+    cfg = int8_decode.default_config
+    assert cfg(1, 4096, 4096) == (1, 16, 256, 4, 3)  # 256 programs
+    assert cfg(7, 6144, 4096).block_m == 8 and cfg(7, 6144, 4096).block_n == 16  # 384 programs
+    assert cfg(16, 4096, 14336).block_n == 16
+    assert cfg(16, 14336, 4096).block_n == 32  # 448 programs
+    assert cfg(16, 28672, 4096).block_n == 64  # 448 programs
+    assert cfg(1, 64, 20).block_k == 32  # never under the int8 dot's shortest K
+
+
+def test_more_than_sixteen_rows_is_refused():
+    x = torch.zeros(17, 64)
+    w, ws, _ = _weight(32, 64, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="17 rows"):
+        int8_decode.w8a8_decode(x, w, ws)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda x, w, ws, b: (x, w.float(), ws, b), "weight"),
+        (lambda x, w, ws, b: (x, w[:, :32].contiguous(), ws, b), "weight"),
+        (lambda x, w, ws, b: (x.to(torch.int32), w, ws, b), "x"),
+        (lambda x, w, ws, b: (x, w, ws.half(), b), "weight_scale"),
+        (lambda x, w, ws, b: (x, w, ws[:8], b), "weight_scale"),
+        (lambda x, w, ws, b: (x, w, ws, b[:8]), "bias"),
+    ],
+)
+def test_mismatched_arguments_are_refused(change, match):
+    x = torch.zeros(2, 64)
+    w, ws, b = _weight(16, 64, torch.float32, seed=0)
+    with pytest.raises(ValueError, match=match):
+        int8_decode.w8a8_decode(*change(x, w, ws, b))
+
+
+def test_cpu_tensors_keep_the_torch_path():
+    x = torch.zeros(2, 64)
+    w, _, _ = _weight(16, 64, torch.float32, seed=0)
+    assert not int8_decode.usable(x, w)
