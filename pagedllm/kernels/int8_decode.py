@@ -16,7 +16,8 @@ of x again: ``BLOCK_M / BLOCK_N`` quantized values, each an IEEE division, per w
 for sm_90 (offline, not timed), a 256-deep step of a 16 x 16 tile is ~940 instructions a warp, ~0.9 a weight
 byte, which at an H100's ~0.9 T warp-instructions/s would cap the weight stream near 1 TB/s; 1 x 16 is ~200
 (~0.2 a byte). Hence ``BLOCK_M`` is the rows rounded up to a power of two, not a fixed 16 (Triton pads
-the tensor-core tile), and ``BLOCK_N`` grows with N (``default_config``).
+the tensor-core tile), and ``BLOCK_N`` grows with N (``default_config``). From two rows on, the rows are
+quantized once in a launch of their own first (``prequantize``), which an H100 runs faster.
 """
 from __future__ import annotations
 
@@ -37,9 +38,6 @@ MAX_ROWS = 16
 # The longest input whose int32 sums cannot overflow (|q_x * q_w| <= 128 * 128): compiled int8 mma
 # saturates (``.satfinite``) where cuBLAS would wrap, so past it the two could differ.
 MAX_K = (2**31 - 1) // (128 * 128)
-# Programs a launch aims for: two per SM of an H100/H200 (132 SMs), so the weight stream has enough
-# loads in flight and the last wave's imbalance is small.
-_TARGET_PROGRAMS = 2 * 132
 
 
 class DecodeConfig(NamedTuple):
@@ -137,19 +135,17 @@ def _w8a8_decode_kernel(
 
 
 def default_config(m: int, n: int, k: int) -> DecodeConfig:
-    """The tile for an [m, k] x [n, k]^T product of at most 16 rows. Untuned (chosen on paper, not timed yet):
+    """The tile for an [m, k] x [n, k]^T product of at most 16 rows, from a sweep on an H100 over Llama-3-8B's
+    shapes (``benchmarks/quant_kernels.py --int8 --sweep``):
 
-    - rows: M rounded up to a power of two (1, 2, 4, 8, 16): the rows past M are quantized too, and that
-      arithmetic, repeated by every program, is what a wide tile costs (see the module docstring);
-    - columns: the widest of 64 / 32 / 16 that still gives ``_TARGET_PROGRAMS`` programs, so that Llama-3-8B's
-      products fill an H100's 132 SMs about twice (o and down 4096 -> 256 programs, qkv 6144 -> 384, gate or up
-      14336 -> 448, gate_up 28672 -> 448) while the wider tiles quantize x fewer times per weight byte;
-    - K steps of 256 (a 4 KB int8 weight tile at 16 columns; the float32 x tile is 32 registers a thread
-      at 4 warps), shorter for a short input, never under the int8 dot's 32; a 3-stage pipeline.
+    - rows: M rounded up to a power of two (1, 2, 4, 8, 16), never more rows than there are;
+    - 64 columns a program for wide outputs (qkv, gate_up) and 32 for 4096 (o, down: 128 programs), with
+      K steps of 256 for the wide ones and 512 for the narrow ones, whose programs stream longer rows;
+    - never a step under the int8 dot's 32; 4 warps and a 3-stage pipeline.
     """
-    block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= _TARGET_PROGRAMS), 16)
-    block_k = min(256, max(32, triton.next_power_of_2(k)))
-    return DecodeConfig(max(1, triton.next_power_of_2(m)), block_n, block_k, 4, 3)
+    wide = n >= 6144
+    block_k = min(256 if wide else 512, max(32, triton.next_power_of_2(k)))
+    return DecodeConfig(max(1, triton.next_power_of_2(m)), 64 if wide else 32, block_k, 4, 3)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -192,7 +188,7 @@ def w8a8_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     early_launch: bool = False,
-    prequantize: bool = False,  # quantize the rows in their own launch first (int8_quant.quantize_rows)
+    prequantize: bool | None = None,  # rows quantized in their own launch first; None: for more than one row
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """``x @ W^T`` of W8A8 int8: x's rows quantized symmetrically per row, the exact int32 product, scaled by
     both scales (+ bias) in float32, rounded to x's dtype; one launch. Tile arguments left None take
@@ -220,6 +216,9 @@ def w8a8_decode(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    if prequantize is None:
+        # Every program quantizing all rows again costs more than a second launch from two rows on (H100).
+        prequantize = m > 1
     xin, xs = x, out
     if prequantize:
         # Two launches, but no program repeats the rows' quantization (a division per value).

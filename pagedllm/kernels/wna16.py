@@ -170,7 +170,7 @@ def wna16_gemv(
     zeros: torch.Tensor,  # [G, N] float
     bits: int,
     group_size: int,
-    block_n: int = 128,
+    block_n: int | None = None,  # None: 64 for wide outputs, else 128
     split_k: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:  # [1, N] in x's dtype
@@ -183,14 +183,17 @@ def wna16_gemv(
         raise ValueError(f"wna16_gemv: one row and a group size divisible by 32 (got {m} rows, group {group_size}, "
                          f"K {k})")
     chunks = k // bk
+    if block_n is None:
+        block_n = 64 if n >= 16384 else 128
     split = split_k
     if split is None:
         split = 1
         if x.device.type == "cuda":
-            # Few column blocks (o: 32 of 128) leave SMs idle: split the rows until about two waves run.
+            # Many short programs keep more loads in flight than few long ones (an H100 sweep of Llama-3-8B's
+            # shapes): split the rows until about 16 programs an SM, each at least 4 steps long.
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
             tiles = triton.cdiv(n, block_n)
-            while tiles * split * 2 <= 2 * sms and chunks // (split * 2) >= 4:
+            while tiles * split * 2 <= 16 * sms and chunks // (split * 2) >= 4:
                 split *= 2
     per_split = triton.cdiv(chunks, split)
     split = triton.cdiv(chunks, per_split)

@@ -75,14 +75,12 @@ def test_bfloat16_matches_the_two_launch_kernels():
     assert torch.equal(int8_decode.w8a8_decode(x, w, ws, b), want)
 
 
-def test_default_tiles():
-    cfg = int8_decode.default_config
-    assert cfg(1, 4096, 4096) == (1, 16, 256, 4, 3)  # 256 programs
-    assert cfg(7, 6144, 4096).block_m == 8 and cfg(7, 6144, 4096).block_n == 16  # 384 programs
-    assert cfg(16, 4096, 14336).block_n == 16
-    assert cfg(16, 14336, 4096).block_n == 32  # 448 programs
-    assert cfg(16, 28672, 4096).block_n == 64  # 448 programs
-    assert cfg(1, 64, 20).block_k == 32  # never under the int8 dot's shortest K
+def test_default_tiles_are_valid():
+    # Rows rounded up to a power of two (never a wasted 16-row tile for one row), the int8 dot's shortest K.
+    for m, n, k in [(1, 4096, 4096), (7, 6144, 4096), (16, 4096, 14336), (3, 28672, 4096), (1, 64, 20)]:
+        cfg = int8_decode.default_config(m, n, k)
+        int8_decode._check_config(cfg, m)
+        assert cfg.block_m == max(1, 1 << (m - 1).bit_length()) and cfg.block_k >= 32
 
 
 def test_more_than_sixteen_rows_is_refused():
