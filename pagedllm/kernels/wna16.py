@@ -34,8 +34,9 @@ MAGIC = tl.constexpr(8388608.0)
 
 @triton.jit
 def _float_bits(words, MASK: tl.constexpr, SH: tl.constexpr):
-    """``q * 2**SH`` as float32 for the value in bits [SH, SH + bits) of each int32 word (SH + bits <= 23)."""
-    return ((words & (MASK << SH)) | MAGIC_BITS).to(tl.float32, bitcast=True) - MAGIC
+    """``q * 2**SH`` as float32 for the value in bits [SH, SH + bits) of each int32 word (SH + bits <= 23) whose
+    exponent bits are already 2**23's (or'ed in by the caller, once for all values of the word)."""
+    return (words & (MAGIC_BITS | (MASK << SH))).to(tl.float32, bitcast=True) - MAGIC
 
 
 @triton.jit
@@ -117,8 +118,9 @@ def _wna16_gemv_kernel(
     and scale are applied once per word instead of per weight: ``sum_p x_p (q_p - z) s = s sum_p x_p q_p -
     z s sum_p x_p``. A value is taken out of its word in place, scaled by its position: ``(word & (MASK << SH))
     | 2**23's bits`` read as a float is ``2**23 + q 2**SH`` exactly, and the matching activation carries
-    ``2**-SH``; so each weight costs one logic op, one subtract and one multiply-add (values above bit 22 share
-    one shift of the word by 16), with no integer-to-float conversion, which runs at a quarter of the rate."""
+    ``2**-SH``; the exponent's bits are or'ed into the word once, so each weight costs one AND, one subtract and
+    one multiply-add (values above bit 22 share one shift of the word by 16), with no integer-to-float
+    conversion, which runs at a quarter of the rate."""
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     WORDS: tl.constexpr = BLOCK_K // PACK
@@ -134,14 +136,17 @@ def _wna16_gemv_kernel(
         k0 = c * BLOCK_K
         words = tl.load(qw_ptr + (k0 // PACK + offs_w)[:, None] * N + offs_n[None, :], mask=n_ok[None, :],
                         other=0)  # [WORDS, BN]
-        high = words >> 16
+        # 2**23's exponent bits or'ed in once a word (the values they cover are read from the shifted copy):
+        # then one AND a value keeps its bits and the exponent's.
+        low = words | MAGIC_BITS
+        high = (words >> 16) | MAGIC_BITS
         part = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
         xsum = tl.zeros((WORDS,), dtype=tl.float32)
         for p in tl.static_range(PACK):
             xp = tl.load(x_ptr + k0 + offs_w * PACK + p).to(tl.float32)  # [WORDS]: input p of each word
             xsum += xp
             if p * BITS + BITS <= 23:
-                qf = _float_bits(words, MASK, p * BITS)
+                qf = _float_bits(low, MASK, p * BITS)
                 part += qf * (xp * _pow2_neg(p * BITS))[:, None]
             else:
                 qf = _float_bits(high, MASK, p * BITS - 16)
