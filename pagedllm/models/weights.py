@@ -20,19 +20,50 @@ StackedMapping = Sequence[tuple[str, str, int | str]]  # (fused param name, chec
 # checkpoint projection of one expert (``gate_proj``, ``w1``) -> (stacked parameter name, shard id)
 ExpertMapping = Mapping[str, tuple[str, str]]
 
-# A float8 checkpoint stores each expert projection's scales beside it (``experts.3.gate_proj.weight_scale``); a
-# GGUF file's packed experts come as their ggml type and rows (``.qweight_type``, ``.qweight``).
-_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.([^.]+)\.(weight|weight_scale|qweight|qweight_type)$")
+# One expert's projection tensor: ``.weight``; a float8 checkpoint's ``.weight_scale`` beside it; a GGUF file's
+# ggml type and rows (``.qweight_type``, ``.qweight``); a packed format's own names (``.qzeros``, ``.scales``,
+# ``.weight_packed``, ...), which go to that expert's own linear (``layers/fused_moe/linear_experts.py``).
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.([^.]+)\.([^.]+)$")
 
 
-def _expert_target(name: str, mapping: ExpertMapping) -> tuple[str, str, int] | None:
-    """(parameter name, shard id, expert id) of a per-expert checkpoint tensor, or None for any other."""
+def _expert_target(name: str, mapping: ExpertMapping) -> tuple[str, str, int, str] | None:
+    """(stacked parameter name, shard id, expert id, that expert's own parameter name) of a per-expert
+    checkpoint tensor, or None for any other."""
     m = _EXPERT_TENSOR.search(name) if mapping else None
     if m is None or m.group(2) not in mapping:
         return None
     param_name, shard_id = mapping[m.group(2)]
     param_name = param_name.removesuffix("weight") + m.group(3)  # w13_weight -> w13_weight_scale, w13_qweight, ...
-    return f"{name[:m.start()]}.experts.{param_name}", shard_id, int(m.group(1))
+    prefix = f"{name[:m.start()]}.experts"
+    return f"{prefix}.{param_name}", shard_id, int(m.group(1)), f"{prefix}.{m.group(1)}.{shard_id}.{m.group(3)}"
+
+
+def _load_expert_tensor(model: nn.Module, params: dict, name: str, tensor: torch.Tensor,
+                        target: tuple[str, str, int, str]) -> str | None:
+    """Loads one expert's tensor into the stacked parameter, or into the expert's own linear; returns the
+    parameter name once it is complete, None while not (or for another expert-parallel rank's expert)."""
+    stacked, shard_id, expert_id, own = target
+    param = params.get(stacked)
+    if param is not None:
+        param.weight_loader(param, tensor, shard_id, expert_id)
+        # A stacked parameter counts as loaded once its loader has every expert's pieces.
+        return stacked if param.all_loaded() else None
+    param = params.get(own)
+    if param is not None:
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+        return own
+    experts = model.get_submodule(own.rsplit(".", 3)[0]) if _has_module(model, own.rsplit(".", 3)[0]) else None
+    if experts is not None and hasattr(experts, "local_expert") and experts.local_expert(shard_id, expert_id) is None:
+        return None  # another expert-parallel rank's expert
+    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter {stacked!r} in {type(model).__name__}")
+
+
+def _has_module(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def load_named_weights(
@@ -50,7 +81,8 @@ def load_named_weights(
     other name is loaded as is. Matching is by whole dotted component so ``qkv_proj`` (a fused
     checkpoint such as Phi-3's) is never mistaken for ``v_proj``. One expert's projection
     (``mlp.experts.3.gate_proj.weight``) goes first, through ``expert_params_mapping``, into its slot of
-    the stacked parameter (``mlp.experts.w13_weight``), its loader told the shard and the expert id.
+    the stacked parameter (``mlp.experts.w13_weight``), its loader told the shard and the expert id, or, for
+    experts held as linears, into that expert's own (``mlp.experts.3.w1.weight``).
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -60,15 +92,9 @@ def load_named_weights(
                 continue
             expert = _expert_target(name, expert_params_mapping)
             if expert is not None:
-                target, shard_id, expert_id = expert
-                param = params.get(target)
-                if param is None:
-                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter {target!r} in "
-                                     f"{type(model).__name__}")
-                param.weight_loader(param, tensor, shard_id, expert_id)
-                # A stacked parameter counts as loaded once its loader has every expert's pieces.
-                if param.all_loaded():
-                    loaded.add(target)
+                done = _load_expert_tensor(model, params, name, tensor, expert)
+                if done is not None:
+                    loaded.add(done)
                 continue
             target, shard_id = name, None
             for param_name, ckpt_name, sid in stacked_params_mapping:

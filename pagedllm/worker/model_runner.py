@@ -111,6 +111,13 @@ class ModelRunner:
 
         self.model = get_model(self.model_config, self.config.load_config, self.device, self.attn_backend)
         use_kv_scales(self.model, self.config.kv_cache_dtype)
+        eager = sorted({repr(m.experts_method) for m in self.model.modules()
+                        if not getattr(getattr(m, "experts_method", None), "cuda_graph_safe", True)})
+        if self.use_cuda_graphs and eager:
+            # Their per-expert loop sizes each expert's rows on the host, which a replayed graph cannot.
+            logger.warning("CUDA graphs off: the model's experts (%s) run a per-expert loop; steps run eagerly",
+                           ", ".join(eager))
+            self.use_cuda_graphs = False
         self.sampler = Sampler()
 
     def prepack_cpu_weights(self) -> int:

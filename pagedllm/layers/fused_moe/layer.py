@@ -18,7 +18,8 @@ checkpoint (built under a serialized ``Fp8LinearMethod`` default) loads into tha
 expert's ``weight_scale`` (one a row, or one for the tensor, repeated over its rows) into its scale rows.
 
 An experts method set while the model is built (``default_experts_method``; GGUF experts kept in their ggml
-blocks on the CPU, ``gguf_experts.py``) holds the experts its own way: ``create_weights(layer)``, then
+blocks on the CPU, ``gguf_experts.py``), or one a quantized checkpoint's format implies (one linear per expert
+and projection, ``linear_experts.py``), holds the experts its own way: ``create_weights(layer)``, then
 ``apply(layer, x, topk_weights, topk_ids)`` for this rank's experts.
 """
 from __future__ import annotations
@@ -44,6 +45,16 @@ def _serialized_fp8() -> bool:
 
     method = current_default_method()
     return isinstance(method, Fp8LinearMethod) and method.serialized
+
+
+def _checkpoint_experts_method():
+    """Experts as one linear each of the checkpoint's method (``linear_experts.py``) when its linears are stored
+    packed in a format kept per expert (AWQ, GPTQ, compressed-tensors, block-wise float8); else None."""
+    from pagedllm.layers.fused_moe.linear_experts import LinearExpertsMethod, takes_experts
+    from pagedllm.layers.linear import _DEFAULT_METHOD
+
+    factory = _DEFAULT_METHOD.get()
+    return LinearExpertsMethod(factory) if factory is not None and takes_experts(factory()) else None
 
 
 # Checkpoint shard ids: w1 the gate projection, w3 the up projection, w2 the down projection.
@@ -104,7 +115,7 @@ class MoEExperts(nn.Module):
         self.activation = activation
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.act_dtype = params_dtype or torch.get_default_dtype()  # the activations' type, which float8 experts keep
-        self.experts_method = _EXPERTS_METHOD.get()
+        self.experts_method = _EXPERTS_METHOD.get() or _checkpoint_experts_method()
         if self.experts_method is not None:
             self.experts_method.create_weights(self)
         else:

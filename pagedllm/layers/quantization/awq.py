@@ -50,6 +50,8 @@ class AWQConfig(QuantizationConfig):
 
 
 class AWQLinearMethod(QuantizedLinearMethod):
+    experts_as_linears = True
+
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
 

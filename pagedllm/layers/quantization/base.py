@@ -65,6 +65,10 @@ class QuantizedLinearMethod(LinearMethodBase):
     oracle any fused kernel is tested against. AWQ, GPTQ and pack-quantized weights take a Triton kernel on
     CUDA (``wna16_layout.py``); the other methods run this path there too."""
 
+    # A checkpoint in this format stores each MoE expert's projections like its dense linears, and its experts
+    # are built as linears of this method (``layers/fused_moe/linear_experts.py``).
+    experts_as_linears: bool = False
+
     def packed_params(self, input_size: int, output_size: int, full_input_size: int) -> list[PackedParam]:
         """This rank's parameters, for ``input_size`` of the layer's ``full_input_size`` inputs."""
         raise NotImplementedError

@@ -124,6 +124,8 @@ class CompressedTensorsConfig(QuantizationConfig):
 class PackedWeightOnlyLinearMethod(QuantizedLinearMethod):
     """``pack-quantized`` weights (W4A16, W8A16); ``group_size`` None: one scale per output row."""
 
+    experts_as_linears = True
+
     def __init__(self, bits: int, group_size: int | None, symmetric: bool) -> None:
         self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
         self.pack = 32 // bits

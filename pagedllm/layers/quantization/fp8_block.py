@@ -35,6 +35,8 @@ def fp8_group_quant_dequant(
 
 
 class Fp8BlockLinearMethod(QuantizedLinearMethod):
+    experts_as_linears = True
+
     def __init__(self, block: tuple[int, int], scale_name: str, act_group: int | None) -> None:
         self.block = block
         self.scale_name = scale_name

@@ -55,6 +55,8 @@ class GPTQConfig(QuantizationConfig):
 
 
 class GPTQLinearMethod(QuantizedLinearMethod):
+    experts_as_linears = True
+
     def __init__(self, bits: int, group_size: int, desc_act: bool, zero_offset: int) -> None:
         self.bits, self.group_size, self.desc_act, self.zero_offset = bits, group_size, desc_act, zero_offset
         self.pack = 32 // bits

@@ -104,6 +104,8 @@ def w8a8_linear(
 class W8A8Int8LinearMethod(QuantizedLinearMethod):
     """``act``: ``"symmetric"`` or ``"asymmetric"`` per-token activations, or None (weight-only, W8A16)."""
 
+    experts_as_linears = True
+
     def __init__(self, act: str | None = "symmetric", weight_symmetric: bool = True) -> None:
         self.act = act
         self.weight_symmetric = weight_symmetric

@@ -1,0 +1,70 @@
+"""Experts of a quantized checkpoint (AWQ, GPTQ, compressed-tensors W4A16/W8A16/W8A8, block-wise float8) held as
+one quantized linear per expert and projection, in the checkpoint's own method.
+
+Such checkpoints store every expert's projections like the dense linears (``experts.3.w1.qweight``,
+``.qzeros``, ``.scales``; ``experts.3.gate_proj.weight_packed``, ...), so each local expert becomes a child
+module named by its global id holding ``w1`` (gate) and ``w3`` (up), column-parallel over the intermediate
+rows, and ``w2`` (down), row-parallel over them, each built with the linear method the checkpoint gives its
+other linears. The loader places an expert tensor on ``experts.<id>.<shard id>.<suffix>`` (``models/weights.py``),
+so the formats' own loaders, tensor-parallel slicing and processing (the W4A16 layout on CUDA, act-order
+permutations) serve the experts as they serve the dense linears. An expert-parallel rank builds only its own
+experts and the loader skips the others'.
+
+The forward is the reference's per-expert loop (``reference.per_expert``): each expert's rows go through its
+three linears' products (the torch path on the CPU, the packed kernels on CUDA) and the gated activation, so
+the outputs are the dense format's, expert by expert. The loop reads how many rows each expert got on the
+host, which a CUDA graph cannot replay: a model with these experts runs its steps eagerly.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.fused_moe.reference import gated_activation, per_expert
+from pagedllm.layers.linear import ColumnParallelLinear, LinearMethodBase, RowParallelLinear
+
+
+def takes_experts(method: LinearMethodBase | None) -> bool:
+    """Whether a checkpoint's linear method also holds its experts, one linear per expert and projection."""
+    return bool(getattr(method, "experts_as_linears", False))
+
+
+class LinearExpertsMethod:
+    """``MoEExperts``' experts as quantized linears (``layer.py``'s experts-method interface)."""
+
+    cuda_graph_safe = False  # per_expert reads the rows per expert on the host
+
+    def __init__(self, factory) -> None:
+        self.factory = factory  # () -> a fresh linear method of the checkpoint's kind
+
+    def __repr__(self) -> str:
+        return f"linears({type(self.factory()).__name__})"
+
+    def create_weights(self, layer: nn.Module) -> None:
+        h, i_total = layer.hidden_size, layer.intermediate_size_per_partition * layer.tp_size
+        kw = dict(bias=False, params_dtype=layer.act_dtype, tp_rank=layer.tp_rank, tp_size=layer.tp_size)
+        experts = []
+        for e in range(layer.first_expert, layer.first_expert + layer.num_local_experts):
+            expert = nn.Module()
+            expert.w1 = ColumnParallelLinear(h, i_total, quant_method=self.factory(), **kw)
+            expert.w3 = ColumnParallelLinear(h, i_total, quant_method=self.factory(), **kw)
+            expert.w2 = RowParallelLinear(i_total, h, quant_method=self.factory(), reduce_results=False, **kw)
+            layer.add_module(str(e), expert)
+            experts.append(expert)
+        layer.linear_experts = experts  # local index -> module; the layer sums over tensor ranks itself
+
+    def apply(
+        self,
+        layer: nn.Module,
+        hidden_states: torch.Tensor,  # [T, H]
+        topk_weights: torch.Tensor,  # [T, K] float32
+        topk_ids: torch.Tensor,  # [T, K] ids of this rank's experts
+    ) -> torch.Tensor:  # [T, H]
+        def expert(x: torch.Tensor, e: int) -> torch.Tensor:  # [n, H] -> [n, H]
+            m = layer.linear_experts[e]
+            gate = m.w1.quant_method.apply(m.w1, x, None)  # [n, I / tp]
+            up = m.w3.quant_method.apply(m.w3, x, None)
+            h = gated_activation(torch.cat([gate, up], dim=-1), layer.activation)
+            return m.w2.quant_method.apply(m.w2, h, None)  # this rank's partial sum
+
+        return per_expert(hidden_states, topk_weights, topk_ids, layer.num_local_experts, expert)

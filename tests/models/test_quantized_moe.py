@@ -1,0 +1,160 @@
+"""Mixture-of-experts checkpoints quantized per expert (AWQ, GPTQ with act-order, compressed-tensors W4A16): their
+experts load as one quantized linear each (``layers/fused_moe/linear_experts.py``) and give, in float32, the greedy
+tokens and logprobs of the same model with every quantized weight dequantized; under tensor and expert
+parallelism (gloo) the tokens of one process."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny_model
+
+from pagedllm import LLM, SamplingParams
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+import quant_checkpoints as qc  # noqa: E402
+
+GROUP = 32  # divides the tiny models' hidden (64) and expert (32) sizes
+# Projections that the formats quantize: attention, the dense MLP and every expert's (not the routers).
+_QUANTIZED = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"}
+_PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+
+def _awq(w: torch.Tensor) -> tuple[dict, torch.Tensor]:  # [N, K] -> AutoAWQ tensors, dequantized [N, K]
+    n, k = w.shape
+    wg = w.reshape(n, k // GROUP, GROUP)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scales = ((hi - lo).clamp(min=1e-5) / 15).half()
+    s = scales.float()
+    zeros = torch.clamp(-torch.round(lo / s), 0, 15)
+    q = torch.clamp(torch.round(wg / s[..., None]) + zeros[..., None], 0, 15)
+    deq = ((q - zeros[..., None]) * s[..., None]).reshape(n, k)
+    return {"qweight": qc._pack_awq(q.reshape(n, k).t().to(torch.int32)),
+            "qzeros": qc._pack_awq(zeros.t().to(torch.int32)), "scales": scales.t().contiguous()}, deq
+
+
+# Projections that read one input share GPTQ's input order (its Hessian's), as fused layers require.
+_SAME_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj", "w3": "w1"}
+
+
+def _gptq_act_order(w: torch.Tensor, order: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    k = w.shape[1]
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[order] = (torch.arange(k) // GROUP).to(torch.int32)
+    q, zeros, scales, deq = qc.gptq_quantize(w, 4, GROUP, False, g_idx, min_zero=1)
+    return {"qweight": qc._pack_rows(q, 4), "qzeros": qc._pack_rows((zeros - 1).t().contiguous() & 15, 4).t(),
+            "scales": scales, "g_idx": g_idx}, deq
+
+
+def _ct_w4a16(w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """compressed-tensors pack-quantized, symmetric groups: values offset by 8, packed along the inputs."""
+    n, k = w.shape
+    wg = w.reshape(n, k // GROUP, GROUP)
+    scale = (wg.abs().amax(-1) / 7.5).clamp(min=1e-6)  # [N, G]
+    q = torch.clamp(torch.round(wg / scale[..., None]), -8, 7)
+    deq = (q * scale[..., None]).reshape(n, k)
+    packed = qc._pack_rows((q.reshape(n, k) + 8).t().to(torch.int32), 4).t().contiguous()  # [N, K / 8]
+    return {"weight_packed": packed, "weight_scale": scale, "weight_shape": torch.tensor([n, k])}, deq
+
+
+_FORMATS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
+    "gptq-act-order": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": False,
+                       "checkpoint_format": "gptq"},
+    "ct-w4a16": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                     "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}}}},
+}
+
+
+def _quantized_pair(kind: str, fmt: str, root, **shape) -> tuple[str, str]:
+    """(checkpoint, reference) directories: a tiny ``kind`` model (``shape``: config fields over its own) with every
+    quantized projection (experts included) stored in ``fmt``, and the same model with those weights dequantized."""
+    base = make_tiny_model(kind, root / "base", **shape)
+    state = load_file(os.path.join(base, "model.safetensors"))
+    gen = torch.Generator().manual_seed(3)
+    orders: dict[str, torch.Tensor] = {}
+    tensors, ref = {}, {}
+    for name, t in state.items():
+        module, _, leaf = name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        if leaf == "weight" and t.dim() == 2 and proj in _QUANTIZED:
+            if fmt == "awq":
+                parts, deq = _awq(t.float())
+            elif fmt.startswith("gptq"):
+                order = orders.setdefault(f"{parent}.{_SAME_INPUT.get(proj, proj)}",
+                                          torch.randperm(t.shape[1], generator=gen))
+                parts, deq = _gptq_act_order(t.float(), order)
+            else:
+                parts, deq = _ct_w4a16(t.float())
+            tensors.update({f"{module}.{k}": v for k, v in parts.items()})
+            ref[name] = deq
+        else:
+            tensors[name] = ref[name] = t
+    with open(os.path.join(base, "config.json")) as f:
+        config = json.load(f)
+    out = []
+    for sub, tens, qcfg in (("q", tensors, _FORMATS[fmt]), ("ref", ref, None)):
+        dst = root / sub
+        dst.mkdir()
+        save_file({k: v.contiguous() for k, v in tens.items()}, str(dst / "model.safetensors"))
+        (dst / "config.json").write_text(json.dumps(dict(config, quantization_config=qcfg) if qcfg else config))
+        out.append(str(dst))
+    return out[0], out[1]
+
+
+def _run(path: str, prompts: list[list[int]], **kw):
+    llm = LLM(model=path, dtype="float32", device="cpu", skip_tokenizer_init=True, max_model_len=128, **kw)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _PARAMS, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].logprobs for o in outs]
+
+
+@pytest.mark.parametrize("kind,fmt", [("mixtral", "awq"), ("qwen3_moe", "gptq-act-order"), ("mixtral", "ct-w4a16")])
+def test_quantized_experts_equal_their_dequantized_model(kind, fmt, tmp_path):
+    ckpt, ref = _quantized_pair(kind, fmt, tmp_path)
+    prompts = [list(range(3, 20)), list(range(40, 71)), [5]]
+    tokens, lps = _run(ckpt, prompts)
+    want_tokens, want_lps = _run(ref, prompts)
+    assert tokens == want_tokens
+    for ours, theirs in zip(lps, want_lps):
+        for a, b in zip(ours, theirs):
+            assert a.keys() == b.keys()
+            for t in a:
+                assert abs(a[t].logprob - b[t].logprob) < 1e-4
+
+
+def test_quantized_experts_are_linears_of_the_checkpoint_method(tmp_path):
+    from pagedllm.layers.fused_moe import MoEExperts
+    from pagedllm.layers.quantization.gptq import GPTQLinearMethod
+
+    ckpt, _ = _quantized_pair("qwen3_moe", "gptq-act-order", tmp_path)
+    llm = LLM(model=ckpt, dtype="float32", device="cpu", skip_tokenizer_init=True, max_model_len=64)
+    try:
+        model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+        moe = [m for m in model.modules() if isinstance(m, MoEExperts)]
+        assert moe and all(len(m.linear_experts) == m.num_experts == 16 for m in moe)
+        expert = moe[0].linear_experts[5]
+        assert all(isinstance(getattr(expert, p).quant_method, GPTQLinearMethod) for p in ("w1", "w2", "w3"))
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_quantized_experts_under_tensor_and_expert_parallelism(tmp_path):
+    """Act-order groups split over two ranks' rows of each expert's down projection (TP), and whole experts per
+    rank, the loader skipping the other rank's (EP)."""
+    from parallel_cases import generate, prompts
+
+    # Experts of 128 rows: each rank's half of a down projection holds two groups of 32.
+    ckpt, _ = _quantized_pair("mixtral", "gptq-act-order", tmp_path, intermediate_size=128)
+    ids = prompts(vocab=256)
+    one = generate(ckpt, ids)
+    assert generate(ckpt, ids, tensor_parallel_size=2) == one
+    assert generate(ckpt, ids, tensor_parallel_size=2, enable_expert_parallel=True) == one
