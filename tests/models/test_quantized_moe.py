@@ -1,7 +1,8 @@
-"""Mixture-of-experts checkpoints quantized per expert (AWQ, GPTQ with act-order, compressed-tensors W4A16): their
-experts load as one quantized linear each (``layers/fused_moe/linear_experts.py``) and give, in float32, the greedy
-tokens and logprobs of the same model with every quantized weight dequantized; under tensor and expert
-parallelism (gloo) the tokens of one process."""
+"""Mixture-of-experts checkpoints quantized per expert (AWQ, GPTQ with act-order, compressed-tensors W4A16 and W8A8,
+block-wise float8): their experts load as one quantized linear each (``layers/fused_moe/linear_experts.py``) and
+give, in float32, the greedy tokens and logprobs of the same model with every quantized weight dequantized (up to
+the activations' rounding where the format quantizes them); under tensor and expert parallelism (gloo) the tokens
+of one process."""
 from __future__ import annotations
 
 import json
@@ -62,6 +63,22 @@ def _ct_w4a16(w: torch.Tensor) -> tuple[dict, torch.Tensor]:
     return {"weight_packed": packed, "weight_scale": scale, "weight_shape": torch.tensor([n, k])}, deq
 
 
+def _fp8_blocks(w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """vLLM's ``fp8`` layout with ``weight_block_size`` (DeepSeek/Qwen3-FP8): e4m3 weights, a scale a block."""
+    n, k = w.shape
+    wb = w.reshape(n // GROUP, GROUP, k // GROUP, GROUP)
+    scale = (wb.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)  # [N / b, K / b]
+    q = (wb / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return {"weight": q.reshape(n, k), "weight_scale_inv": scale}, (q.float() * scale[:, None, :, None]).reshape(n, k)
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """compressed-tensors int-quantized weights: int8 rows, symmetric, a scale a row."""
+    scale = (w.abs().amax(-1, keepdim=True) / 127.5).clamp(min=1e-8)  # [N, 1]
+    q = torch.clamp(torch.round(w / scale), -128, 127).to(torch.int8)
+    return {"weight": q, "weight_scale": scale}, q.float() * scale
+
+
 _FORMATS = {
     "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
     "gptq-act-order": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": False,
@@ -69,7 +86,15 @@ _FORMATS = {
     "ct-w4a16": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                      "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}}}},
+    "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [GROUP, GROUP]},
+    "ct-w8a8": {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+                    "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                          "dynamic": True}}}},
 }
+_QUANTIZERS = {"awq": _awq, "ct-w4a16": _ct_w4a16, "fp8-block": _fp8_blocks, "ct-w8a8": _int8_rows}
 
 
 def _quantized_pair(kind: str, fmt: str, root, **shape) -> tuple[str, str]:
@@ -84,14 +109,12 @@ def _quantized_pair(kind: str, fmt: str, root, **shape) -> tuple[str, str]:
         module, _, leaf = name.rpartition(".")
         parent, _, proj = module.rpartition(".")
         if leaf == "weight" and t.dim() == 2 and proj in _QUANTIZED:
-            if fmt == "awq":
-                parts, deq = _awq(t.float())
-            elif fmt.startswith("gptq"):
+            if fmt.startswith("gptq"):
                 order = orders.setdefault(f"{parent}.{_SAME_INPUT.get(proj, proj)}",
                                           torch.randperm(t.shape[1], generator=gen))
                 parts, deq = _gptq_act_order(t.float(), order)
             else:
-                parts, deq = _ct_w4a16(t.float())
+                parts, deq = _QUANTIZERS[fmt](t.float())
             tensors.update({f"{module}.{k}": v for k, v in parts.items()})
             ref[name] = deq
         else:
@@ -129,6 +152,23 @@ def test_quantized_experts_equal_their_dequantized_model(kind, fmt, tmp_path):
             assert a.keys() == b.keys()
             for t in a:
                 assert abs(a[t].logprob - b[t].logprob) < 1e-4
+
+
+@pytest.mark.parametrize("kind,fmt", [("qwen3_moe", "fp8-block"), ("mixtral", "ct-w8a8")])
+def test_experts_with_quantized_activations_follow_their_dequantized_model(kind, fmt, tmp_path):
+    """Block-wise float8 and W8A8 also quantize each product's activations (float8 a scale per 32 inputs, int8
+    a scale per token), so the outputs differ from the dequantized model's by that rounding: logprobs within 5e-2
+    until the greedy paths part, and they may part only where the reference's top two are that close."""
+    ckpt, ref = _quantized_pair(kind, fmt, tmp_path)
+    prompts = [list(range(3, 20)), list(range(40, 71)), [5]]
+    tokens, lps = _run(ckpt, prompts)
+    want_tokens, want_lps = _run(ref, prompts)
+    for ours, theirs, our_lp, their_lp in zip(tokens, want_tokens, lps, want_lps):
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            if a != b:
+                assert a in their_lp[i] and their_lp[i][b].logprob - their_lp[i][a].logprob < 5e-2, (i, a, b)
+                break
+            assert abs(our_lp[i][a].logprob - their_lp[i][b].logprob) < 5e-2, (i, a)
 
 
 def test_quantized_experts_are_linears_of_the_checkpoint_method(tmp_path):

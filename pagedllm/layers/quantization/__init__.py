@@ -50,7 +50,8 @@ def quantize_model(model: nn.Module, method: str, int8_activations: bool = False
     from pagedllm.layers.fused_moe import MoEExperts
 
     for module in model.modules():
-        if isinstance(module, MoEExperts) and module.w13_weight.dtype != torch.float8_e4m3fn:
+        if (isinstance(module, MoEExperts) and module.experts_method is None
+                and module.w13_weight.dtype != torch.float8_e4m3fn):  # not held as GGUF blocks or linears
             module.quantize_fp8()  # float8 experts with a scale per expert and output row
             done += 1
     if kept:
