@@ -7,8 +7,8 @@ quantizes each row of a 16/32-bit weight symmetrically as compressed-tensors doe
 same arithmetic per token, symmetric or asymmetric (a zero point per token). The product multiplies the
 int8 operands exactly in int32 (``torch._int_mm``) and applies the scales, and the activations' zero points
 through each row's weight sum, to that; asymmetric weights take the dequantized float path instead. On CUDA
-a symmetric product of at most 16 rows (decode) is one Triton launch (``kernels/int8_decode.py``: scales,
-quantization, int32 product and epilogue fused); more rows quantize and scale in ``kernels/int8_quant.py``'s
+a symmetric product of at most 16 rows (decode) takes ``kernels/int8_decode.py`` (int32 product and epilogue
+in one launch, one row's quantization too); more rows quantize and scale in ``kernels/int8_quant.py``'s
 launches around cuBLAS's int8 product. Both give the torch ops' bits.
 """
 from __future__ import annotations
@@ -80,8 +80,8 @@ def w8a8_linear(
     act_symmetric: bool,
 ) -> torch.Tensor:  # [T, N] in x's dtype
     if act_symmetric and int8_quant.usable(x) and int8_decode.usable(x, weight):
-        # Decode rows: one launch for all of it, where the path below takes four and cuBLAS's int8 product
-        # is slow on a few rows. The same arithmetic.
+        # Decode rows: one or two launches, where the path below takes four and cuBLAS's int8 product is
+        # slow on a few rows. The same arithmetic.
         return int8_decode.w8a8_decode(x, weight, weight_scale.float(), bias)
     if act_symmetric and int8_quant.usable(x) and _int_mm_usable(x, weight):
         # One launch quantizes the rows, one scales the product back: the same arithmetic as below.
