@@ -52,18 +52,13 @@ def _load_expert_tensor(model: nn.Module, params: dict, name: str, tensor: torch
     if param is not None:
         getattr(param, "weight_loader", default_weight_loader)(param, tensor)
         return own
-    experts = model.get_submodule(own.rsplit(".", 3)[0]) if _has_module(model, own.rsplit(".", 3)[0]) else None
-    if experts is not None and hasattr(experts, "local_expert") and experts.local_expert(shard_id, expert_id) is None:
+    try:
+        experts = model.get_submodule(own.rsplit(".", 3)[0])  # the MoE layer: ``<prefix>.experts``
+    except AttributeError:
+        experts = None
+    if hasattr(experts, "local_expert") and experts.local_expert(shard_id, expert_id) is None:
         return None  # another expert-parallel rank's expert
     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter {stacked!r} in {type(model).__name__}")
-
-
-def _has_module(model: nn.Module, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
 
 
 def load_named_weights(
