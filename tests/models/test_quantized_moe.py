@@ -140,9 +140,12 @@ def _run(path: str, prompts: list[list[int]], **kw):
     return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].logprobs for o in outs]
 
 
-@pytest.mark.parametrize("kind,fmt", [("mixtral", "awq"), ("qwen3_moe", "gptq-act-order"), ("mixtral", "ct-w4a16")])
+@pytest.mark.parametrize("kind,fmt", [("mixtral", "awq"), ("qwen3_moe", "gptq-act-order"), ("mixtral", "ct-w4a16"),
+                                      ("qwen2_moe", "gptq-act-order")])
 def test_quantized_experts_equal_their_dequantized_model(kind, fmt, tmp_path):
-    ckpt, ref = _quantized_pair(kind, fmt, tmp_path)
+    # Qwen2-MoE: a dense first layer and a shared expert (quantized too), 64 rows wide for whole groups.
+    shape = {"shared_expert_intermediate_size": 64} if kind == "qwen2_moe" else {}
+    ckpt, ref = _quantized_pair(kind, fmt, tmp_path, **shape)
     prompts = [list(range(3, 20)), list(range(40, 71)), [5]]
     tokens, lps = _run(ckpt, prompts)
     want_tokens, want_lps = _run(ref, prompts)
