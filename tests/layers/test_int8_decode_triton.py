@@ -8,15 +8,7 @@ import torch
 
 from pagedllm.kernels import int8_decode, int8_quant
 from pagedllm.layers.quantization.int8 import w8a8_linear
-
-
-def _rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:  # [m, k]
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 2, m)[:, None]  # rows of very different ranges
-    x[0, : k // 3] = 0.5  # a run of equal values
-    if m > 2:
-        x[2] = 0.0  # a row of zeros takes the eps scale
-    return x.to(dtype)
+from test_int8_triton import _rows  # rows of very different ranges, a run of equal values, a row of zeros
 
 
 def _weight(n: int, k: int, dtype: torch.dtype, seed: int):  # int8 [n, k], scales [n, 1], bias [n]
