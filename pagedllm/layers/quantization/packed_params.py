@@ -88,7 +88,7 @@ def load_packed(layer: nn.Module, spec: PackedParam, param: nn.Parameter, loaded
     if spec.output_dim is None and shards is not None and shard_id is not None:
         # Shared by every shard (an act-order g_idx of q/k/v): all shards must agree.
         seen = getattr(param, "shard_seen", False)
-        if seen and not torch.equal(dst, src.to(dst.dtype)):
+        if seen and not torch.equal(dst, src.to(dst.device, dst.dtype)):
             raise ValueError(f"{spec.name} differs between the shards fused into one layer (shard {shard_id})")
         param.shard_seen = True
     dst.copy_(src)
