@@ -16,7 +16,9 @@ import os
 from gpu_measure import kernel_profile, launch_overhead_us, make_llm, prefill_profile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODELS = {"qwen": os.path.join(HERE, "shapes", "qwen3-0.6b"), "llama": os.path.join(HERE, "shapes", "llama-3-8b")}
+MODELS = {"qwen": os.path.join(HERE, "shapes", "qwen3-0.6b"), "llama": os.path.join(HERE, "shapes", "llama-3-8b"),
+          "llama-awq": os.path.join(HERE, "shapes", "llama-3-8b-awq"),
+          "llama-gptq": os.path.join(HERE, "shapes", "llama-3-8b-gptq")}
 
 
 def print_profile(title: str, prof: dict) -> None:
