@@ -8,7 +8,10 @@ per call from CUDA-graph replay (median of 20): ``fused`` (``kernels.moe.fused_e
 table's choice), ``fused_fp8`` (the same kernel over the experts rounded to float8 rows, as ``--quantization
 fp8`` stores them; checked against the reference over the dequantized experts), ``loop`` (for each expert that received tokens: gather, gate/up product, SiLU-and-mul,
 down product, weighted index_add; the routing is fixed beforehand so the loop captures into a graph), and
-the floor: the bytes of the experts the step touches at the measured copy rate. ``--sweep`` also times a
+the floor: the bytes of the experts the step touches at the measured copy rate. ``fused_w4`` runs the kernel over
+the experts as 4-bit group-128 AWQ/GPTQ-style packed weights (random values; ``--no-int4`` skips it), against
+``loop_w4``, the per-expert loop through the dense W4A16 kernel (``kernels/wna16.py``) that such experts ran
+before they were stacked, and its floor (a quarter of the bf16 bytes plus the group scales and zero points). ``--sweep`` also times a
 grid of tile configs per token count and prints the best; ``--write`` also writes them as the device's tuned
 table (``<device name>.json``) into ``pagedllm/kernels/moe/tuned/`` (which ``kernels/moe/configs.py`` reads)
 and under ``--out``, merged into the table already there and rewritten after every token count, so a sweep
@@ -32,6 +35,8 @@ from gpu_measure import copy_bandwidth_bytes_per_s  # noqa: E402 - sibling scrip
 from linear_shapes import graph_time_us  # noqa: E402 - the same graph timing
 
 from pagedllm.kernels.moe import fused_experts  # noqa: E402
+from pagedllm.kernels.moe.grouped_gemm import PackedExpertWeights  # noqa: E402
+from pagedllm.kernels.wna16 import wna16_matmul  # noqa: E402
 from pagedllm.kernels.moe.configs import TUNED_DIR, device_file_name, get_config, shape_key  # noqa: E402
 from pagedllm.layers.fused_moe import fused_experts_ref, select_experts  # noqa: E402
 
@@ -57,6 +62,41 @@ def _loop(x, w13, w2, weights, ids):
         return out
 
     return run, len(groups)
+
+
+def _int4_experts(e: int, n: int, k: int, g: torch.Generator, group: int = 128):
+    """Random 4-bit experts [E, N, K] in the packed layout, and the same experts dequantized to bf16."""
+    from pagedllm.layers.quantization.wna16_layout import WNA16Weights
+
+    qweight = torch.randint(-2**31, 2**31 - 1, (e, k // 8, n), generator=g, device="cuda", dtype=torch.int32)
+    scales = (torch.rand(e, k // group, n, generator=g, device="cuda") * 2e-3 * k**-0.5 * 16).bfloat16()
+    zeros = torch.randint(0, 16, (e, k // group, n), generator=g, device="cuda").float()
+    packed = PackedExpertWeights(qweight, scales, zeros, None, 4, group)
+    dense = torch.stack([WNA16Weights(qweight[i], scales[i], zeros[i], 4, group).dequantize() for i in range(e)])
+    return packed, dense.bfloat16()
+
+
+def _loop_w4(x, w13: PackedExpertWeights, w2: PackedExpertWeights, weights, ids):
+    """The per-expert loop through the dense W4A16 kernel, routing resolved on the host once (graph-capturable)."""
+    flat = ids.flatten().long()
+    top_k = ids.shape[1]
+    groups = []
+    for e in torch.unique(flat).tolist():
+        pairs = (flat == e).nonzero().flatten()
+        groups.append((e, pairs // top_k, weights.flatten()[pairs].unsqueeze(-1).to(x.dtype)))
+    out = torch.zeros_like(x)
+
+    def product(a, w: PackedExpertWeights, e: int):
+        return wna16_matmul(a, w.qweight[e], w.scales[e], w.zeros[e], w.bits, w.group_size, None)
+
+    def run():
+        out.zero_()
+        for e, tokens, w in groups:
+            gate, up = product(x[tokens], w13, e).chunk(2, dim=-1)
+            out.index_add_(0, tokens, product(F.silu(gate) * up, w2, e) * w)
+        return out
+
+    return run
 
 
 def _sweep_configs():
@@ -115,6 +155,7 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="with --sweep: write the best configs as the device's table")
     ap.add_argument("--tuned-dir", default=TUNED_DIR, help="with --write: where the package's tables live")
     ap.add_argument("--no-fp8", action="store_true", help="skip the float8-experts timing")
+    ap.add_argument("--no-int4", action="store_true", help="skip the 4-bit packed experts timing")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     token_counts = parse_tokens(args.tokens)
@@ -135,6 +176,8 @@ def main() -> None:
         w13_q = w2_q = None
         if not args.no_fp8:
             (w13_q, w13_s), (w2_q, w2_s) = _fp8_experts(w13), _fp8_experts(w2)
+        if not args.no_int4:
+            (p13, d13), (p2, d2) = _int4_experts(num_experts, 2 * inter, hidden, g), _int4_experts(num_experts, hidden, inter, g)
         for tokens in token_counts:
             x = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
             weights, ids = select_experts(torch.randn(tokens, num_experts, generator=g, device="cuda"), top_k, True)
@@ -156,8 +199,19 @@ def main() -> None:
                 case["fused_fp8_us"] = graph_time_us(fp8)
                 case["floor_fp8_us"] = floor_us / 2  # one byte a weight
                 fp8_note = f"  fused fp8 {case['fused_fp8_us']:9.1f} µs (floor {floor_us / 2:8.1f})"
+            int4_note = ""
+            if not args.no_int4:
+                w4 = lambda: fused_experts(x, p13, p2, weights, ids)  # noqa: E731
+                torch.testing.assert_close(w4().float(), fused_experts_ref(x.float(), d13.float(), d2.float(), weights,
+                                                                           ids), atol=3e-2, rtol=3e-2)
+                case["fused_w4_us"] = graph_time_us(w4)
+                case["loop_w4_us"] = graph_time_us(_loop_w4(x, p13, p2, weights, ids))
+                # half a byte a weight, a bf16 scale and a float32 zero point a group of 128
+                case["floor_w4_us"] = floor_us / 4 * (1 + 12 / 128)
+                int4_note = (f"  fused w4 {case['fused_w4_us']:9.1f} µs  loop w4 {case['loop_w4_us']:9.1f} µs "
+                             f"(floor {case['floor_w4_us']:8.1f})")
             print(f"{shape:>14} {tokens:>5} tokens: fused {case['fused_us']:9.1f} µs  loop {case['loop_us']:9.1f} µs"
-                  f"  floor {floor_us:8.1f} µs  ({touched} experts){fp8_note}", flush=True)
+                  f"  floor {floor_us:8.1f} µs  ({touched} experts){fp8_note}{int4_note}", flush=True)
             if args.sweep:
                 timed = []
                 for config in _sweep_configs():

@@ -207,3 +207,36 @@ def test_quantized_experts_under_tensor_and_expert_parallelism(tmp_path):
     one = generate(ckpt, ids)
     assert generate(ckpt, ids, tensor_parallel_size=2) == one
     assert generate(ckpt, ids, tensor_parallel_size=2, enable_expert_parallel=True) == one
+
+
+@pytest.mark.parametrize("kind,fmt", [("mixtral", "awq"), ("qwen3_moe", "gptq-act-order"), ("mixtral", "ct-w4a16")])
+def test_experts_restacked_for_the_grouped_kernel_keep_their_tokens(kind, fmt, tmp_path):
+    """What a CUDA load does to 4-bit experts, done on the CPU under Triton's interpreter: each expert linear to the
+    kernel layout, then the layer's experts stacked (act-order rows back in checkpoint order, a group index per
+    row) for the grouped kernel; the model keeps its tokens and logprobs (float32, within 1e-4) and may replay
+    in CUDA graphs."""
+    from pagedllm.layers.fused_moe import MoEExperts
+
+    ckpt, _ = _quantized_pair(kind, fmt, tmp_path)
+    prompts = [list(range(3, 20)), [5]]
+    llm = LLM(model=ckpt, dtype="float32", device="cpu", skip_tokenizer_init=True, max_model_len=64)
+    try:
+        run = lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], _PARAMS, use_tqdm=False)  # noqa: E731
+        want = run()
+        moe = [m for m in llm.llm_engine.engine_core.executor.worker.model_runner.model.modules()
+               if isinstance(m, MoEExperts)]
+        for layer in moe:
+            for expert in layer.linear_experts:
+                for proj in (expert.w1, expert.w3, expert.w2):
+                    proj.quant_method.to_kernel_layout(proj)
+            layer.experts_method.process_weights_after_loading(layer)
+            assert layer.linear_experts is None and layer.experts_method.cuda_graph_safe
+            assert layer.w13_qweight.shape == (layer.num_experts, layer.hidden_size // 8,
+                                               2 * layer.intermediate_size_per_partition)
+        got = run()
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for ours, theirs in zip(got, want):
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)

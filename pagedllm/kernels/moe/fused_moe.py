@@ -6,23 +6,25 @@ import torch
 
 from pagedllm.kernels.moe.align import moe_align_block_size
 from pagedllm.kernels.moe.configs import get_config
-from pagedllm.kernels.moe.grouped_gemm import grouped_gemm
+from pagedllm.kernels.moe.grouped_gemm import PackedExpertWeights, grouped_gemm
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def usable(x: torch.Tensor, w13: torch.Tensor, activation: str) -> bool:
-    """Whether the Triton path takes these experts: 16/32-bit weights of x's type, or float8 weights (upcast
-    in the kernel) under a 16/32-bit activation."""
-    w_ok = w13.dtype == x.dtype or w13.dtype == torch.float8_e4m3fn
-    return (activation == "silu" and x.dtype in SUPPORTED_DTYPES and w_ok and x.dim() == 2
-            and x.stride(-1) == 1 and w13.stride(-1) == 1)
+def usable(x: torch.Tensor, w13: torch.Tensor | PackedExpertWeights, activation: str) -> bool:
+    """Whether the Triton path takes these experts: 16/32-bit weights of x's type, float8 weights (upcast
+    in the kernel) under a 16/32-bit activation, or packed 4/8-bit experts."""
+    if isinstance(w13, PackedExpertWeights):
+        w_ok = w13.scales.dtype == x.dtype
+    else:
+        w_ok = (w13.dtype == x.dtype or w13.dtype == torch.float8_e4m3fn) and w13.stride(-1) == 1
+    return activation == "silu" and x.dtype in SUPPORTED_DTYPES and w_ok and x.dim() == 2 and x.stride(-1) == 1
 
 
 def fused_experts(
     hidden_states: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2I, H]
-    w2: torch.Tensor,  # [E, H, I]
+    w13: torch.Tensor | PackedExpertWeights,  # [E, 2I, H]
+    w2: torch.Tensor | PackedExpertWeights,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] int32
     config: dict[str, int] | None = None,
@@ -40,7 +42,9 @@ def fused_experts(
     top_k = topk_ids.shape[1]
     if tokens == 0:
         return torch.zeros_like(hidden_states)
-    config = config or get_config(tokens, top_k, num_experts, hidden_states.dtype, shape=(two_i // 2, hidden))
+    # The tuned tables hold 16-bit experts' tiles; packed experts take the rows-per-expert table.
+    shape = None if isinstance(w13, PackedExpertWeights) else (two_i // 2, hidden)
+    config = config or get_config(tokens, top_k, num_experts, hidden_states.dtype, shape=shape)
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids.to(torch.int32), num_experts,
                                                               config["BLOCK_M"])
     num_pairs = tokens * top_k

@@ -10,21 +10,91 @@ within a rounding of the per-expert loop.
 Float8 experts (``W_SCALED``): the weight tiles load as float8 e4m3 and are upcast to the activation's
 type in registers, so the weight read (what a decode step costs) halves; each output column's scale
 (per expert and output row of the weight) multiplies the float32 sums in the epilogue.
+
+Packed experts (``BITS`` 4 or 8: AWQ, GPTQ and compressed-tensors W4A16/W8A16 checkpoints): each expert's weight
+is ``kernels/wna16.py``'s packed layout, int32 words [K / pack, N_w] with ``pack`` values along the input, and a
+scale and zero point per group of inputs and output column ([G, N_w] an expert). A tile's words are read once,
+their values shifted out in registers, and ``(q - z) * s`` rounded to the activation's type, as the per-expert
+path's dequantized weight is, before the tensor-core product; the weight stays packed in memory. Groups
+follow ``k // GROUP``, or a per-expert index of each input row (GPTQ act-order, rows in checkpoint order).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.wna16 import _unpack
+
+
+@dataclass
+class PackedExpertWeights:
+    """One projection of a layer's experts in the packed 4/8-bit layout (``kernels/wna16.py``'s, stacked)."""
+
+    qweight: torch.Tensor  # [E, K / pack, N_w] int32
+    scales: torch.Tensor  # [E, G, N_w] in the activation dtype
+    zeros: torch.Tensor  # [E, G, N_w] float32
+    g_idx: torch.Tensor | None  # [E, P, K] int32 group of each input row per projection (P = 2: gate, up), or None
+    bits: int
+    group_size: int  # inputs a group (ignored with g_idx)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, N_w, K), as a stacked 16-bit weight's."""
+        e, words, n_w = self.qweight.shape
+        return e, n_w, words * (32 // self.bits)
+
+
+@triton.jit
+def _packed_tile(
+    qw_ptr,  # this expert's [K / pack, N_w] int32 words
+    s_ptr,  # this expert's [G, N_w] scales
+    z_ptr,  # this expert's [G, N_w] zero points
+    g_ptr,  # this projection's [K] group of each input row, with HAS_GIDX
+    k0, K, N_W, offs_n, n_ok,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, ROW_GROUPS: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # -> [BLOCK_K, BLOCK_N] float32: the dequantized weight of inputs k0.. and columns offs_n
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    WORDS: tl.constexpr = BLOCK_K // PACK
+    offs_w = k0 // PACK + tl.arange(0, WORDS)
+    words = tl.load(qw_ptr + offs_w[:, None] * N_W + offs_n[None, :], mask=(offs_w * PACK < K)[:, None] & n_ok[None, :],
+                    other=0)  # [WORDS, BN]
+    shifts = tl.arange(0, PACK) * BITS
+    q = tl.reshape(_unpack(words[:, None, :], shifts[None, :, None], MASK), (BLOCK_K, BLOCK_N))
+    if ROW_GROUPS:
+        # Groups change inside the tile (act-order indices, or groups shorter than BLOCK_K): per-row gathers.
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        if HAS_GIDX:
+            g = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
+        else:
+            g = offs_k // GROUP
+        ok = k_ok[:, None] & n_ok[None, :]
+        s = tl.load(s_ptr + g[:, None] * N_W + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g[:, None] * N_W + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+        w = (q - z) * s
+    else:
+        # The tile lies in one group: one row of scales and zero points (rows past K meet zero activations).
+        g0 = k0 // GROUP
+        s1 = tl.load(s_ptr + g0 * N_W + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        z1 = tl.load(z_ptr + g0 * N_W + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        w = (q - z1[None, :]) * s1[None, :]
+    return w
+
 
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr,  # [rows, K]: tokens (gate/up) or pairs (down); last dim contiguous
-    w_ptr,  # [E, N_w, K] (N_w = 2N when GATED); last dim contiguous
+    w_ptr,  # [E, N_w, K] (N_w = 2N when GATED), last dim contiguous; packed (BITS): [E, K / pack, N_w] int32
     out_ptr,  # [P, N] contiguous
     topk_weights_ptr,  # [P] float32
-    w_scale_ptr,  # [E, N_w] float32 when W_SCALED
+    w_scale_ptr,  # [E, N_w] float32 when W_SCALED; packed: [E, G, N_w] group scales
+    w_zero_ptr,  # packed: [E, G, N_w] float32 zero points
+    g_idx_ptr,  # packed with HAS_GIDX: [E, P, K] int32 (P = 2 when GATED: the gate's rows, then the up's)
     sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32
     expert_ids_ptr,  # [max_blocks] int32
     num_padded_ptr,  # [1] int32
@@ -36,6 +106,7 @@ def _grouped_gemm_kernel(
     stride_am,
     stride_we,
     stride_wn,
+    stride_se,  # packed: an expert's scales and zero points (G * N_w)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -44,6 +115,10 @@ def _grouped_gemm_kernel(
     ROUTED: tl.constexpr,
     W_SCALED: tl.constexpr,
     IEEE: tl.constexpr,  # float32 products in full precision rather than TF32
+    BITS: tl.constexpr = 0,  # 4 or 8: packed experts; 0: 16/32-bit or float8 weights
+    GROUP: tl.constexpr = 1,
+    HAS_GIDX: tl.constexpr = False,
+    ROW_GROUPS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -64,12 +139,22 @@ def _grouped_gemm_kernel(
     n_ok = offs_n < N
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    if BITS:
+        n_w = 2 * N if GATED else N
+        qw_e = w_ptr + expert * stride_we
+        s_e = w_scale_ptr + expert * stride_se
+        z_e = w_zero_ptr + expert * stride_se
+        g_e = g_idx_ptr + expert * (2 * K if GATED else K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if BITS:
+            w = _packed_tile(qw_e, s_e, z_e, g_e, k0, K, n_w, offs_n, n_ok, BITS, GROUP, HAS_GIDX, ROW_GROUPS,
+                             BLOCK_K, BLOCK_N).to(a.dtype)
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if W_SCALED:
             w = w.to(a.dtype)
         if IEEE:
@@ -77,7 +162,11 @@ def _grouped_gemm_kernel(
         else:
             acc = tl.dot(a, w, acc)
         if GATED:
-            w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if BITS:
+                w_up = _packed_tile(qw_e, s_e, z_e, g_e + K, k0, K, n_w, offs_n + N, n_ok, BITS, GROUP, HAS_GIDX,
+                                    ROW_GROUPS, BLOCK_K, BLOCK_N).to(a.dtype)
+            else:
+                w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if W_SCALED:
                 w_up = w_up.to(a.dtype)
             if IEEE:
@@ -108,7 +197,7 @@ def _grouped_gemm_kernel(
 
 def grouped_gemm(
     a: torch.Tensor,  # [rows, K]
-    w: torch.Tensor,  # [E, N (2N if gated), K]
+    w: torch.Tensor | PackedExpertWeights,  # [E, N (2N if gated), K]
     out: torch.Tensor,  # [P, N]
     topk_weights: torch.Tensor | None,  # [P] float32, with routed
     sorted_ids: torch.Tensor,
@@ -126,14 +215,41 @@ def grouped_gemm(
     max_blocks = sorted_ids.numel() // block_m
     grid = (max_blocks * triton.cdiv(n, config["BLOCK_N"]),)
     routed = topk_weights is not None
+    if isinstance(w, PackedExpertWeights):
+        _packed_launch(a, w, out, topk_weights, sorted_ids, expert_ids, num_padded, a_row_div, config, gated, grid,
+                       max_blocks)
+        return
     scaled = w_scale is not None
     if scaled and (w_scale.shape != w.shape[:2] or w_scale.dtype != torch.float32 or not w_scale.is_contiguous()):
         raise ValueError(f"expert weight scales must be contiguous float32 of shape {tuple(w.shape[:2])}; got "
                          f"{w_scale.dtype} {tuple(w_scale.shape)}")
     _grouped_gemm_kernel[grid](
-        a, w, out, topk_weights if routed else out, w_scale if scaled else out, sorted_ids, expert_ids, num_padded,
-        n, k, out.shape[0], a_row_div, max_blocks, a.stride(0), w.stride(0), w.stride(1),
+        a, w, out, topk_weights if routed else out, w_scale if scaled else out, out, out, sorted_ids, expert_ids,
+        num_padded, n, k, out.shape[0], a_row_div, max_blocks, a.stride(0), w.stride(0), w.stride(1), 0,
         BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
         GATED=gated, ROUTED=routed, W_SCALED=scaled, IEEE=a.dtype == torch.float32,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+
+
+def _packed_launch(a, w: PackedExpertWeights, out, topk_weights, sorted_ids, expert_ids, num_padded, a_row_div,
+                   config, gated, grid, max_blocks) -> None:
+    e, n_w, k = w.shape
+    groups = w.scales.shape[1]
+    if w.scales.shape != (e, groups, n_w) or w.zeros.shape != w.scales.shape:
+        raise ValueError(f"packed expert scales {tuple(w.scales.shape)} and zero points {tuple(w.zeros.shape)} must "
+                         f"both be ({e}, groups, {n_w})")
+    if w.g_idx is not None and tuple(w.g_idx.shape) != (e, 2 if gated else 1, k):
+        raise ValueError(f"packed expert group indices {tuple(w.g_idx.shape)} must be ({e}, {2 if gated else 1}, {k})")
+    pack = 32 // w.bits
+    block_k = max(config["BLOCK_K"], pack)
+    row_groups = w.g_idx is not None or w.group_size % block_k != 0
+    _grouped_gemm_kernel[grid](
+        a, w.qweight, out, topk_weights if topk_weights is not None else out, w.scales, w.zeros,
+        w.g_idx if w.g_idx is not None else out, sorted_ids, expert_ids, num_padded, out.shape[1], k, out.shape[0],
+        a_row_div, max_blocks, a.stride(0), w.qweight.stride(0), 0, w.scales.stride(0),
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=block_k, GROUP_M=config["GROUP_M"],
+        GATED=gated, ROUTED=topk_weights is not None, W_SCALED=False, IEEE=a.dtype == torch.float32,
+        BITS=w.bits, GROUP=w.group_size, HAS_GIDX=w.g_idx is not None, ROW_GROUPS=row_groups,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )

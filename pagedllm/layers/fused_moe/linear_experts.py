@@ -10,10 +10,14 @@ so the formats' own loaders, tensor-parallel slicing and processing (the W4A16 l
 permutations) serve the experts as they serve the dense linears. An expert-parallel rank builds only its own
 experts and the loader skips the others'.
 
-The forward is the reference's per-expert loop (``reference.per_expert``): each expert's rows go through its
-three linears' products (the torch path on the CPU, the packed kernels on CUDA) and the gated activation, so
-the outputs are the dense format's, expert by expert. The loop reads how many rows each expert got on the
-host, which a CUDA graph cannot replay: a model with these experts runs its steps eagerly.
+On CUDA, 4/8-bit weight-only experts (AWQ, GPTQ, compressed-tensors W4A16/W8A16 with a SiLU gate) are then
+stacked into the grouped kernel's packed layout (``wna16_layout.stack_experts``) and the per-expert linears
+freed: the forward is ``kernels.moe.fused_experts`` over packed weights, two launches a layer whatever the
+routing, which CUDA graphs replay. Otherwise (the CPU; W8A8 and block-wise float8 experts) the forward is the
+reference's per-expert loop (``reference.per_expert``): each expert's rows go through its three linears'
+products and the gated activation, so the outputs are the dense format's, expert by expert. That loop reads how
+many rows each expert got on the host, which a CUDA graph cannot replay: a model with such experts runs its
+steps eagerly.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from torch import nn
 
 from pagedllm.layers.fused_moe.reference import gated_activation, per_expert
 from pagedllm.layers.linear import ColumnParallelLinear, LinearMethodBase, RowParallelLinear
+from pagedllm.layers.quantization.wna16_layout import WNA16Weights, stack_experts
 
 
 def takes_experts(method: LinearMethodBase | None) -> bool:
@@ -32,7 +37,7 @@ def takes_experts(method: LinearMethodBase | None) -> bool:
 class LinearExpertsMethod:
     """``MoEExperts``' experts as quantized linears (``layer.py``'s experts-method interface)."""
 
-    cuda_graph_safe = False  # per_expert reads the rows per expert on the host
+    cuda_graph_safe = False  # per_expert reads the rows per expert on the host; True once stacked (per layer)
 
     def __init__(self, factory) -> None:
         self.factory = factory  # () -> a fresh linear method of the checkpoint's kind
@@ -52,6 +57,21 @@ class LinearExpertsMethod:
             layer.add_module(str(e), expert)
             experts.append(expert)
         layer.linear_experts = experts  # local index -> module; the layer sums over tensor ranks itself
+        layer.w13_packed = layer.w2_packed = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Stacks W4A16/W8A16 experts already in the kernel layout (CUDA) for the grouped kernel, then frees the
+        per-expert linears."""
+        experts = layer.linear_experts
+        if not experts or layer.activation != "silu":
+            return
+        if not all(hasattr(getattr(m, p), "wna16") for m in experts for p in ("w1", "w3", "w2")):
+            return  # another format, or the torch path's device
+        stack_into(layer, [[m.w1.wna16, m.w3.wna16] for m in experts], [[m.w2.wna16] for m in experts])
+        for e in range(layer.first_expert, layer.first_expert + layer.num_local_experts):
+            delattr(layer, str(e))
+        layer.linear_experts = None
+        self.cuda_graph_safe = True
 
     def apply(
         self,
@@ -60,6 +80,11 @@ class LinearExpertsMethod:
         topk_weights: torch.Tensor,  # [T, K] float32
         topk_ids: torch.Tensor,  # [T, K] ids of this rank's experts
     ) -> torch.Tensor:  # [T, H]
+        if layer.w13_packed is not None:
+            from pagedllm.kernels.moe import fused_experts
+
+            return fused_experts(hidden_states, layer.w13_packed, layer.w2_packed, topk_weights, topk_ids)
+
         def expert(x: torch.Tensor, e: int) -> torch.Tensor:  # [n, H] -> [n, H]
             m = layer.linear_experts[e]
             gate = m.w1.quant_method.apply(m.w1, x, None)  # [n, I / tp]
@@ -68,3 +93,12 @@ class LinearExpertsMethod:
             return m.w2.quant_method.apply(m.w2, h, None)  # this rank's partial sum
 
         return per_expert(hidden_states, topk_weights, topk_ids, layer.num_local_experts, expert)
+
+
+def stack_into(layer: nn.Module, w13: list[list[WNA16Weights]], w2: list[list[WNA16Weights]]) -> None:
+    """The packed experts on ``layer`` (``w13_packed``, ``w2_packed``), their tensors registered as buffers."""
+    layer.w13_packed, layer.w2_packed = stack_experts(w13), stack_experts(w2)
+    for prefix, packed in (("w13", layer.w13_packed), ("w2", layer.w2_packed)):
+        for name in ("qweight", "scales", "zeros", "g_idx"):
+            if getattr(packed, name) is not None:
+                layer.register_buffer(f"{prefix}_{name}", getattr(packed, name))

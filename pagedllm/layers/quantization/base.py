@@ -98,11 +98,16 @@ class QuantizedLinearMethod(LinearMethodBase):
 
 
 def process_loaded_weights(model: nn.Module) -> None:
-    """Runs each quantized linear's ``process_weights_after_loading`` once its checkpoint tensors are in."""
+    """Runs each quantized linear's ``process_weights_after_loading`` once its checkpoint tensors are in, then
+    each MoE experts method's (which may restack its experts' processed linears)."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if isinstance(method, QuantizedLinearMethod):
             method.process_weights_after_loading(module)
+    for module in list(model.modules()):
+        process = getattr(getattr(module, "experts_method", None), "process_weights_after_loading", None)
+        if process is not None:
+            process(module)
 
 
 def keep_ignored_unquantized(model: nn.Module, ignores: Callable[[str], bool]) -> None:

@@ -86,6 +86,44 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
     return WNA16Weights(weight_packed.t().contiguous(), scales, zeros, bits, k if group_size is None else group_size)
 
 
+def in_checkpoint_order(w: WNA16Weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qweight`` [K / pack, N] with its input rows back in checkpoint order, and the group of each row [K] int32
+    (undoing an act-order permutation, for kernels that read a group index per row instead)."""
+    k = w.qweight.shape[0] * (32 // w.bits)
+    g = w.g_idx.long() if w.g_idx is not None else torch.arange(k, device=w.qweight.device) // w.group_size
+    if w.perm is None:
+        return w.qweight, g.to(torch.int32)
+    q = unpack_int32(w.qweight, w.bits, 0)  # [K, N], kernel row i = checkpoint input perm[i]
+    q_ckpt, g_ckpt = torch.empty_like(q), torch.empty_like(g)
+    q_ckpt[w.perm], g_ckpt[w.perm] = q, g
+    return pack_int32(q_ckpt, w.bits, 0).contiguous(), g_ckpt.to(torch.int32)
+
+
+def stack_experts(experts: list[list[WNA16Weights]]):
+    """A layer's experts for the grouped MoE kernel: ``experts[e]`` is expert e's projections, concatenated along
+    the outputs (gate then up, or down alone). Returns ``kernels.moe``'s ``PackedExpertWeights``."""
+    from pagedllm.kernels.moe.grouped_gemm import PackedExpertWeights
+
+    first = experts[0][0]
+    for e, projections in enumerate(experts):
+        for w in projections:
+            if w.bits != first.bits or w.scales.shape[0] != first.scales.shape[0]:
+                raise ValueError(f"expert {e}: {w.bits}-bit weights in {w.scales.shape[0]} groups; expert 0 has "
+                                 f"{first.bits}-bit in {first.scales.shape[0]}: one layer's experts must share both")
+    # Act-order experts keep their rows in checkpoint order with a group index per row (each projection has its
+    # own permutation, which a kernel reading one activation tile for all of them cannot apply).
+    act_order = any(w.perm is not None or w.g_idx is not None for ex in experts for w in ex)
+    if not act_order and any(w.group_size != first.group_size for ex in experts for w in ex):
+        raise ValueError("one layer's experts must share their group size")
+    rows = [[in_checkpoint_order(w) for w in ex] for ex in experts]
+    return PackedExpertWeights(
+        qweight=torch.stack([torch.cat([q for q, _ in ex], dim=1) for ex in rows]).contiguous(),
+        scales=torch.stack([torch.cat([w.scales for w in ex], dim=1) for ex in experts]).contiguous(),
+        zeros=torch.stack([torch.cat([w.zeros for w in ex], dim=1) for ex in experts]).contiguous(),
+        g_idx=torch.stack([torch.stack([g for _, g in ex]) for ex in rows]).contiguous() if act_order else None,
+        bits=first.bits, group_size=first.group_size)
+
+
 def use_kernel(layer: nn.Module) -> bool:
     """Whether a weight-only linear on this device takes the Triton kernel (CUDA) rather than the torch path."""
     return any(p.is_cuda for p in layer.parameters(recurse=False))
