@@ -5,8 +5,9 @@ Prints a table (shape, M, bf16 us, wna16 us as the engine runs it, ratio, the ti
 dequantize-then-GEMM path's and, at one row, the GEMV's (``wna16_gemv``) us) and, with ``--out DIR``, writes
 the rows as JSON. ``--sweep`` also times a grid of tile configs per row (up to ``--sweep-budget-s`` seconds) and
 reports the best (at one row, a grid of GEMV configs: block_n, split, warps).
-``--int8`` times the W8A8 linear instead (``int8_rows``).
-``PYTHONPATH=$PWD python benchmarks/quant_kernels.py [--bits 4] [--group 128] [--m 1,16,64,256,4096] [--sweep] [--int8] [--out DIR]``
+``--int8`` times the W8A8 linear instead (``int8_rows``); ``--fp8-block`` the block-wise float8 linear
+(``kernels/fp8_block.py``, 128x128 weight blocks, activations quantized per token and 128 inputs; ``fp8_block_rows``).
+``PYTHONPATH=$PWD python benchmarks/quant_kernels.py [--bits 4] [--group 128] [--m 1,16,64,256,4096] [--sweep] [--int8 | --fp8-block] [--out DIR]``
 """
 from __future__ import annotations
 
@@ -102,10 +103,31 @@ def int8_rows(args, dev: torch.device, deadline: float) -> list[dict]:
     return rows
 
 
+def fp8_block_rows(args, dev: torch.device) -> list[dict]:
+    """bf16 cuBLAS against the block-wise float8 product (quantizing the activations included), µs per call."""
+    from pagedllm.kernels.fp8_block import fp8_block_linear
+
+    rows = []
+    print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'fp8blk':>8} {'ratio':>6}")
+    for name, k, n in SHAPES:
+        dense = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        w = (dense.float() * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = torch.rand(n // 128, k // 128, device=dev) * 1e-2
+        for m in (int(v) for v in args.m.split(",")):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = _time_us(lambda: torch.matmul(x, dense.t()), args.iters)
+            got = _time_us(lambda: fp8_block_linear(x, w, scale, (128, 128), 128), args.iters)
+            rows.append({"shape": name, "k": k, "n": n, "m": m, "bf16_us": ref, "fp8_block_us": got,
+                         "ratio": got / ref})
+            print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {got:>8.1f} {got / ref:>6.2f}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8))
     ap.add_argument("--int8", action="store_true", help="time the W8A8 int8 linear instead")
+    ap.add_argument("--fp8-block", action="store_true", help="time the block-wise float8 linear instead")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--m", default="1,16,64,256,4096")
     ap.add_argument("--iters", type=int, default=50)
@@ -114,6 +136,13 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="a folder (quant_kernels.json is written there) or a file")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.fp8_block:
+        rows = fp8_block_rows(args, dev)
+        if args.out:
+            path = os.path.join(args.out, "quant_kernels.json") if os.path.isdir(args.out) else args.out
+            with open(path, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(dev), "fp8_block_rows": rows}, f, indent=1)
+        return
     if args.int8:
         rows = int8_rows(args, dev, time.monotonic() + args.sweep_budget_s)
         if args.out:

@@ -4,7 +4,9 @@ of weights (128x128 in practice), activations quantized to float8 per token and 
 The scales are ``weight_scale_inv`` [ceil(N/bn), ceil(K/bk)] in vLLM's ``fp8`` layout (``weight_block_size``)
 and ``weight_scale`` in compressed-tensors' ``block`` strategy; ``w = q * s[n // bn, k // bk]`` either way.
 Both shard by whole blocks: a q/k/v or gate/up shard, or a rank's slice, must start and end on a block.
-The torch path dequantizes both operands and multiplies in float32, as the oracle of a fused kernel.
+On CUDA the product is ``kernels/fp8_block.py``'s: float8 tensor-core dots a block deep, scaled per token group
+and weight block, the weight never dequantized in memory. The torch path dequantizes both operands and
+multiplies in float32: the CPU's path and the kernel's oracle.
 """
 from __future__ import annotations
 
@@ -54,5 +56,16 @@ class Fp8BlockLinearMethod(QuantizedLinearMethod):
         return block_dequantize(layer.weight, getattr(layer, self.scale_name), self.block)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda:
+            from pagedllm.kernels import fp8_block
+
+            x2 = x.reshape(-1, x.shape[-1])
+            if fp8_block.usable(x2, self.block, self.act_group):
+                y = fp8_block.fp8_block_linear(x2, layer.weight, getattr(layer, self.scale_name), self.block,
+                                               self.act_group, bias)
+                return y.reshape(*x.shape[:-1], y.shape[-1])
+        return self.torch_apply(layer, x, bias)
+
+    def torch_apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         xd = x.float() if self.act_group is None else fp8_group_quant_dequant(x, self.act_group)
         return F.linear(xd, self.dequantize(layer), None if bias is None else bias.float()).to(x.dtype)

@@ -1,0 +1,158 @@
+"""Triton products of block-wise float8 linears (DeepSeek-V3 / Qwen3-FP8 checkpoints) on the GPU.
+
+The weight is float8 e4m3 [N, K] with one float32 scale per block of ``bn`` x ``bk`` weights,
+``w = q * s[n // bn, k // bk]``. The activations are quantized to float8 per token and group of ``bk`` input
+channels (``quantize_groups``: the arithmetic of ``layers.quantization.fp8_block.fp8_group_quant_dequant``, bit
+for bit), so each ``bk``-deep step of the product is one float8 tensor-core dot whose float32 sum is scaled by
+the token's group scale times the weight block's scale before it joins the accumulator. Checkpoints that keep
+their activations in 16 bits take the weight tiles upcast instead. On Triton's interpreter (no float8 dot) the
+float8 operands are upcast to float32, which holds their products exactly.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels.launch import triton_interpreted
+
+FP8_MAX = tl.constexpr(448.0)
+EPS = tl.constexpr(torch.finfo(torch.float32).eps)  # a zero group's scale, as the torch path sets it
+
+
+@triton.jit
+def _quant_groups_kernel(
+    x_ptr,  # [M, K], last dim contiguous
+    q_ptr,  # [M, K] float8 e4m3fn, contiguous
+    s_ptr,  # [M, G] float32
+    K, G, stride_xm,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    cols = g * GROUP + offs
+    mask = (offs < GROUP) & (cols < K)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX)  # IEEE divisions, as torch's
+    scale = tl.where(scale == 0.0, EPS, scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * G + g, scale)
+
+
+def quantize_groups(
+    x: torch.Tensor,  # [M, K] 16/32-bit
+    group: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # q [M, K] float8_e4m3fn, scales [M, ceil(K / group)] float32
+    m, k = x.shape
+    groups = triton.cdiv(k, group)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        _quant_groups_kernel[(m, groups)](x, q, scales, k, groups, x.stride(0), GROUP=group,
+                                          BLOCK=triton.next_power_of_2(group), num_warps=1 if group <= 128 else 4)
+    return q, scales
+
+
+@triton.jit
+def _fp8_block_gemm_kernel(
+    a_ptr,  # [M, K]: float8 (A_FP8) or the activations' 16/32-bit type; last dim contiguous
+    as_ptr,  # [M, G_K] float32 activation group scales (A_FP8)
+    w_ptr,  # [N, K] float8 e4m3fn, contiguous
+    ws_ptr,  # [ceil(N / BN_SCALE), G_K] float32 weight block scales
+    out_ptr,  # [M, N] contiguous
+    bias_ptr,  # [N] (HAS_BIAS)
+    M, N, K, G_K, stride_am,
+    BN_SCALE: tl.constexpr,  # weight rows a scale block
+    A_FP8: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,  # float8 tensor-core dots (compiled); else float32 dots of the upcast operands
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # BLOCK_K: a scale block's inputs
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]  # [BM, BK]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]  # [BK, BN]
+    ws_ptrs = ws_ptr + (offs_n // BN_SCALE) * G_K  # [BN]: each column's row of block scales
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, G_K):
+        k_ok = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        w_s = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)  # [BN]
+        if A_FP8:
+            if NATIVE_FP8:
+                part = tl.dot(a, w)
+            else:
+                part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            a_s = tl.load(as_ptr + offs_m * G_K + kb, mask=m_ok, other=0.0)  # [BM]
+            acc += part * (a_s[:, None] * w_s[None, :])
+        else:
+            if a.dtype == tl.float32:
+                part = tl.dot(a, w.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(a, w.to(a.dtype))
+            acc += part * w_s[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def usable(x: torch.Tensor, block: tuple[int, int], act_group: int | None) -> bool:
+    """Whether the kernel takes this product: 16/32-bit rows, a power-of-two block depth of 16-256 inputs that the
+    activation groups (if any) share, on CUDA (or under the interpreter, for tests)."""
+    bk = block[1]
+    return ((x.is_cuda or triton_interpreted()) and x.dim() == 2 and x.stride(-1) == 1
+            and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and 16 <= bk <= 256 and bk & (bk - 1) == 0 and act_group in (None, bk))
+
+
+def _tiles(m: int, n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): narrow column tiles for few rows, so that enough programs
+    stream the weight; square ones once the product is compute-bound."""
+    if m <= 16:
+        return 16, 32 if n <= 8192 else 64, 4, 4
+    if m <= 64:
+        return 32 if m <= 32 else 64, 64, 4, 3
+    return 64 if m <= 128 else 128, 128, 8, 3
+
+
+def fp8_block_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] float8 e4m3fn
+    scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] float32
+    block: tuple[int, int],  # (bn, bk)
+    act_group: int | None,  # bk: activations quantized per token and group; None: kept in x's type
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    m, k = x.shape
+    n = weight.shape[0]
+    bn, bk = block
+    g_k = triton.cdiv(k, bk)
+    if tuple(scale.shape) != (triton.cdiv(n, bn), g_k) or weight.shape[1] != k:
+        raise ValueError(f"fp8 block product: weight {tuple(weight.shape)} with scales {tuple(scale.shape)} does not "
+                         f"fit {k} inputs in blocks of {block}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if act_group is not None:
+        a, a_s = quantize_groups(x, act_group)
+    else:
+        a, a_s = x, scale  # a_s unread
+    block_m, block_n, warps, stages = _tiles(m, n)
+    _fp8_block_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        a, a_s, weight, scale.contiguous(), out, out if bias is None else bias, m, n, k, g_k, a.stride(0),
+        BN_SCALE=bn, A_FP8=act_group is not None, NATIVE_FP8=x.is_cuda and not triton_interpreted(),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )
+    return out
