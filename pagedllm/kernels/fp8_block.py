@@ -56,6 +56,15 @@ def quantize_groups(
 
 
 @triton.jit
+def fp8_dot(a, w, NATIVE_FP8: tl.constexpr):  # float8 [BM, BK] x [BK, BN] -> float32 [BM, BN]
+    """One block's float8 product: the tensor cores' (compiled), or float32 dots of the exactly upcast operands."""
+    if NATIVE_FP8:
+        return tl.dot(a, w)
+    else:
+        return tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
 def _fp8_block_gemm_kernel(
     a_ptr,  # [M, K]: float8 (A_FP8) or the activations' 16/32-bit type; last dim contiguous
     as_ptr,  # [M, G_K] float32 activation group scales (A_FP8)
@@ -87,10 +96,7 @@ def _fp8_block_gemm_kernel(
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         w_s = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)  # [BN]
         if A_FP8:
-            if NATIVE_FP8:
-                part = tl.dot(a, w)
-            else:
-                part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            part = fp8_dot(a, w, NATIVE_FP8)
             a_s = tl.load(as_ptr + offs_m * G_K + kb, mask=m_ok, other=0.0)  # [BM]
             acc += part * (a_s[:, None] * w_s[None, :])
         else:

@@ -1,7 +1,7 @@
 """Block-wise float8 linears on the GPU (``kernels/fp8_block.py``): the activation groups' float8 rounding bit for
 bit against the torch path (subnormals and carries into the next power of two included), the float8 tensor-core
 product against the torch path's float32 one at decode and prefill sizes, and a block-float8 MoE checkpoint in
-bfloat16 following its dequantized model."""
+bfloat16 (its experts stacked for the grouped kernel, its steps in CUDA graphs) following its dequantized model."""
 from __future__ import annotations
 
 import os
@@ -66,6 +66,12 @@ def test_block_float8_moe_checkpoint_follows_its_dequantized_model(tmp_path):
         llm = LLM(model=path, dtype="bfloat16", device="cuda", skip_tokenizer_init=True, max_model_len=128,
                   gpu_memory_utilization=0.1)
         try:
+            runner = llm.llm_engine.engine_core.executor.worker.model_runner
+            if path == ckpt:  # its experts stacked for the grouped kernel, its steps in CUDA graphs
+                from pagedllm.layers.fused_moe import MoEExperts
+
+                moe = [m for m in runner.model.modules() if isinstance(m, MoEExperts)]
+                assert moe and all(m.w13_packed is not None for m in moe) and runner.use_cuda_graphs
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         finally:
             llm.llm_engine.shutdown()

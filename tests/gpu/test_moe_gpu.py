@@ -84,6 +84,31 @@ def test_packed_experts_match_their_dequantized_reference(tokens, bits, group, a
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("tokens", [1, 16, 256, 4096])
+def test_block_fp8_experts_match_the_per_expert_linears(tokens):
+    """Block-wise float8 experts (128 x 128 blocks) in the grouped kernel against the per-expert loop of the dense
+    block-float8 product (``kernels/fp8_block.py``): the same float8 activation groups and blocks, other sums."""
+    from pagedllm.kernels.fp8_block import fp8_block_linear
+    from pagedllm.kernels.moe.grouped_gemm import BlockFp8ExpertWeights
+    from pagedllm.layers.fused_moe.reference import gated_activation, per_expert
+
+    x, w13, w2, weights, ids = _case(tokens, 64, 8, 512, 256, torch.bfloat16, seed=3)
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    q13, q2 = (w13.float() * 200).clamp(-448, 448).to(torch.float8_e4m3fn), (w2.float() * 200).clamp(-448, 448).to(
+        torch.float8_e4m3fn)
+    s13 = torch.rand(64, 512 // 128, 512 // 128, generator=g, device=DEVICE) * 1e-2 + 1e-3
+    s2 = torch.rand(64, 512 // 128, 256 // 128, generator=g, device=DEVICE) * 1e-2 + 1e-3
+    got = fused_experts(x, BlockFp8ExpertWeights(q13, s13, (128, 128)), BlockFp8ExpertWeights(q2, s2, (128, 128)),
+                        weights, ids)
+
+    def expert(rows: torch.Tensor, e: int) -> torch.Tensor:
+        h = gated_activation(fp8_block_linear(rows, q13[e], s13[e], (128, 128), 128), "silu")
+        return fp8_block_linear(h, q2[e], s2[e], (128, 128), 128)
+
+    want = per_expert(x, weights, ids, 64, expert)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * want.abs().max().item(), rtol=3e-2)
+
+
 def test_fp8_layer_takes_the_kernel_and_replays_in_a_graph():
     torch.manual_seed(0)
     moe = MoEExperts(16, 2, 256, 128, renormalize=True, params_dtype=torch.bfloat16).to(DEVICE)

@@ -6,16 +6,21 @@ import torch
 
 from pagedllm.kernels.moe.align import moe_align_block_size
 from pagedllm.kernels.moe.configs import get_config
-from pagedllm.kernels.moe.grouped_gemm import PackedExpertWeights, grouped_gemm
+from pagedllm.kernels import fp8_block
+from pagedllm.kernels.moe.grouped_gemm import BlockFp8ExpertWeights, PackedExpertWeights, grouped_gemm
+
+_QUANTIZED = (PackedExpertWeights, BlockFp8ExpertWeights)  # experts held in a checkpoint's quantized layout
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def usable(x: torch.Tensor, w13: torch.Tensor | PackedExpertWeights, activation: str) -> bool:
+def usable(x: torch.Tensor, w13, activation: str) -> bool:
     """Whether the Triton path takes these experts: 16/32-bit weights of x's type, float8 weights (upcast
-    in the kernel) under a 16/32-bit activation, or packed 4/8-bit experts."""
+    in the kernel) under a 16/32-bit activation, packed 4/8-bit experts or block-wise float8 ones."""
     if isinstance(w13, PackedExpertWeights):
         w_ok = w13.scales.dtype == x.dtype
+    elif isinstance(w13, BlockFp8ExpertWeights):
+        w_ok = True
     else:
         w_ok = (w13.dtype == x.dtype or w13.dtype == torch.float8_e4m3fn) and w13.stride(-1) == 1
     return activation == "silu" and x.dtype in SUPPORTED_DTYPES and w_ok and x.dim() == 2 and x.stride(-1) == 1
@@ -23,8 +28,8 @@ def usable(x: torch.Tensor, w13: torch.Tensor | PackedExpertWeights, activation:
 
 def fused_experts(
     hidden_states: torch.Tensor,  # [T, H]
-    w13: torch.Tensor | PackedExpertWeights,  # [E, 2I, H]
-    w2: torch.Tensor | PackedExpertWeights,  # [E, H, I]
+    w13: torch.Tensor | PackedExpertWeights | BlockFp8ExpertWeights,  # [E, 2I, H]
+    w2: torch.Tensor | PackedExpertWeights | BlockFp8ExpertWeights,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] int32
     config: dict[str, int] | None = None,
@@ -42,18 +47,32 @@ def fused_experts(
     top_k = topk_ids.shape[1]
     if tokens == 0:
         return torch.zeros_like(hidden_states)
-    # The tuned tables hold 16-bit experts' tiles; packed experts take the rows-per-expert table.
-    shape = None if isinstance(w13, PackedExpertWeights) else (two_i // 2, hidden)
+    # The tuned tables hold 16-bit experts' tiles; quantized experts take the rows-per-expert table.
+    shape = None if isinstance(w13, _QUANTIZED) else (two_i // 2, hidden)
     config = config or get_config(tokens, top_k, num_experts, hidden_states.dtype, shape=shape)
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids.to(torch.int32), num_experts,
                                                               config["BLOCK_M"])
     num_pairs = tokens * top_k
     act = torch.empty(num_pairs, two_i // 2, dtype=hidden_states.dtype, device=hidden_states.device)
-    grouped_gemm(hidden_states, w13, act, None, sorted_ids, expert_ids, num_padded, top_k, config, gated=True,
-                 w_scale=w13_scale)
+    a, a_scale = _product_input(hidden_states, w13)
+    grouped_gemm(a, w13, act, None, sorted_ids, expert_ids, num_padded, top_k, config, gated=True,
+                 w_scale=w13_scale, a_scale=a_scale)
     down = torch.empty(num_pairs, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
-    grouped_gemm(act, w2, down, topk_weights.reshape(-1).float().contiguous(), sorted_ids, expert_ids, num_padded,
-                 1, config, gated=False, w_scale=w2_scale)
+    a, a_scale = _product_input(act, w2)
+    grouped_gemm(a, w2, down, topk_weights.reshape(-1).float().contiguous(), sorted_ids, expert_ids, num_padded,
+                 1, config, gated=False, w_scale=w2_scale, a_scale=a_scale)
     if top_k == 1:
         return down
     return down.view(tokens, top_k, hidden).sum(dim=1)
+
+
+
+def _product_input(
+    x: torch.Tensor,  # [rows, K]
+    w,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # (rows as the kernel reads them, their group scales or None)
+    """Block-wise float8 experts take their input rows quantized to float8 per group of a block's inputs, as the
+    per-expert linears (``Fp8BlockLinearMethod``) quantize theirs; other experts take them as they are."""
+    if isinstance(w, BlockFp8ExpertWeights):
+        return fp8_block.quantize_groups(x, w.block[1])
+    return x, None

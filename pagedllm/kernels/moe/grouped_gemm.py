@@ -26,7 +26,21 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.fp8_block import fp8_dot
 from pagedllm.kernels.wna16 import _unpack
+
+
+@dataclass
+class BlockFp8ExpertWeights:
+    """One projection of a layer's block-wise float8 experts (DeepSeek/Qwen3-FP8 checkpoints), stacked."""
+
+    weight: torch.Tensor  # [E, N_w, K] float8 e4m3fn
+    scale: torch.Tensor  # [E, ceil(N_w / bn), ceil(K / bk)] float32
+    block: tuple[int, int]  # (bn, bk)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.weight.shape)
 
 
 @dataclass
@@ -95,6 +109,7 @@ def _grouped_gemm_kernel(
     w_scale_ptr,  # [E, N_w] float32 when W_SCALED; packed: [E, G, N_w] group scales
     w_zero_ptr,  # packed: [E, G, N_w] float32 zero points
     g_idx_ptr,  # packed with HAS_GIDX: [E, P, K] int32 (P = 2 when GATED: the gate's rows, then the up's)
+    a_scale_ptr,  # W_BLOCK: [rows, ceil(K / BLOCK_K)] float32 scales of the float8 activation groups
     sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32
     expert_ids_ptr,  # [max_blocks] int32
     num_padded_ptr,  # [1] int32
@@ -119,6 +134,9 @@ def _grouped_gemm_kernel(
     GROUP: tl.constexpr = 1,
     HAS_GIDX: tl.constexpr = False,
     ROW_GROUPS: tl.constexpr = False,
+    W_BLOCK: tl.constexpr = False,  # block-wise float8 experts: float8 activations, a scale a weight block
+    BN_SCALE: tl.constexpr = 1,  # W_BLOCK: weight rows a scale block (BLOCK_K inputs deep)
+    NATIVE_FP8: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -145,34 +163,49 @@ def _grouped_gemm_kernel(
         s_e = w_scale_ptr + expert * stride_se
         z_e = w_zero_ptr + expert * stride_se
         g_e = g_idx_ptr + expert * (2 * K if GATED else K)
+    if W_BLOCK:
+        g_k = tl.cdiv(K, BLOCK_K)
+        ws_e = w_scale_ptr + expert * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        if BITS:
-            w = _packed_tile(qw_e, s_e, z_e, g_e, k0, K, n_w, offs_n, n_ok, BITS, GROUP, HAS_GIDX, ROW_GROUPS,
-                             BLOCK_K, BLOCK_N).to(a.dtype)
-        else:
+        if W_BLOCK:
+            # A block's float8 dot, scaled by each row's activation group scale and each column's block scale.
+            kb = k0 // BLOCK_K
+            a_s = tl.load(a_scale_ptr + a_rows * g_k + kb, mask=valid, other=0.0)[:, None]  # [BM, 1]
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if W_SCALED:
-            w = w.to(a.dtype)
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
-        if GATED:
-            if BITS:
-                w_up = _packed_tile(qw_e, s_e, z_e, g_e + K, k0, K, n_w, offs_n + N, n_ok, BITS, GROUP, HAS_GIDX,
-                                    ROW_GROUPS, BLOCK_K, BLOCK_N).to(a.dtype)
-            else:
+            w_s = tl.load(ws_e + (offs_n // BN_SCALE) * g_k + kb, mask=n_ok, other=0.0)
+            acc += fp8_dot(a, w, NATIVE_FP8) * (a_s * w_s[None, :])
+            if GATED:
                 w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if W_SCALED:
-                w_up = w_up.to(a.dtype)
-            if IEEE:
-                acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+                ws_up = tl.load(ws_e + ((offs_n + N) // BN_SCALE) * g_k + kb, mask=n_ok, other=0.0)
+                acc_up += fp8_dot(a, w_up, NATIVE_FP8) * (a_s * ws_up[None, :])
+        else:
+            if BITS:
+                w = _packed_tile(qw_e, s_e, z_e, g_e, k0, K, n_w, offs_n, n_ok, BITS, GROUP, HAS_GIDX, ROW_GROUPS,
+                                 BLOCK_K, BLOCK_N).to(a.dtype)
             else:
-                acc_up = tl.dot(a, w_up, acc_up)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if W_SCALED:
+                w = w.to(a.dtype)
+            if IEEE:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+            if GATED:
+                if BITS:
+                    w_up = _packed_tile(qw_e, s_e, z_e, g_e + K, k0, K, n_w, offs_n + N, n_ok, BITS, GROUP, HAS_GIDX,
+                                        ROW_GROUPS, BLOCK_K, BLOCK_N).to(a.dtype)
+                else:
+                    w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if W_SCALED:
+                    w_up = w_up.to(a.dtype)
+                if IEEE:
+                    acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+                else:
+                    acc_up = tl.dot(a, w_up, acc_up)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     dtype = out_ptr.dtype.element_ty
@@ -207,6 +240,7 @@ def grouped_gemm(
     config: dict[str, int],
     gated: bool,
     w_scale: torch.Tensor | None = None,  # [E, N (2N if gated)] float32 when w is float8
+    a_scale: torch.Tensor | None = None,  # [rows, ceil(K / bk)] float32: a's float8 group scales (block experts)
 ) -> None:
     n, k = out.shape[1], a.shape[1]
     if w.shape[1] != (2 * n if gated else n) or w.shape[2] != k:
@@ -215,6 +249,10 @@ def grouped_gemm(
     max_blocks = sorted_ids.numel() // block_m
     grid = (max_blocks * triton.cdiv(n, config["BLOCK_N"]),)
     routed = topk_weights is not None
+    if isinstance(w, BlockFp8ExpertWeights):
+        _block_launch(a, a_scale, w, out, topk_weights, sorted_ids, expert_ids, num_padded, a_row_div, config, gated,
+                      grid, max_blocks)
+        return
     if isinstance(w, PackedExpertWeights):
         _packed_launch(a, w, out, topk_weights, sorted_ids, expert_ids, num_padded, a_row_div, config, gated, grid,
                        max_blocks)
@@ -224,7 +262,7 @@ def grouped_gemm(
         raise ValueError(f"expert weight scales must be contiguous float32 of shape {tuple(w.shape[:2])}; got "
                          f"{w_scale.dtype} {tuple(w_scale.shape)}")
     _grouped_gemm_kernel[grid](
-        a, w, out, topk_weights if routed else out, w_scale if scaled else out, out, out, sorted_ids, expert_ids,
+        a, w, out, topk_weights if routed else out, w_scale if scaled else out, out, out, out, sorted_ids, expert_ids,
         num_padded, n, k, out.shape[0], a_row_div, max_blocks, a.stride(0), w.stride(0), w.stride(1), 0,
         BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
         GATED=gated, ROUTED=routed, W_SCALED=scaled, IEEE=a.dtype == torch.float32,
@@ -246,10 +284,32 @@ def _packed_launch(a, w: PackedExpertWeights, out, topk_weights, sorted_ids, exp
     row_groups = w.g_idx is not None or w.group_size % block_k != 0
     _grouped_gemm_kernel[grid](
         a, w.qweight, out, topk_weights if topk_weights is not None else out, w.scales, w.zeros,
-        w.g_idx if w.g_idx is not None else out, sorted_ids, expert_ids, num_padded, out.shape[1], k, out.shape[0],
+        w.g_idx if w.g_idx is not None else out, out, sorted_ids, expert_ids, num_padded, out.shape[1], k, out.shape[0],
         a_row_div, max_blocks, a.stride(0), w.qweight.stride(0), 0, w.scales.stride(0),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=block_k, GROUP_M=config["GROUP_M"],
         GATED=gated, ROUTED=topk_weights is not None, W_SCALED=False, IEEE=a.dtype == torch.float32,
         BITS=w.bits, GROUP=w.group_size, HAS_GIDX=w.g_idx is not None, ROW_GROUPS=row_groups,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+
+
+def _block_launch(a, a_scale, w: BlockFp8ExpertWeights, out, topk_weights, sorted_ids, expert_ids, num_padded,
+                  a_row_div, config, gated, grid, max_blocks) -> None:
+    from pagedllm.kernels.launch import triton_interpreted
+
+    e, n_w, k = w.shape
+    bn, bk = w.block
+    if a.dtype != torch.float8_e4m3fn or a_scale is None or tuple(a_scale.shape) != (a.shape[0], triton.cdiv(k, bk)):
+        raise ValueError(f"block-float8 experts take float8 activations with [rows, {triton.cdiv(k, bk)}] group scales")
+    if tuple(w.scale.shape) != (e, triton.cdiv(n_w, bn), triton.cdiv(k, bk)) or (gated and (n_w // 2) % bn):
+        raise ValueError(f"block-float8 expert scales {tuple(w.scale.shape)} do not fit weights {tuple(w.shape)} in "
+                         f"blocks of {w.block} (a gated projection's halves must each be whole blocks)")
+    _grouped_gemm_kernel[grid](
+        a, w.weight, out, topk_weights if topk_weights is not None else out, w.scale, out, out, a_scale, sorted_ids,
+        expert_ids, num_padded, out.shape[1], k, out.shape[0], a_row_div, max_blocks, a.stride(0),
+        w.weight.stride(0), w.weight.stride(1), w.scale.stride(0),
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=bk, GROUP_M=config["GROUP_M"],
+        GATED=gated, ROUTED=topk_weights is not None, W_SCALED=False, IEEE=False,
+        W_BLOCK=True, BN_SCALE=bn, NATIVE_FP8=a.is_cuda and not triton_interpreted(),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )

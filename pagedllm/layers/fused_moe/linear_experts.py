@@ -10,11 +10,11 @@ so the formats' own loaders, tensor-parallel slicing and processing (the W4A16 l
 permutations) serve the experts as they serve the dense linears. An expert-parallel rank builds only its own
 experts and the loader skips the others'.
 
-On CUDA, 4/8-bit weight-only experts (AWQ, GPTQ, compressed-tensors W4A16/W8A16 with a SiLU gate) are then
-stacked into the grouped kernel's packed layout (``wna16_layout.stack_experts``) and the per-expert linears
-freed: the forward is ``kernels.moe.fused_experts`` over packed weights, two launches a layer whatever the
-routing, which CUDA graphs replay. Otherwise (the CPU; W8A8 and block-wise float8 experts) the forward is the
-reference's per-expert loop (``reference.per_expert``): each expert's rows go through its three linears'
+On CUDA, 4/8-bit weight-only experts (AWQ, GPTQ, compressed-tensors W4A16/W8A16) and block-wise float8 ones
+(with a SiLU gate) are then stacked into a layout of the grouped kernel (``wna16_layout.stack_experts``; float8
+weights and block scales stacked as loaded) and the per-expert linears freed: the forward is
+``kernels.moe.fused_experts`` over them, a few launches a layer whatever the routing, which CUDA graphs replay.
+Otherwise (the CPU; W8A8 experts) the forward is the reference's per-expert loop (``reference.per_expert``): each expert's rows go through its three linears'
 products and the gated activation, so the outputs are the dense format's, expert by expert. That loop reads how
 many rows each expert got on the host, which a CUDA graph cannot replay: a model with such experts runs its
 steps eagerly.
@@ -60,18 +60,28 @@ class LinearExpertsMethod:
         layer.w13_packed = layer.w2_packed = None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Stacks W4A16/W8A16 experts already in the kernel layout (CUDA) for the grouped kernel, then frees the
-        per-expert linears."""
+        """On CUDA, restacks the experts for the grouped kernel where their format allows (``stack_for_kernel``)."""
+        experts = layer.linear_experts
+        if experts and _on_cuda(experts[0].w1):
+            self.stack_for_kernel(layer)
+
+    def stack_for_kernel(self, layer: nn.Module) -> bool:
+        """Stacks 4/8-bit weight-only experts (already in the kernel layout) or block-wise float8 ones into the
+        grouped kernel's tensors on ``layer``, then frees the per-expert linears; False where the experts' format or
+        shapes do not allow it (they stay linears, run by the per-expert loop)."""
         experts = layer.linear_experts
         if not experts or layer.activation != "silu":
-            return
-        if not all(hasattr(getattr(m, p), "wna16") for m in experts for p in ("w1", "w3", "w2")):
-            return  # another format, or the torch path's device
-        stack_into(layer, [[m.w1.wna16, m.w3.wna16] for m in experts], [[m.w2.wna16] for m in experts])
+            return False
+        linears = [(m.w1, m.w3, m.w2) for m in experts]
+        if all(hasattr(p, "wna16") for ps in linears for p in ps):
+            stack_into(layer, [[w1.wna16, w3.wna16] for w1, w3, _ in linears], [[w2.wna16] for _, _, w2 in linears])
+        elif not _stack_block_fp8(layer, linears):
+            return False
         for e in range(layer.first_expert, layer.first_expert + layer.num_local_experts):
             delattr(layer, str(e))
         layer.linear_experts = None
         self.cuda_graph_safe = True
+        return True
 
     def apply(
         self,
@@ -93,6 +103,39 @@ class LinearExpertsMethod:
             return m.w2.quant_method.apply(m.w2, h, None)  # this rank's partial sum
 
         return per_expert(hidden_states, topk_weights, topk_ids, layer.num_local_experts, expert)
+
+
+def _on_cuda(linear: nn.Module) -> bool:
+    tensors = [linear.wna16.qweight] if hasattr(linear, "wna16") else list(linear.parameters())
+    return any(t.is_cuda for t in tensors)
+
+
+def _stack_block_fp8(layer: nn.Module, linears: list[tuple[nn.Module, nn.Module, nn.Module]]) -> bool:
+    """Block-wise float8 experts as ``BlockFp8ExpertWeights`` on ``layer`` (``w13_packed``, ``w2_packed``): each
+    expert's gate then up rows [2I, H] and down [H, I] in float8, with their block scales; False unless every
+    projection is block float8 with activations quantized per block-deep group, and the gate rows end on a block."""
+    from pagedllm.kernels import fp8_block
+    from pagedllm.kernels.moe.grouped_gemm import BlockFp8ExpertWeights
+    from pagedllm.layers.quantization.fp8_block import Fp8BlockLinearMethod
+
+    methods = [p.quant_method for ps in linears for p in ps]
+    if not all(isinstance(m, Fp8BlockLinearMethod) for m in methods):
+        return False
+    block, act_group = methods[0].block, methods[0].act_group
+    probe = torch.empty(1, block[1], dtype=layer.act_dtype, device=linears[0][0].weight.device)
+    if (any(m.block != block or m.act_group != act_group for m in methods) or act_group is None
+            or not fp8_block.usable(probe, block, act_group) or layer.intermediate_size_per_partition % block[0]):
+        return False
+    scale = lambda p: getattr(p, p.quant_method.scale_name)  # noqa: E731
+    layer.w13_packed = BlockFp8ExpertWeights(
+        torch.stack([torch.cat([w1.weight, w3.weight]) for w1, w3, _ in linears]).contiguous(),
+        torch.stack([torch.cat([scale(w1), scale(w3)]) for w1, w3, _ in linears]).float().contiguous(), block)
+    layer.w2_packed = BlockFp8ExpertWeights(torch.stack([w2.weight for _, _, w2 in linears]).contiguous(),
+                                            torch.stack([scale(w2) for _, _, w2 in linears]).float().contiguous(), block)
+    for prefix, packed in (("w13", layer.w13_packed), ("w2", layer.w2_packed)):
+        layer.register_buffer(f"{prefix}_weight", packed.weight)
+        layer.register_buffer(f"{prefix}_weight_scale", packed.scale)
+    return True
 
 
 def stack_into(layer: nn.Module, w13: list[list[WNA16Weights]], w2: list[list[WNA16Weights]]) -> None:

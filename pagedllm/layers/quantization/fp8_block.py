@@ -23,17 +23,26 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max
 _EPS = torch.finfo(torch.float32).eps
 
 
-def fp8_group_quant_dequant(
+def quantize_groups_ref(
     x: torch.Tensor,  # [T, K]
     group: int,
-) -> torch.Tensor:  # [T, K] float32: each row's groups of ``group`` channels through float8 and back
+) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, K] float8, scales [T, ceil(K / group)] float32
+    """Each row's groups of ``group`` channels in float8, with a float32 scale a group (zero groups: eps)."""
     t, k = x.shape
     pad = (-k) % group
     xf = F.pad(x.float(), (0, pad)).view(t, -1, group)
     scale = xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX
     scale = torch.where(scale == 0, torch.full_like(scale, _EPS), scale)
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return (q.float() * scale).view(t, -1)[:, :k]
+    return q.view(t, -1)[:, :k], scale.view(t, -1)
+
+
+def fp8_group_quant_dequant(
+    x: torch.Tensor,  # [T, K]
+    group: int,
+) -> torch.Tensor:  # [T, K] float32: each row's groups of ``group`` channels through float8 and back
+    q, scale = quantize_groups_ref(x, group)
+    return q.float() * scale.repeat_interleave(group, dim=1)[:, : x.shape[1]]
 
 
 class Fp8BlockLinearMethod(QuantizedLinearMethod):
