@@ -81,7 +81,8 @@ def test_packed_experts_match_their_dequantized_reference(tokens, bits, group, a
     x, _, _, weights, ids = _case(tokens, 128, 8, 512, 192, dtype, seed=2)
     got = fused_experts(x, w13, w2, weights, ids)
     want = fused_experts_ref(x.float(), dense13.float(), dense2.float(), weights, ids)
-    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+    # bf16 outputs and intermediate activations against float32: within a few bf16 roundings of the largest output.
+    torch.testing.assert_close(got.float(), want, atol=3e-2 * want.abs().max().item(), rtol=3e-2)
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 256, 4096])

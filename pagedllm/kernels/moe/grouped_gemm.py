@@ -281,7 +281,13 @@ def _packed_launch(a, w: PackedExpertWeights, out, topk_weights, sorted_ids, exp
         raise ValueError(f"packed expert group indices {tuple(w.g_idx.shape)} must be ({e}, {2 if gated else 1}, {k})")
     pack = 32 // w.bits
     block_k = max(config["BLOCK_K"], pack)
+    if w.g_idx is None:
+        # Tiles no deeper than a group take one row of scales a step; per-row gathers cost shared memory.
+        while block_k > max(16, pack) and w.group_size % block_k:
+            block_k //= 2
     row_groups = w.g_idx is not None or w.group_size % block_k != 0
+    # Per-row scale and zero-point gathers are staged like the weight: two stages keep them within shared memory.
+    stages = min(config["num_stages"], 2) if row_groups else config["num_stages"]
     _grouped_gemm_kernel[grid](
         a, w.qweight, out, topk_weights if topk_weights is not None else out, w.scales, w.zeros,
         w.g_idx if w.g_idx is not None else out, out, sorted_ids, expert_ids, num_padded, out.shape[1], k, out.shape[0],
@@ -289,7 +295,7 @@ def _packed_launch(a, w: PackedExpertWeights, out, topk_weights, sorted_ids, exp
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=block_k, GROUP_M=config["GROUP_M"],
         GATED=gated, ROUTED=topk_weights is not None, W_SCALED=False, IEEE=a.dtype == torch.float32,
         BITS=w.bits, GROUP=w.group_size, HAS_GIDX=w.g_idx is not None, ROW_GROUPS=row_groups,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        num_warps=config["num_warps"], num_stages=stages,
     )
 
 
