@@ -5,6 +5,10 @@ tensors while the kernels' ``run`` is replaced by a recorder, and every recorded
 PTX for compute capability 9.0 with Triton's bundled ptxas. Prints one JSON line per launch:
 {"kernel", "wait", "trigger", "half_fma"} with the number of griddepcontrol.wait / launch_dependents
 and of half-precision fused multiply-adds in the PTX.
+
+``--shared-memory``: the quantized products' launches instead (the grouped MoE GEMM over packed 4/8-bit and
+block-float8 experts at every tile config of its table, the block-float8 GEMM at each row tile), one JSON line
+each with the shared memory the compiled kernel needs: {"kernel", "variant", "shared"}.
 """
 from __future__ import annotations
 
@@ -27,12 +31,17 @@ def _record(kernel, launches: list) -> None:
 
 
 def _compile(kernel, args, kwargs) -> str:
+    return _compiled(kernel, args, kwargs).asm["ptx"]
+
+
+def _compiled(kernel, args, kwargs):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature, constexprs = {}, {}
-    values = dict(zip(kernel.arg_names, args))
+    values = {p.name: p.default for p in kernel.params if p.has_default}  # constexprs the launch leaves out
+    values.update(zip(kernel.arg_names, args))
     values.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
     for i, name in enumerate(kernel.arg_names):
         value = values[name]
@@ -47,9 +56,62 @@ def _compile(kernel, args, kwargs) -> str:
         else:
             signature[name] = "fp32"
     options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                              options=options)
-    return compiled.asm["ptx"]
+    return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def shared_memory() -> None:
+    """Compiles the quantized products' launches for sm_90 and prints the shared memory each needs."""
+    from pagedllm.kernels import fp8_block
+    from pagedllm.kernels.moe import grouped_gemm as gg
+    from pagedllm.kernels.moe.configs import _TABLE
+
+    launches: list = []
+    for kernel in (gg._grouped_gemm_kernel, fp8_block._fp8_block_gemm_kernel):
+        _record(kernel, launches)
+    bf, e, h, i = torch.bfloat16, 4, 512, 256
+    experts = {  # name -> (gate/up weights, down weights, whether the inputs are float8 groups)
+        "w4 act-order": (gg.PackedExpertWeights(torch.zeros(e, h // 8, 2 * i, dtype=torch.int32),
+                                                torch.zeros(e, h // 32, 2 * i, dtype=bf), torch.zeros(e, h // 32, 2 * i),
+                                                torch.zeros(e, 2, h, dtype=torch.int32), 4, 32),
+                         gg.PackedExpertWeights(torch.zeros(e, i // 8, h, dtype=torch.int32),
+                                                torch.zeros(e, i // 32, h, dtype=bf), torch.zeros(e, i // 32, h),
+                                                torch.zeros(e, 1, i, dtype=torch.int32), 4, 32), False),
+        "w8 g32": (gg.PackedExpertWeights(torch.zeros(e, h // 4, 2 * i, dtype=torch.int32),
+                                          torch.zeros(e, h // 32, 2 * i, dtype=bf), torch.zeros(e, h // 32, 2 * i),
+                                          None, 8, 32),
+                   gg.PackedExpertWeights(torch.zeros(e, i // 4, h, dtype=torch.int32),
+                                          torch.zeros(e, i // 32, h, dtype=bf), torch.zeros(e, i // 32, h), None, 8, 32),
+                   False),
+        "fp8 block": (gg.BlockFp8ExpertWeights(torch.zeros(e, 2 * i, h, dtype=torch.float8_e4m3fn),
+                                               torch.zeros(e, 2 * i // 128, h // 128), (128, 128)),
+                      gg.BlockFp8ExpertWeights(torch.zeros(e, h, i, dtype=torch.float8_e4m3fn),
+                                               torch.zeros(e, h // 128, i // 128), (128, 128)), True),
+    }
+    variants = []
+    for name, (w13, w2, fp8) in experts.items():
+        for _, config in _TABLE:
+            rows = 2 * config["BLOCK_M"]
+            ids = torch.zeros(rows, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+            dt = torch.float8_e4m3fn if fp8 else bf
+            kw = lambda k: {"a_scale": torch.zeros(rows, k // 128)} if fp8 else {}  # noqa: E731
+            gg.grouped_gemm(torch.zeros(rows, h, dtype=dt), w13, torch.empty(rows, i, dtype=bf), None, *ids, 1, config,
+                            gated=True, **kw(h))
+            gg.grouped_gemm(torch.zeros(rows, i, dtype=dt), w2, torch.empty(rows, h, dtype=bf), torch.ones(rows), *ids,
+                            1, config, gated=False, **kw(i))
+            variants += [f"{name} gate/up BLOCK_M={config['BLOCK_M']}", f"{name} down BLOCK_M={config['BLOCK_M']}"]
+    for rows in (1, 64, 1024):
+        fp8_block._fp8_block_gemm_kernel[(1, 1)](
+            torch.zeros(rows, h, dtype=torch.float8_e4m3fn), torch.zeros(rows, h // 128),
+            torch.zeros(i, h, dtype=torch.float8_e4m3fn), torch.zeros(i // 128, h // 128), torch.empty(rows, i, dtype=bf),
+            torch.empty(1), rows, i, h, h // 128, h, BN_SCALE=128, A_FP8=True, NATIVE_FP8=True, HAS_BIAS=False,
+            BLOCK_M=fp8_block._tiles(rows, i)[0], BLOCK_N=fp8_block._tiles(rows, i)[1], BLOCK_K=128,
+            num_warps=fp8_block._tiles(rows, i)[2], num_stages=fp8_block._tiles(rows, i)[3])
+        variants.append(f"{rows} rows")
+    for (kernel, args, kwargs), variant in zip(launches, variants):
+        if kernel is gg._grouped_gemm_kernel and kwargs.get("W_BLOCK"):
+            kwargs = {**kwargs, "NATIVE_FP8": True}  # as on the GPU
+        print(json.dumps({"kernel": kernel.__name__, "variant": variant,
+                          "shared": _compiled(kernel, args, kwargs).metadata.shared}), flush=True)
 
 
 def main() -> None:
@@ -127,4 +189,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(shared_memory() if "--shared-memory" in sys.argv else main())

@@ -69,3 +69,21 @@ def test_pdl_kernels_compile_for_hopper():
     # Rotary arithmetic rounds each product and sum like torch (kernel_math.rope_combine): no fused half
     # multiply-add may survive compilation in any kernel.
     assert all(r["half_fma"] == 0 for r in rows), rows
+
+
+def test_quantized_products_fit_hopper_shared_memory():
+    """The grouped MoE GEMM over packed 4/8-bit and block-float8 experts at every config of its tile table, and the
+    block-float8 GEMM, compiled for sm_90: each within shared memory with room to spare (an H100's compile of one
+    packed variant needed 1.4x this offline figure; the limit is 227 KiB a block)."""
+    triton = pytest.importorskip("triton")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("triton has no bundled ptxas")
+    tests_dir = Path(__file__).parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tests_dir.parent), str(tests_dir), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(tests_dir / "hopper_compile.py"), "--shared-memory"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 27 and {r["kernel"] for r in rows} == {"_grouped_gemm_kernel", "_fp8_block_gemm_kernel"}
+    assert all(r["shared"] <= 227 * 1024 / 1.4 for r in rows), [r for r in rows if r["shared"] > 227 * 1024 / 1.4]
