@@ -44,8 +44,10 @@ from pagedllm.layers.fused_moe import fused_experts_ref, select_experts  # noqa:
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
 
 
-def _loop(x, w13, w2, weights, ids):
-    """The per-expert loop with its routing resolved on the host once: a graph-capturable callable."""
+def _loop(x, w13, w2, weights, ids, product=None):
+    """The per-expert loop with its routing resolved on the host once: a graph-capturable callable.
+    ``product(rows, w, e)`` multiplies rows by expert e's projection in ``w`` (default: a bf16 ``F.linear``)."""
+    product = product or (lambda a, w, e: F.linear(a, w[e]))
     flat = ids.flatten().long()
     top_k = ids.shape[1]
     groups = []
@@ -57,8 +59,8 @@ def _loop(x, w13, w2, weights, ids):
     def run():
         out.zero_()
         for e, tokens, w in groups:
-            gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)
-            out.index_add_(0, tokens, F.linear(F.silu(gate) * up, w2[e]) * w)
+            gate, up = product(x[tokens], w13, e).chunk(2, dim=-1)
+            out.index_add_(0, tokens, product(F.silu(gate) * up, w2, e) * w)
         return out
 
     return run, len(groups)
@@ -76,27 +78,9 @@ def _int4_experts(e: int, n: int, k: int, g: torch.Generator, group: int = 128):
     return packed, dense.bfloat16()
 
 
-def _loop_w4(x, w13: PackedExpertWeights, w2: PackedExpertWeights, weights, ids):
-    """The per-expert loop through the dense W4A16 kernel, routing resolved on the host once (graph-capturable)."""
-    flat = ids.flatten().long()
-    top_k = ids.shape[1]
-    groups = []
-    for e in torch.unique(flat).tolist():
-        pairs = (flat == e).nonzero().flatten()
-        groups.append((e, pairs // top_k, weights.flatten()[pairs].unsqueeze(-1).to(x.dtype)))
-    out = torch.zeros_like(x)
-
-    def product(a, w: PackedExpertWeights, e: int):
-        return wna16_matmul(a, w.qweight[e], w.scales[e], w.zeros[e], w.bits, w.group_size, None)
-
-    def run():
-        out.zero_()
-        for e, tokens, w in groups:
-            gate, up = product(x[tokens], w13, e).chunk(2, dim=-1)
-            out.index_add_(0, tokens, product(F.silu(gate) * up, w2, e) * w)
-        return out
-
-    return run
+def _w4_product(a, w: PackedExpertWeights, e: int):
+    """Expert e's projection through the dense W4A16 kernel, as one quantized linear per expert runs it."""
+    return wna16_matmul(a, w.qweight[e], w.scales[e], w.zeros[e], w.bits, w.group_size, None)
 
 
 def _sweep_configs():
@@ -205,7 +189,7 @@ def main() -> None:
                 torch.testing.assert_close(w4().float(), fused_experts_ref(x.float(), d13.float(), d2.float(), weights,
                                                                            ids), atol=3e-2, rtol=3e-2)
                 case["fused_w4_us"] = graph_time_us(w4)
-                case["loop_w4_us"] = graph_time_us(_loop_w4(x, p13, p2, weights, ids))
+                case["loop_w4_us"] = graph_time_us(_loop(x, p13, p2, weights, ids, _w4_product)[0])
                 # half a byte a weight, a bf16 scale and a float32 zero point a group of 128
                 case["floor_w4_us"] = floor_us / 4 * (1 + 12 / 128)
                 int4_note = (f"  fused w4 {case['fused_w4_us']:9.1f} µs  loop w4 {case['loop_w4_us']:9.1f} µs "

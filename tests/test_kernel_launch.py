@@ -42,19 +42,24 @@ def test_pdl_is_on_by_default_where_the_gpu_has_it(pdl_setting):
         assert not use_pdl(torch.zeros(1, device="cuda"))
 
 
-def test_pdl_kernels_compile_for_hopper():
-    # The PDL variants never run on a CPU; compiling them for sm_90 checks that each kernel waits on its
-    # predecessor (griddepcontrol.wait) and that the small ones let their successor launch early.
+def _hopper_compile(*args: str) -> list[dict]:
+    """``hopper_compile.py``'s JSON lines, run in a process without the interpreter (skips without ptxas)."""
     triton = pytest.importorskip("triton")
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("triton has no bundled ptxas")
     tests_dir = Path(__file__).parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(tests_dir.parent), str(tests_dir), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(tests_dir / "hopper_compile.py")], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(tests_dir / "hopper_compile.py"), *args], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_pdl_kernels_compile_for_hopper():
+    # The PDL variants never run on a CPU; compiling them for sm_90 checks that each kernel waits on its
+    # predecessor (griddepcontrol.wait) and that the small ones let their successor launch early.
+    rows = _hopper_compile()
     seen = {r["kernel"] for r in rows}
     assert seen == {"_gemv_kernel", "_skinny_gemm_kernel", "_rmsnorm_kernel", "_act_and_mul_kernel", "_rotary_kernel",
                     "_qk_norm_rotary_kernel", "_paged_attention_kernel", "_reduce_splits_kernel",
@@ -75,15 +80,6 @@ def test_quantized_products_fit_hopper_shared_memory():
     """The grouped MoE GEMM over packed 4/8-bit and block-float8 experts at every config of its tile table, and the
     block-float8 GEMM, compiled for sm_90: each within shared memory with room to spare (an H100's compile of one
     packed variant needed 1.4x this offline figure; the limit is 227 KiB a block)."""
-    triton = pytest.importorskip("triton")
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("triton has no bundled ptxas")
-    tests_dir = Path(__file__).parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tests_dir.parent), str(tests_dir), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(tests_dir / "hopper_compile.py"), "--shared-memory"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = _hopper_compile("--shared-memory")
     assert len(rows) == 27 and {r["kernel"] for r in rows} == {"_grouped_gemm_kernel", "_fp8_block_gemm_kernel"}
     assert all(r["shared"] <= 227 * 1024 / 1.4 for r in rows), [r for r in rows if r["shared"] > 227 * 1024 / 1.4]
