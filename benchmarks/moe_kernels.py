@@ -1,7 +1,7 @@
 """The Triton fused MoE against a per-expert loop of cuBLAS products, with a sweep of its tile configs.
 
     PYTHONPATH=$PWD python3 benchmarks/moe_kernels.py [--tokens 1 16 256 4096] [--shapes qwen3-30b-a3b,mixtral-8x7b]
-        [--sweep [--write]] [--no-fp8]
+        [--sweep [--write]] [--no-fp8] [--no-int4] [--no-int8]
 
 One MoE layer in bf16 with random weights and random routing (softmax top-k of random logits). Device µs
 per call from CUDA-graph replay (median of 20): ``fused`` (``kernels.moe.fused_experts`` with the config
@@ -11,7 +11,9 @@ down product, weighted index_add; the routing is fixed beforehand so the loop ca
 the floor: the bytes of the experts the step touches at the measured copy rate. ``fused_w4`` runs the kernel over
 the experts as 4-bit group-128 AWQ/GPTQ-style packed weights (random values; ``--no-int4`` skips it), against
 ``loop_w4``, the per-expert loop through the dense W4A16 kernel (``kernels/wna16.py``) that such experts ran
-before they were stacked, and its floor (a quarter of the bf16 bytes plus the group scales and zero points). ``--sweep`` also times a
+before they were stacked, and its floor (a quarter of the bf16 bytes plus the group scales and zero points).
+``fused_i8`` runs it over the experts as W8A8 int8 rows (``--no-int8`` skips it), against ``loop_i8``, the per-expert
+loop through the dense W8A8 product (``w8a8_linear``), and its floor (half the bf16 bytes). ``--sweep`` also times a
 grid of tile configs per token count and prints the best; ``--write`` also writes them as the device's tuned
 table (``<device name>.json``) into ``pagedllm/kernels/moe/tuned/`` (which ``kernels/moe/configs.py`` reads)
 and under ``--out``, merged into the table already there and rewritten after every token count, so a sweep
@@ -35,7 +37,7 @@ from gpu_measure import copy_bandwidth_bytes_per_s  # noqa: E402 - sibling scrip
 from linear_shapes import graph_time_us  # noqa: E402 - the same graph timing
 
 from pagedllm.kernels.moe import fused_experts  # noqa: E402
-from pagedllm.kernels.moe.grouped_gemm import PackedExpertWeights  # noqa: E402
+from pagedllm.kernels.moe.grouped_gemm import Int8ExpertWeights, PackedExpertWeights  # noqa: E402
 from pagedllm.kernels.wna16 import wna16_matmul  # noqa: E402
 from pagedllm.kernels.moe.configs import TUNED_DIR, device_file_name, get_config, shape_key  # noqa: E402
 from pagedllm.layers.fused_moe import fused_experts_ref, select_experts  # noqa: E402
@@ -81,6 +83,20 @@ def _int4_experts(e: int, n: int, k: int, g: torch.Generator, group: int = 128):
 def _w4_product(a, w: PackedExpertWeights, e: int):
     """Expert e's projection through the dense W4A16 kernel, as one quantized linear per expert runs it."""
     return wna16_matmul(a, w.qweight[e], w.scales[e], w.zeros[e], w.bits, w.group_size, None)
+
+
+def _int8_experts(w: torch.Tensor) -> Int8ExpertWeights:  # [E, N, K] -> int8 rows with a scale each
+    from pagedllm.layers.quantization.int8 import quantize_int8_rows
+
+    q, s, _ = quantize_int8_rows(w.flatten(0, 1))
+    return Int8ExpertWeights(q.view(w.shape), s.view(w.shape[:2]))
+
+
+def _i8_product(a, w: Int8ExpertWeights, e: int):
+    """Expert e's projection through the dense W8A8 product, as one W8A8 linear per expert runs it."""
+    from pagedllm.layers.quantization.int8 import w8a8_linear
+
+    return w8a8_linear(a, w.weight[e], w.scale[e][:, None], None, True)
 
 
 def _sweep_configs():
@@ -140,6 +156,7 @@ def main() -> None:
     ap.add_argument("--tuned-dir", default=TUNED_DIR, help="with --write: where the package's tables live")
     ap.add_argument("--no-fp8", action="store_true", help="skip the float8-experts timing")
     ap.add_argument("--no-int4", action="store_true", help="skip the 4-bit packed experts timing")
+    ap.add_argument("--no-int8", action="store_true", help="skip the W8A8 int8 experts timing")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     token_counts = parse_tokens(args.tokens)
@@ -162,6 +179,8 @@ def main() -> None:
             (w13_q, w13_s), (w2_q, w2_s) = _fp8_experts(w13), _fp8_experts(w2)
         if not args.no_int4:
             (p13, d13), (p2, d2) = _int4_experts(num_experts, 2 * inter, hidden, g), _int4_experts(num_experts, hidden, inter, g)
+        if not args.no_int8:
+            i13, i2 = _int8_experts(w13), _int8_experts(w2)
         for tokens in token_counts:
             x = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
             weights, ids = select_experts(torch.randn(tokens, num_experts, generator=g, device="cuda"), top_k, True)
@@ -194,8 +213,17 @@ def main() -> None:
                 case["floor_w4_us"] = floor_us / 4 * (1 + 12 / 128)
                 int4_note = (f"  fused w4 {case['fused_w4_us']:9.1f} µs  loop w4 {case['loop_w4_us']:9.1f} µs "
                              f"(floor {case['floor_w4_us']:8.1f})")
+            int8_note = ""
+            if not args.no_int8:
+                i8 = lambda: fused_experts(x, i13, i2, weights, ids)  # noqa: E731
+                loop_i8 = _loop(x, i13, i2, weights, ids, _i8_product)[0]
+                torch.testing.assert_close(i8().float(), loop_i8().float(), atol=3e-2, rtol=3e-2)
+                case["fused_i8_us"], case["loop_i8_us"] = graph_time_us(i8), graph_time_us(loop_i8)
+                case["floor_i8_us"] = floor_us / 2  # one byte a weight
+                int8_note = (f"  fused i8 {case['fused_i8_us']:9.1f} µs  loop i8 {case['loop_i8_us']:9.1f} µs "
+                             f"(floor {floor_us / 2:8.1f})")
             print(f"{shape:>14} {tokens:>5} tokens: fused {case['fused_us']:9.1f} µs  loop {case['loop_us']:9.1f} µs"
-                  f"  floor {floor_us:8.1f} µs  ({touched} experts){fp8_note}{int4_note}", flush=True)
+                  f"  floor {floor_us:8.1f} µs  ({touched} experts){fp8_note}{int4_note}{int8_note}", flush=True)
             if args.sweep:
                 timed = []
                 for config in _sweep_configs():

@@ -6,7 +6,7 @@ PTX for compute capability 9.0 with Triton's bundled ptxas. Prints one JSON line
 {"kernel", "wait", "trigger", "half_fma"} with the number of griddepcontrol.wait / launch_dependents
 and of half-precision fused multiply-adds in the PTX.
 
-``--shared-memory``: the quantized products' launches instead (the grouped MoE GEMM over packed 4/8-bit and
+``--shared-memory``: the quantized products' launches instead (the grouped MoE GEMM over packed 4/8-bit, int8 and
 block-float8 experts at every tile config of its table, the block-float8 GEMM at each row tile), one JSON line
 each with the shared memory the compiled kernel needs: {"kernel", "variant", "shared"}.
 """
@@ -19,7 +19,7 @@ import torch
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
            torch.float8_e4m3fn: "fp8e4nv",
-           torch.int64: "i64"}
+           torch.int64: "i64", torch.int8: "i8"}
 _OPTIONS = {"num_warps", "num_stages", "num_ctas", "launch_pdl", "maxnreg"}
 
 
@@ -69,31 +69,35 @@ def shared_memory() -> None:
     for kernel in (gg._grouped_gemm_kernel, fp8_block._fp8_block_gemm_kernel):
         _record(kernel, launches)
     bf, e, h, i = torch.bfloat16, 4, 512, 256
-    experts = {  # name -> (gate/up weights, down weights, whether the inputs are float8 groups)
+    experts = {  # name -> (gate/up weights, down weights, input dtype: float8 groups, int8 rows or bf16)
         "w4 act-order": (gg.PackedExpertWeights(torch.zeros(e, h // 8, 2 * i, dtype=torch.int32),
                                                 torch.zeros(e, h // 32, 2 * i, dtype=bf), torch.zeros(e, h // 32, 2 * i),
                                                 torch.zeros(e, 2, h, dtype=torch.int32), 4, 32),
                          gg.PackedExpertWeights(torch.zeros(e, i // 8, h, dtype=torch.int32),
                                                 torch.zeros(e, i // 32, h, dtype=bf), torch.zeros(e, i // 32, h),
-                                                torch.zeros(e, 1, i, dtype=torch.int32), 4, 32), False),
+                                                torch.zeros(e, 1, i, dtype=torch.int32), 4, 32), "bf16"),
         "w8 g32": (gg.PackedExpertWeights(torch.zeros(e, h // 4, 2 * i, dtype=torch.int32),
                                           torch.zeros(e, h // 32, 2 * i, dtype=bf), torch.zeros(e, h // 32, 2 * i),
                                           None, 8, 32),
                    gg.PackedExpertWeights(torch.zeros(e, i // 4, h, dtype=torch.int32),
                                           torch.zeros(e, i // 32, h, dtype=bf), torch.zeros(e, i // 32, h), None, 8, 32),
-                   False),
+                   "bf16"),
         "fp8 block": (gg.BlockFp8ExpertWeights(torch.zeros(e, 2 * i, h, dtype=torch.float8_e4m3fn),
                                                torch.zeros(e, 2 * i // 128, h // 128), (128, 128)),
                       gg.BlockFp8ExpertWeights(torch.zeros(e, h, i, dtype=torch.float8_e4m3fn),
-                                               torch.zeros(e, h // 128, i // 128), (128, 128)), True),
+                                               torch.zeros(e, h // 128, i // 128), (128, 128)), "fp8"),
+        "int8": (gg.Int8ExpertWeights(torch.zeros(e, 2 * i, h, dtype=torch.int8), torch.zeros(e, 2 * i)),
+                 gg.Int8ExpertWeights(torch.zeros(e, h, i, dtype=torch.int8), torch.zeros(e, h)), "int8"),
     }
     variants = []
-    for name, (w13, w2, fp8) in experts.items():
+    inputs = {"fp8": (torch.float8_e4m3fn, lambda rows, k: {"a_scale": torch.zeros(rows, k // 128)}),
+              "int8": (torch.int8, lambda rows, k: {"a_scale": torch.zeros(rows, 1)}), "bf16": (bf, lambda rows, k: {})}
+    for name, (w13, w2, kind) in experts.items():
         for _, config in _TABLE:
             rows = 2 * config["BLOCK_M"]
             ids = torch.zeros(rows, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-            dt = torch.float8_e4m3fn if fp8 else bf
-            kw = lambda k: {"a_scale": torch.zeros(rows, k // 128)} if fp8 else {}  # noqa: E731
+            dt, scales = inputs[kind]
+            kw = lambda k: scales(rows, k)  # noqa: E731
             gg.grouped_gemm(torch.zeros(rows, h, dtype=dt), w13, torch.empty(rows, i, dtype=bf), None, *ids, 1, config,
                             gated=True, **kw(h))
             gg.grouped_gemm(torch.zeros(rows, i, dtype=dt), w2, torch.empty(rows, h, dtype=bf), torch.ones(rows), *ids,

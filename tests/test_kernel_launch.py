@@ -77,9 +77,9 @@ def test_pdl_kernels_compile_for_hopper():
 
 
 def test_quantized_products_fit_hopper_shared_memory():
-    """The grouped MoE GEMM over packed 4/8-bit and block-float8 experts at every config of its tile table, and the
+    """The grouped MoE GEMM over packed 4/8-bit, block-float8 and int8 experts at every config of its tile table, and the
     block-float8 GEMM, compiled for sm_90: each within shared memory with room to spare (an H100's compile of one
     packed variant needed 1.4x this offline figure; the limit is 227 KiB a block)."""
     rows = _hopper_compile("--shared-memory")
-    assert len(rows) == 27 and {r["kernel"] for r in rows} == {"_grouped_gemm_kernel", "_fp8_block_gemm_kernel"}
+    assert len(rows) == 35 and {r["kernel"] for r in rows} == {"_grouped_gemm_kernel", "_fp8_block_gemm_kernel"}
     assert all(r["shared"] <= 227 * 1024 / 1.4 for r in rows), [r for r in rows if r["shared"] > 227 * 1024 / 1.4]

@@ -211,12 +211,13 @@ def test_quantized_experts_under_tensor_and_expert_parallelism(tmp_path):
 
 # compressed-tensors W4A16 reaches the same common layout as AWQ (test_quantized_experts_equal_their_dequantized_model
 # covers its conversion), so AWQ stands for both here.
-@pytest.mark.parametrize("kind,fmt", [("mixtral", "awq"), ("qwen3_moe", "gptq-act-order"), ("qwen3_moe", "fp8-block")])
+@pytest.mark.parametrize("kind,fmt", [("mixtral", "awq"), ("qwen3_moe", "gptq-act-order"), ("qwen3_moe", "fp8-block"),
+                                      ("mixtral", "ct-w8a8")])
 def test_experts_restacked_for_the_grouped_kernel_keep_their_tokens(kind, fmt, tmp_path, monkeypatch):
-    """What a CUDA load does to 4-bit and block-float8 experts, done on the CPU under Triton's interpreter: 4-bit
-    expert linears to the kernel layout, then each layer's experts stacked for the grouped kernel (act-order rows
-    back in checkpoint order with a group index per row; float8 weights with their block scales); the model keeps
-    its tokens and logprobs (float32, within 1e-4) and may replay in CUDA graphs."""
+    """What a CUDA load does to 4-bit, block-float8 and W8A8 experts, done on the CPU under Triton's interpreter:
+    4-bit expert linears to the kernel layout, then each layer's experts stacked for the grouped kernel (act-order
+    rows back in checkpoint order with a group index per row; float8 and int8 weights with their scales); the
+    model keeps its tokens and logprobs (float32, within 1e-4) and may replay in CUDA graphs."""
     from pagedllm.kernels import fp8_block
     from pagedllm.layers.fused_moe import MoEExperts
     from pagedllm.layers.quantization.fp8_block import quantize_groups_ref
@@ -233,7 +234,7 @@ def test_experts_restacked_for_the_grouped_kernel_keep_their_tokens(kind, fmt, t
         moe = [m for m in llm.llm_engine.engine_core.executor.worker.model_runner.model.modules()
                if isinstance(m, MoEExperts)]
         for layer in moe:
-            if fmt != "fp8-block":
+            if fmt in ("awq", "gptq-act-order"):
                 for expert in layer.linear_experts:
                     for proj in (expert.w1, expert.w3, expert.w2):
                         proj.quant_method.to_kernel_layout(proj)

@@ -6,20 +6,20 @@ import torch
 
 from pagedllm.kernels.moe.align import moe_align_block_size
 from pagedllm.kernels.moe.configs import get_config
-from pagedllm.kernels import fp8_block
-from pagedllm.kernels.moe.grouped_gemm import BlockFp8ExpertWeights, PackedExpertWeights, grouped_gemm
+from pagedllm.kernels import fp8_block, int8_quant
+from pagedllm.kernels.moe.grouped_gemm import BlockFp8ExpertWeights, Int8ExpertWeights, PackedExpertWeights, grouped_gemm
 
-_QUANTIZED = (PackedExpertWeights, BlockFp8ExpertWeights)  # experts held in a checkpoint's quantized layout
+_QUANTIZED = (PackedExpertWeights, BlockFp8ExpertWeights, Int8ExpertWeights)  # experts held in a checkpoint's quantized layout
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def usable(x: torch.Tensor, w13, activation: str) -> bool:
     """Whether the Triton path takes these experts: 16/32-bit weights of x's type, float8 weights (upcast
-    in the kernel) under a 16/32-bit activation, packed 4/8-bit experts or block-wise float8 ones."""
+    in the kernel) under a 16/32-bit activation, packed 4/8-bit experts, block-wise float8 or int8 W8A8 ones."""
     if isinstance(w13, PackedExpertWeights):
         w_ok = w13.scales.dtype == x.dtype
-    elif isinstance(w13, BlockFp8ExpertWeights):
+    elif isinstance(w13, (BlockFp8ExpertWeights, Int8ExpertWeights)):
         w_ok = True
     else:
         w_ok = (w13.dtype == x.dtype or w13.dtype == torch.float8_e4m3fn) and w13.stride(-1) == 1
@@ -28,8 +28,8 @@ def usable(x: torch.Tensor, w13, activation: str) -> bool:
 
 def fused_experts(
     hidden_states: torch.Tensor,  # [T, H]
-    w13: torch.Tensor | PackedExpertWeights | BlockFp8ExpertWeights,  # [E, 2I, H]
-    w2: torch.Tensor | PackedExpertWeights | BlockFp8ExpertWeights,  # [E, H, I]
+    w13,  # [E, 2I, H]: a tensor, or PackedExpertWeights, BlockFp8ExpertWeights, Int8ExpertWeights
+    w2,  # [E, H, I], as w13
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] int32
     config: dict[str, int] | None = None,
@@ -72,7 +72,10 @@ def _product_input(
     w,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (rows as the kernel reads them, their group scales or None)
     """Block-wise float8 experts take their input rows quantized to float8 per group of a block's inputs, as the
-    per-expert linears (``Fp8BlockLinearMethod``) quantize theirs; other experts take them as they are."""
+    per-expert linears (``Fp8BlockLinearMethod``) quantize theirs; int8 experts take them as int8 rows with a scale
+    each (``w8a8_linear``'s symmetric quantization, bit for bit); other experts take them as they are."""
     if isinstance(w, BlockFp8ExpertWeights):
         return fp8_block.quantize_groups(x, w.block[1])
+    if isinstance(w, Int8ExpertWeights):
+        return int8_quant.quantize_rows(x)
     return x, None

@@ -17,6 +17,10 @@ scale and zero point per group of inputs and output column ([G, N_w] an expert).
 their values shifted out in registers, and ``(q - z) * s`` rounded to the activation's type, as the per-expert
 path's dequantized weight is, before the tensor-core product; the weight stays packed in memory. Groups
 follow ``k // GROUP``, or a per-expert index of each input row (GPTQ act-order, rows in checkpoint order).
+
+Int8 W8A8 experts (``A_INT8``, compressed-tensors ``int-quantized`` with symmetric per-token activations): the
+input rows arrive quantized to int8 with a scale each (``fused_moe._product_input``), the int8 tensor-core dots
+sum exactly in int32, and the epilogue applies the row's scale then the output column's, as ``w8a8_linear`` does.
 """
 from __future__ import annotations
 
@@ -37,6 +41,18 @@ class BlockFp8ExpertWeights:
     weight: torch.Tensor  # [E, N_w, K] float8 e4m3fn
     scale: torch.Tensor  # [E, ceil(N_w / bn), ceil(K / bk)] float32
     block: tuple[int, int]  # (bn, bk)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.weight.shape)
+
+
+@dataclass
+class Int8ExpertWeights:
+    """One projection of a layer's W8A8 experts, stacked: int8 rows with a float32 scale each (symmetric)."""
+
+    weight: torch.Tensor  # [E, N_w, K] int8
+    scale: torch.Tensor  # [E, N_w] float32
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -109,7 +125,7 @@ def _grouped_gemm_kernel(
     w_scale_ptr,  # [E, N_w] float32 when W_SCALED; packed: [E, G, N_w] group scales
     w_zero_ptr,  # packed: [E, G, N_w] float32 zero points
     g_idx_ptr,  # packed with HAS_GIDX: [E, P, K] int32 (P = 2 when GATED: the gate's rows, then the up's)
-    a_scale_ptr,  # W_BLOCK: [rows, ceil(K / BLOCK_K)] float32 scales of the float8 activation groups
+    a_scale_ptr,  # W_BLOCK: [rows, ceil(K / BLOCK_K)] float32 scales of the float8 activation groups; A_INT8: [rows]
     sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32
     expert_ids_ptr,  # [max_blocks] int32
     num_padded_ptr,  # [1] int32
@@ -137,6 +153,7 @@ def _grouped_gemm_kernel(
     W_BLOCK: tl.constexpr = False,  # block-wise float8 experts: float8 activations, a scale a weight block
     BN_SCALE: tl.constexpr = 1,  # W_BLOCK: weight rows a scale block (BLOCK_K inputs deep)
     NATIVE_FP8: tl.constexpr = False,
+    A_INT8: tl.constexpr = False,  # int8 rows and weights, int32 sums; W_SCALED holds the weight row scales
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -166,8 +183,12 @@ def _grouped_gemm_kernel(
     if W_BLOCK:
         g_k = tl.cdiv(K, BLOCK_K)
         ws_e = w_scale_ptr + expert * stride_se
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if A_INT8:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
@@ -190,7 +211,9 @@ def _grouped_gemm_kernel(
                 w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if W_SCALED:
                 w = w.to(a.dtype)
-            if IEEE:
+            if A_INT8:
+                acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+            elif IEEE:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, w, acc)
@@ -202,13 +225,20 @@ def _grouped_gemm_kernel(
                     w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 if W_SCALED:
                     w_up = w_up.to(a.dtype)
-                if IEEE:
+                if A_INT8:
+                    acc_up = tl.dot(a, w_up, acc_up, out_dtype=tl.int32)
+                elif IEEE:
                     acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
                 else:
                     acc_up = tl.dot(a, w_up, acc_up)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     dtype = out_ptr.dtype.element_ty
+    if A_INT8:
+        # The exact int32 sums times the row's scale, then the column's (below): w8a8_linear's order of products.
+        row_s = tl.load(a_scale_ptr + a_rows, mask=valid, other=0.0)[:, None]
+        acc = acc.to(tl.float32) * row_s
+        acc_up = acc_up.to(tl.float32) * row_s
     if W_SCALED:
         n_w = 2 * N if GATED else N
         scale_ptrs = w_scale_ptr + expert * n_w + offs_n
@@ -230,7 +260,7 @@ def _grouped_gemm_kernel(
 
 def grouped_gemm(
     a: torch.Tensor,  # [rows, K]
-    w: torch.Tensor | PackedExpertWeights,  # [E, N (2N if gated), K]
+    w: torch.Tensor | PackedExpertWeights | BlockFp8ExpertWeights | Int8ExpertWeights,  # [E, N (2N if gated), K]
     out: torch.Tensor,  # [P, N]
     topk_weights: torch.Tensor | None,  # [P] float32, with routed
     sorted_ids: torch.Tensor,
@@ -240,7 +270,8 @@ def grouped_gemm(
     config: dict[str, int],
     gated: bool,
     w_scale: torch.Tensor | None = None,  # [E, N (2N if gated)] float32 when w is float8
-    a_scale: torch.Tensor | None = None,  # [rows, ceil(K / bk)] float32: a's float8 group scales (block experts)
+    a_scale: torch.Tensor | None = None,  # [rows, ceil(K / bk)] float32: a's float8 group scales (block experts);
+    # [rows, 1] float32: a's int8 row scales (int8 experts)
 ) -> None:
     n, k = out.shape[1], a.shape[1]
     if w.shape[1] != (2 * n if gated else n) or w.shape[2] != k:
@@ -252,6 +283,10 @@ def grouped_gemm(
     if isinstance(w, BlockFp8ExpertWeights):
         _block_launch(a, a_scale, w, out, topk_weights, sorted_ids, expert_ids, num_padded, a_row_div, config, gated,
                       grid, max_blocks)
+        return
+    if isinstance(w, Int8ExpertWeights):
+        _int8_launch(a, a_scale, w, out, topk_weights, sorted_ids, expert_ids, num_padded, a_row_div, config, gated,
+                     grid, max_blocks)
         return
     if isinstance(w, PackedExpertWeights):
         _packed_launch(a, w, out, topk_weights, sorted_ids, expert_ids, num_padded, a_row_div, config, gated, grid,
@@ -318,4 +353,23 @@ def _block_launch(a, a_scale, w: BlockFp8ExpertWeights, out, topk_weights, sorte
         GATED=gated, ROUTED=topk_weights is not None, W_SCALED=False, IEEE=False,
         W_BLOCK=True, BN_SCALE=bn, NATIVE_FP8=a.is_cuda and not triton_interpreted(),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+
+
+def _int8_launch(a, a_scale, w: Int8ExpertWeights, out, topk_weights, sorted_ids, expert_ids, num_padded, a_row_div,
+                 config, gated, grid, max_blocks) -> None:
+    e, n_w, k = w.shape
+    if a.dtype != torch.int8 or a_scale is None or a_scale.numel() != a.shape[0] or a_scale.dtype != torch.float32:
+        raise ValueError(f"int8 experts take int8 rows with a float32 scale each; got {a.dtype} rows and scales "
+                         f"{None if a_scale is None else (a_scale.dtype, tuple(a_scale.shape))}")
+    if w.weight.dtype != torch.int8 or tuple(w.scale.shape) != (e, n_w) or w.scale.dtype != torch.float32:
+        raise ValueError(f"int8 expert scales must be float32 of shape {(e, n_w)}; got {w.scale.dtype} "
+                         f"{tuple(w.scale.shape)}")
+    _grouped_gemm_kernel[grid](
+        a, w.weight, out, topk_weights if topk_weights is not None else out, w.scale, out, out, a_scale.contiguous(),
+        sorted_ids, expert_ids, num_padded, out.shape[1], k, out.shape[0], a_row_div, max_blocks, a.stride(0),
+        w.weight.stride(0), w.weight.stride(1), 0,
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=max(config["BLOCK_K"], 32),  # int8 dots: K >= 32
+        GROUP_M=config["GROUP_M"], GATED=gated, ROUTED=topk_weights is not None, W_SCALED=True, IEEE=False,
+        A_INT8=True, num_warps=config["num_warps"], num_stages=config["num_stages"],
     )

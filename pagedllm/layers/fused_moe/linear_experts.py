@@ -10,11 +10,12 @@ so the formats' own loaders, tensor-parallel slicing and processing (the W4A16 l
 permutations) serve the experts as they serve the dense linears. An expert-parallel rank builds only its own
 experts and the loader skips the others'.
 
-On CUDA, 4/8-bit weight-only experts (AWQ, GPTQ, compressed-tensors W4A16/W8A16) and block-wise float8 ones
-(with a SiLU gate) are then stacked into a layout of the grouped kernel (``wna16_layout.stack_experts``; float8
-weights and block scales stacked as loaded) and the per-expert linears freed: the forward is
-``kernels.moe.fused_experts`` over them, a few launches a layer whatever the routing, which CUDA graphs replay.
-Otherwise (the CPU; W8A8 experts) the forward is the reference's per-expert loop (``reference.per_expert``): each expert's rows go through its three linears'
+On CUDA, 4/8-bit weight-only experts (AWQ, GPTQ, compressed-tensors W4A16/W8A16), block-wise float8 ones and
+int8 W8A8 ones with symmetric weights and activations (with a SiLU gate) are then stacked into a layout of the
+grouped kernel (``wna16_layout.stack_experts``; float8 and int8 weights and their scales stacked as loaded) and
+the per-expert linears freed: the forward is ``kernels.moe.fused_experts`` over them, a few launches a layer
+whatever the routing, which CUDA graphs replay. Otherwise (the CPU; asymmetric W8A8 experts) the forward is the
+reference's per-expert loop (``reference.per_expert``): each expert's rows go through its three linears'
 products and the gated activation, so the outputs are the dense format's, expert by expert. That loop reads how
 many rows each expert got on the host, which a CUDA graph cannot replay: a model with such experts runs its
 steps eagerly.
@@ -66,8 +67,8 @@ class LinearExpertsMethod:
             self.stack_for_kernel(layer)
 
     def stack_for_kernel(self, layer: nn.Module) -> bool:
-        """Stacks 4/8-bit weight-only experts (already in the kernel layout) or block-wise float8 ones into the
-        grouped kernel's tensors on ``layer``, then frees the per-expert linears; False where the experts' format or
+        """Stacks 4/8-bit weight-only experts (already in the kernel layout), block-wise float8 or symmetric int8
+        W8A8 ones into the grouped kernel's tensors on ``layer``, then frees the per-expert linears; False where the experts' format or
         shapes do not allow it (they stay linears, run by the per-expert loop)."""
         experts = layer.linear_experts
         if not experts or layer.activation != "silu":
@@ -75,7 +76,7 @@ class LinearExpertsMethod:
         linears = [(m.w1, m.w3, m.w2) for m in experts]
         if all(hasattr(p, "wna16") for ps in linears for p in ps):
             stack_into(layer, [[w1.wna16, w3.wna16] for w1, w3, _ in linears], [[w2.wna16] for _, _, w2 in linears])
-        elif not _stack_block_fp8(layer, linears):
+        elif not (_stack_block_fp8(layer, linears) or _stack_int8(layer, linears)):
             return False
         for e in range(layer.first_expert, layer.first_expert + layer.num_local_experts):
             delattr(layer, str(e))
@@ -132,6 +133,28 @@ def _stack_block_fp8(layer: nn.Module, linears: list[tuple[nn.Module, nn.Module,
         torch.stack([torch.cat([scale(w1), scale(w3)]) for w1, w3, _ in linears]).float().contiguous(), block)
     layer.w2_packed = BlockFp8ExpertWeights(torch.stack([w2.weight for _, _, w2 in linears]).contiguous(),
                                             torch.stack([scale(w2) for _, _, w2 in linears]).float().contiguous(), block)
+    for prefix, packed in (("w13", layer.w13_packed), ("w2", layer.w2_packed)):
+        layer.register_buffer(f"{prefix}_weight", packed.weight)
+        layer.register_buffer(f"{prefix}_weight_scale", packed.scale)
+    return True
+
+
+def _stack_int8(layer: nn.Module, linears: list[tuple[nn.Module, nn.Module, nn.Module]]) -> bool:
+    """Symmetric W8A8 experts as ``Int8ExpertWeights`` on ``layer``: each expert's gate then up int8 rows [2I, H]
+    and down [H, I] with their row scales; False unless every projection is W8A8 with symmetric weights and
+    symmetric per-token activations (asymmetric ones keep the per-expert loop)."""
+    from pagedllm.kernels.moe.grouped_gemm import Int8ExpertWeights
+    from pagedllm.layers.quantization.int8 import W8A8Int8LinearMethod
+
+    methods = [p.quant_method for ps in linears for p in ps]
+    if not all(isinstance(m, W8A8Int8LinearMethod) and m.act == "symmetric" and m.weight_symmetric for m in methods):
+        return False
+    stack = lambda ps, name: torch.stack([torch.cat([getattr(p, name) for p in group]) for group in ps])  # noqa: E731
+    w13, w2 = [(w1, w3) for w1, w3, _ in linears], [(w2,) for _, _, w2 in linears]
+    layer.w13_packed = Int8ExpertWeights(stack(w13, "weight").contiguous(),
+                                         stack(w13, "weight_scale").flatten(1).float().contiguous())
+    layer.w2_packed = Int8ExpertWeights(stack(w2, "weight").contiguous(),
+                                        stack(w2, "weight_scale").flatten(1).float().contiguous())
     for prefix, packed in (("w13", layer.w13_packed), ("w2", layer.w2_packed)):
         layer.register_buffer(f"{prefix}_weight", packed.weight)
         layer.register_buffer(f"{prefix}_weight_scale", packed.scale)
