@@ -104,11 +104,20 @@ def int8_rows(args, dev: torch.device, deadline: float) -> list[dict]:
 
 
 def fp8_block_rows(args, dev: torch.device) -> list[dict]:
-    """bf16 cuBLAS against the block-wise float8 product (quantizing the activations included), µs per call."""
-    from pagedllm.kernels.fp8_block import fp8_block_linear
+    """bf16 cuBLAS against the block-wise float8 product (quantizing the activations included), µs per call: the
+    path the engine takes (``fp8blk``: cuBLAS's block-scaled GEMM from ``CUBLAS_MIN_ROWS`` where it is there) and
+    the Triton kernel at every size (``triton``)."""
+    from pagedllm.kernels import fp8_block
+
+    def triton_only(x, w, scale):
+        cut, fp8_block.CUBLAS_MIN_ROWS = fp8_block.CUBLAS_MIN_ROWS, 1 << 62
+        try:
+            return fp8_block.fp8_block_linear(x, w, scale, (128, 128), 128)
+        finally:
+            fp8_block.CUBLAS_MIN_ROWS = cut
 
     rows = []
-    print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'fp8blk':>8} {'ratio':>6}")
+    print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'fp8blk':>8} {'ratio':>6} {'triton':>8}")
     for name, k, n in SHAPES:
         dense = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
         w = (dense.float() * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -116,10 +125,11 @@ def fp8_block_rows(args, dev: torch.device) -> list[dict]:
         for m in (int(v) for v in args.m.split(",")):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = _time_us(lambda: torch.matmul(x, dense.t()), args.iters)
-            got = _time_us(lambda: fp8_block_linear(x, w, scale, (128, 128), 128), args.iters)
+            got = _time_us(lambda: fp8_block.fp8_block_linear(x, w, scale, (128, 128), 128), args.iters)
+            tri = _time_us(lambda: triton_only(x, w, scale), args.iters)
             rows.append({"shape": name, "k": k, "n": n, "m": m, "bf16_us": ref, "fp8_block_us": got,
-                         "ratio": got / ref})
-            print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {got:>8.1f} {got / ref:>6.2f}", flush=True)
+                         "ratio": got / ref, "triton_us": tri})
+            print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {got:>8.1f} {got / ref:>6.2f} {tri:>8.1f}", flush=True)
     return rows
 
 

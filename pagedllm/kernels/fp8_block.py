@@ -11,6 +11,7 @@ float8 operands are upcast to float32, which holds their products exactly.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -24,8 +25,8 @@ EPS = tl.constexpr(torch.finfo(torch.float32).eps)  # a zero group's scale, as t
 def _quant_groups_kernel(
     x_ptr,  # [M, K], last dim contiguous
     q_ptr,  # [M, K] float8 e4m3fn, contiguous
-    s_ptr,  # [M, G] float32
-    K, G, stride_xm,
+    s_ptr,  # [M, G] float32 (row-major, or column-major for cuBLAS)
+    K, G, stride_xm, stride_sm, stride_sg,
     GROUP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -38,20 +39,25 @@ def _quant_groups_kernel(
     scale = tl.where(scale == 0.0, EPS, scale)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
     tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * G + g, scale)
+    tl.store(s_ptr + row * stride_sm + g * stride_sg, scale)
 
 
 def quantize_groups(
     x: torch.Tensor,  # [M, K] 16/32-bit
     group: int,
+    rows_minor: bool = False,  # scales stored column-major (each group's scales contiguous over rows), as cuBLAS reads
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q [M, K] float8_e4m3fn, scales [M, ceil(K / group)] float32
     m, k = x.shape
     groups = triton.cdiv(k, group)
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if rows_minor:
+        scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m:
-        _quant_groups_kernel[(m, groups)](x, q, scales, k, groups, x.stride(0), GROUP=group,
-                                          BLOCK=triton.next_power_of_2(group), num_warps=1 if group <= 128 else 4)
+        _quant_groups_kernel[(m, groups)](x, q, scales, k, groups, x.stride(0), scales.stride(0), scales.stride(1),
+                                          GROUP=group, BLOCK=triton.next_power_of_2(group),
+                                          num_warps=1 if group <= 128 else 4)
     return q, scales
 
 
@@ -147,6 +153,8 @@ def fp8_block_linear(
     if tuple(scale.shape) != (triton.cdiv(n, bn), g_k) or weight.shape[1] != k:
         raise ValueError(f"fp8 block product: weight {tuple(weight.shape)} with scales {tuple(scale.shape)} does not "
                          f"fit {k} inputs in blocks of {block}")
+    if _cublas_takes(x, weight, block, act_group):
+        return _cublas_block_linear(x, weight, scale, bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -162,3 +170,49 @@ def fp8_block_linear(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )
     return out
+
+
+# From this many rows a product is compute-bound, and cuBLAS's block-scaled float8 GEMM (CUDA 12.9 and later, on
+# Hopper) keeps its tensor cores busier than the kernel above, which scales every block's sums in its main loop.
+CUBLAS_MIN_ROWS = 64
+_CUBLAS_PROBED: dict[int, bool] = {}  # device index -> whether its cuBLAS takes 1x128 by 128x128 scaled float8
+
+
+def _cublas_takes(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int], act_group: int | None) -> bool:
+    """Whether this product goes to cuBLAS: bf16 rows of at least ``CUBLAS_MIN_ROWS``, 128x128 blocks with
+    activation groups of 128, whole blocks, a scale row a multiple of 4 blocks (cuBLAS's alignment), and a device
+    whose cuBLAS answered the probe (taken once, outside CUDA-graph capture)."""
+    n, k = weight.shape
+    if (x.shape[0] < CUBLAS_MIN_ROWS or not x.is_cuda or triton_interpreted() or x.dtype != torch.bfloat16
+            or block != (128, 128) or act_group != 128 or n % 128 or k % 512 or not hasattr(F, "scaled_mm")):
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _CUBLAS_PROBED:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        try:
+            probe = torch.zeros(4, 512, dtype=torch.bfloat16, device=x.device)
+            _cublas_block_linear(probe, torch.zeros(128, 512, dtype=torch.float8_e4m3fn, device=x.device),
+                                 torch.ones(1, 4, device=x.device), None)
+            _CUBLAS_PROBED[index] = True
+        except (RuntimeError, NotImplementedError):  # an older cuBLAS, or a GPU without the scaled modes
+            _CUBLAS_PROBED[index] = False
+    return _CUBLAS_PROBED[index]
+
+
+def _cublas_block_linear(
+    x: torch.Tensor,  # [M, K] bfloat16
+    weight: torch.Tensor,  # [N, K] float8 e4m3fn
+    scale: torch.Tensor,  # [N / 128, K / 128] float32
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [M, N] bfloat16
+    """The block-scaled product through cuBLAS: x quantized per token and 128 inputs by the same quantizer (its
+    scales column-major, rows padded to a multiple of 4 as cuBLAS asks), the float8 sums scaled a block at a time."""
+    m = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
+    a, a_scale = quantize_groups(padded, 128, rows_minor=True)
+    y = F.scaled_mm(a, weight.t(), a_scale, F.ScalingType.BlockWise1x128, scale.float().t(),
+                    F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)[:m]
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y

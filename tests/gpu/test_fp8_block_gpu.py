@@ -38,7 +38,7 @@ class _Layer(torch.nn.Module):
                                                    + 1e-5, requires_grad=False)
 
 
-@pytest.mark.parametrize("m", [1, 16, 100, 1024])
+@pytest.mark.parametrize("m", [1, 16, 99, 1024])  # 99 and 1024: cuBLAS's block-scaled GEMM (99 padded to 100 rows)
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 def test_block_product_matches_the_torch_path(m, n, k):
     g = torch.Generator(device=DEVICE).manual_seed(m + n)
@@ -50,6 +50,23 @@ def test_block_product_matches_the_torch_path(m, n, k):
     # bf16 outputs, float8 dots summed a block at a time: within a couple of bf16 roundings of the largest output.
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.abs().max().item(), rtol=2e-2)
     assert torch.equal(got, fp8_block_linear(x, layer.weight, layer.weight_scale_inv, (128, 128), 128))
+
+
+def test_prefill_products_take_cublas_where_it_scales_blocks():
+    """From CUDA 12.9 on Hopper, cuBLAS multiplies 1x128-by-128x128 block-scaled float8; the probe must find it
+    there (else prefill silently keeps the slower kernel), and its column-major activation scales are the same."""
+    from pagedllm.kernels import fp8_block
+
+    g = torch.Generator(device=DEVICE).manual_seed(9)
+    layer = _Layer(256, 1024, g)
+    x = torch.randn(fp8_block.CUBLAS_MIN_ROWS, 1024, generator=g, device=DEVICE).bfloat16()
+    taken = fp8_block._cublas_takes(x, layer.weight, (128, 128), 128)
+    cuda = tuple(int(v) for v in torch.version.cuda.split("."))
+    if torch.cuda.get_device_capability() == (9, 0) and cuda >= (12, 9):
+        assert taken
+    q, s = quantize_groups(x, 128)
+    q_t, s_t = quantize_groups(x, 128, rows_minor=True)
+    assert s_t.stride() == (1, x.shape[0]) and torch.equal(s_t, s) and torch.equal(q_t.float(), q.float())
 
 
 def test_block_float8_moe_checkpoint_follows_its_dequantized_model(tmp_path):

@@ -30,6 +30,8 @@ def test_activation_groups_equal_the_torch_rounding(rows, k, group):
     deq = (q.float().view(rows, -1) * s.repeat_interleave(group, dim=1)[:, :k])
     assert torch.equal(deq, fp8_group_quant_dequant(x, group))
     assert s[0, 0] == torch.finfo(torch.float32).eps
+    q_t, s_t = quantize_groups(x, group, rows_minor=True)  # cuBLAS's column-major scales: the same values
+    assert s_t.stride() == (1, rows) and torch.equal(s_t, s) and torch.equal(q_t.float(), q.float())
 
 
 def _layer(n: int, k: int, block: tuple[int, int], gen: torch.Generator, bias: bool) -> nn.Module:
