@@ -110,9 +110,11 @@ def _wna16_kernel(
 @triton.jit
 def _wna16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
-    N, K, CHUNKS_PER_SPLIT,
-    stride_os,
+    part_ptr,  # [splits, N] float32 partial sums (REDUCE_LAST)
+    lock_ptr,  # [>= column tiles] int32, zero between launches: splits of each column tile that have finished
+    N, K, CHUNKS_PER_SPLIT, num_splits,
     GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    REDUCE_LAST: tl.constexpr,
 ):
     """One row of x, without a tensor-core tile to fill. Within a group (BLOCK_K divides GROUP) the zero point
     and scale are applied once per word instead of per weight: ``sum_p x_p (q_p - z) s = s sum_p x_p q_p -
@@ -156,7 +158,21 @@ def _wna16_gemv_kernel(
         z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         acc += part * s[None, :] - (z * s)[None, :] * xsum[:, None]
     out = tl.sum(acc, axis=0)  # [BN]
-    tl.store(out_ptr + pid_s * stride_os + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    if REDUCE_LAST:
+        # Each split leaves its float32 sums; the last split of a column tile to finish adds them in split order and
+        # writes the output, so the product takes one launch (no sum and cast launches after it), and its result
+        # never depends on which split ends first. That split then clears the count for the next launch.
+        tl.store(part_ptr + pid_s * N + offs_n, out, mask=n_ok)
+        tl.debug_barrier()  # every thread's partial sums stored before the count moves
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for sp in range(0, num_splits):
+                total += tl.load(part_ptr + sp * N + offs_n, mask=n_ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    else:  # one split writes the output; several (no count buffer) write their rows of float32 partial sums
+        tl.store(out_ptr + pid_s * N + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def _gemv_block_k(group_size: int, k: int, bits: int) -> int | None:
@@ -202,12 +218,35 @@ def wna16_gemv(
                 split *= 2
     per_split = triton.cdiv(chunks, split)
     split = triton.cdiv(chunks, per_split)
-    out = torch.empty((split, 1, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
-    _wna16_gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x.contiguous(), qweight, scales, zeros, out, n, k, per_split, out.stride(0),
-        GROUP=group_size, BITS=bits, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps,
+    tiles = triton.cdiv(n, block_n)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    locks = _split_counts(x.device, tiles) if split > 1 else None
+    part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    _wna16_gemv_kernel[(tiles, split)](
+        x.contiguous(), qweight, scales, zeros, out if locks is not None else part, part,
+        locks if locks is not None else out, n, k, per_split, split,
+        GROUP=group_size, BITS=bits, BLOCK_N=block_n, BLOCK_K=bk, REDUCE_LAST=locks is not None, num_warps=num_warps,
     )
-    return out[0] if split == 1 else out.sum(0).to(x.dtype)
+    if split > 1 and locks is None:  # no count buffer (first call inside a CUDA-graph capture): sum afterwards
+        return part.sum(0, keepdim=True).to(x.dtype)
+    return out
+
+
+# Column tiles a GEMV launch may have under one count buffer; wider products sum their splits afterwards.
+_MAX_TILES = 1 << 16
+_SPLIT_COUNTS: dict[str, torch.Tensor] = {}  # device -> [_MAX_TILES] int32 zeros, kept for the process's life
+
+
+def _split_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's buffer of per-tile split counts (zero between launches: each launch's last split clears its
+    own), made once outside CUDA-graph capture (a capture would record its zeroing, not run it) and never freed,
+    since captured graphs hold its address; None where it cannot serve."""
+    key = str(device)
+    if key not in _SPLIT_COUNTS:
+        if tiles > _MAX_TILES or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return None
+        _SPLIT_COUNTS[key] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return _SPLIT_COUNTS[key] if tiles <= _MAX_TILES else None
 
 
 @triton.jit

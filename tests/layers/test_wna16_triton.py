@@ -200,6 +200,24 @@ def test_one_row_gemv_against_the_oracle(bits, g, k, n, split, dtype):
     assert torch.allclose(got.float(), want, atol=tol * k ** 0.5, rtol=tol), (got.float() - want).abs().max()
 
 
+def test_gemv_splits_summed_in_the_launch_equal_those_summed_after(monkeypatch):
+    """Split rows: the last split of each column tile adds the float32 partial sums in split order inside the launch
+    (and leaves the tile counts at zero for the next); without a count buffer (a first call inside a graph capture)
+    the splits are summed afterwards, in the same order: the same bits."""
+    from pagedllm.kernels import wna16
+
+    gen = torch.Generator().manual_seed(5)
+    k, n, g = 512, 72, 64
+    qw = pack_int32(torch.randint(0, 16, (k, n), generator=gen), 4, 0).contiguous()
+    z = torch.randint(0, 16, (k // g, n), generator=gen).float()
+    s = torch.rand(k // g, n, generator=gen) * 0.01
+    x = torch.randn(1, k, generator=gen)
+    fused = wna16.wna16_gemv(x, qw, s, z, 4, g, block_n=32, split_k=4)
+    assert not wna16._split_counts(x.device, 3).any()
+    monkeypatch.setattr(wna16, "_split_counts", lambda device, tiles: None)
+    assert torch.equal(fused, wna16.wna16_gemv(x, qw, s, z, 4, g, block_n=32, split_k=4))
+
+
 def test_one_row_product_takes_the_gemv():
     """``wna16_matmul`` sends one row with groups in order to the GEMV, and act-order indices to the tile kernel."""
     from pagedllm.kernels.wna16 import wna16_gemv
