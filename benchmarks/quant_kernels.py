@@ -184,7 +184,7 @@ def main() -> None:
                    "gemv_us": gemv, "dense_from_rows": DENSE_FROM_ROWS}
             best = None
             if args.sweep and m == 1:
-                for bn, split, warps in itertools.product((32, 64, 128, 256), (None, 1, 2, 4, 8), (2, 4, 8)):
+                for bn, split, warps in itertools.product((32, 64, 128, 256), (None, 1, 2, 4, 8, 16, 32), (2, 4, 8)):
                     if time.monotonic() > deadline:
                         break
                     t = _time_us(lambda: wna16_gemv(x, qw, s, z, args.bits, args.group, block_n=bn, split_k=split,
