@@ -1,5 +1,5 @@
-"""Makes the test helpers in this directory (e.g. tiny_models) importable from any test module, and runs
-the Triton kernels in Triton's interpreter on machines without a GPU."""
+"""Makes the test helpers in this directory (e.g. tiny_models) importable from any test module, runs the Triton
+kernels in Triton's interpreter on machines without a GPU, and gives each test worker one thread on small machines."""
 from __future__ import annotations
 
 import os
@@ -13,3 +13,7 @@ if not torch.cuda.is_available():
     # Before anything imports triton: @triton.jit (triton.language's own helpers included) picks
     # interpreter or compiler when it decorates, so the choice must hold for the whole session.
     os.environ["TRITON_INTERPRET"] = "1"
+
+if os.environ.get("PYTEST_XDIST_WORKER") and os.cpu_count() and os.cpu_count() <= 2:
+    # Tests spread over as many worker processes as cores: one thread each, not two per core.
+    torch.set_num_threads(1)
