@@ -190,14 +190,29 @@ def _cublas_takes(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int],
     if index not in _CUBLAS_PROBED:
         if torch.cuda.is_current_stream_capturing():
             return False
-        try:
-            probe = torch.zeros(4, 512, dtype=torch.bfloat16, device=x.device)
-            _cublas_block_linear(probe, torch.zeros(128, 512, dtype=torch.float8_e4m3fn, device=x.device),
-                                 torch.ones(1, 4, device=x.device), None)
-            _CUBLAS_PROBED[index] = True
-        except (RuntimeError, NotImplementedError):  # an older cuBLAS, or a GPU without the scaled modes
-            _CUBLAS_PROBED[index] = False
+        _CUBLAS_PROBED[index] = _cublas_agrees(x.device)
     return _CUBLAS_PROBED[index]
+
+
+def _cublas_agrees(device: torch.device) -> bool:
+    """Whether cuBLAS multiplies a block-scaled probe (rows, weight blocks and activation groups each with scales of
+    their own) as the Triton kernel does, within bfloat16 rounding: False where it refuses the scaled modes (an
+    older cuBLAS, another GPU) or reads the scales otherwise."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(CUBLAS_MIN_ROWS, 512, generator=g, device=device) * torch.rand(1, 512, generator=g, device=device)
+    weight = (torch.randn(256, 512, generator=g, device=device) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 4, generator=g, device=device) + 0.05
+    x = x.bfloat16()
+    try:
+        got = _cublas_block_linear(x, weight, scale, None).float()
+    except (RuntimeError, NotImplementedError):
+        return False
+    a, a_s = quantize_groups(x, 128)
+    want = torch.empty(x.shape[0], 256, dtype=x.dtype, device=device)
+    _fp8_block_gemm_kernel[(triton.cdiv(x.shape[0], 64), 2)](
+        a, a_s, weight, scale, want, want, x.shape[0], 256, 512, 4, a.stride(0), BN_SCALE=128, A_FP8=True,
+        NATIVE_FP8=True, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2)
+    return bool(((got - want.float()).abs().max() <= 2e-2 * want.float().abs().max()).item())
 
 
 def _cublas_block_linear(
