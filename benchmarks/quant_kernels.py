@@ -161,7 +161,7 @@ def main() -> None:
         return
     rows = []
     deadline = time.monotonic() + args.sweep_budget_s
-    print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'wna16':>8} {'ratio':>6} {'tile':>8} {'dense':>8} {'gemv':>8} {'gemv-pf':>8}"
+    print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'wna16':>8} {'ratio':>6} {'tile':>8} {'dense':>8} {'gemv':>8}"
           f"{'  best tile (us, block, split, warps/stages)' if args.sweep else ''}")
     for name, k, n in SHAPES:
         q = torch.randint(0, 1 << args.bits, (k, n), device=dev)
@@ -179,11 +179,9 @@ def main() -> None:
             deq = _time_us(lambda: wna16_matmul(x, qw, s, z, args.bits, args.group, dense_from_rows=1), args.iters)
             gemv = (_time_us(lambda: wna16_gemv(x, qw, s, z, args.bits, args.group), args.iters) if m == 1
                     else float("nan"))  # the one-row kernel without tensor cores
-            gemv_nopf = (_time_us(lambda: wna16_gemv(x, qw, s, z, args.bits, args.group, prefetch=False), args.iters)
-                         if m == 1 else float("nan"))  # the same without its next chunk's words in flight
             row = {"shape": name, "k": k, "n": n, "m": m, "bits": args.bits, "group": args.group,
                    "bf16_us": ref, "wna16_us": got, "ratio": got / ref, "tile_us": tile, "dense_us": deq,
-                   "gemv_us": gemv, "gemv_no_prefetch_us": gemv_nopf, "dense_from_rows": DENSE_FROM_ROWS}
+                   "gemv_us": gemv, "dense_from_rows": DENSE_FROM_ROWS}
             best = None
             if args.sweep and m == 1:
                 for bn, split, warps in itertools.product((32, 64, 128, 256), (None, 1, 2, 4, 8, 16, 32), (2, 4, 8)):
@@ -210,7 +208,7 @@ def main() -> None:
             rows.append(row)
             extra = f"  {best[0]:.1f} {best[1]} {best[2]} {best[3]}" if best else ""
             print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {got:>8.1f} {got / ref:>6.2f} {tile:>8.1f} {deq:>8.1f} {gemv:>8.1f}"
-                  f" {gemv_nopf:>8.1f}{extra}", flush=True)
+                  f"{extra}", flush=True)
     if args.out:
         path = os.path.join(args.out, "quant_kernels.json") if os.path.isdir(args.out) else args.out
         with open(path, "w") as f:

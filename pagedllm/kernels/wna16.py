@@ -115,7 +115,6 @@ def _wna16_gemv_kernel(
     N, K, CHUNKS_PER_SPLIT, num_splits,
     GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     REDUCE_LAST: tl.constexpr,
-    PREFETCH: tl.constexpr = True,
 ):
     """One row of x, without a tensor-core tile to fill. Within a group (BLOCK_K divides GROUP) the zero point
     and scale are applied once per word instead of per weight: ``sum_p x_p (q_p - z) s = s sum_p x_p q_p -
@@ -135,17 +134,10 @@ def _wna16_gemv_kernel(
     c_start = pid_s * CHUNKS_PER_SPLIT
     c_end = tl.minimum(c_start + CHUNKS_PER_SPLIT, K // BLOCK_K)
     acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    w_ptrs = qw_ptr + offs_w[:, None] * N + offs_n[None, :]  # [WORDS, BN]: chunk 0's words
-    if PREFETCH:
-        # The next chunk's words are requested before this chunk's arithmetic, so a load is always in flight.
-        nxt = tl.load(w_ptrs + c_start * WORDS * N, mask=n_ok[None, :] & (c_start < c_end), other=0)
     for c in range(c_start, c_end):
         k0 = c * BLOCK_K
-        if PREFETCH:
-            words = nxt
-            nxt = tl.load(w_ptrs + (c + 1) * WORDS * N, mask=n_ok[None, :] & (c + 1 < c_end), other=0)
-        else:
-            words = tl.load(w_ptrs + c * WORDS * N, mask=n_ok[None, :], other=0)  # [WORDS, BN]
+        words = tl.load(qw_ptr + (k0 // PACK + offs_w)[:, None] * N + offs_n[None, :], mask=n_ok[None, :],
+                        other=0)  # [WORDS, BN]
         # 2**23's exponent bits or'ed in once a word (the values they cover are read from the shifted copy):
         # then one AND a value keeps its bits and the exponent's.
         low = words | MAGIC_BITS
@@ -202,7 +194,6 @@ def wna16_gemv(
     block_n: int | None = None,  # None: 64 for wide outputs, else 128
     split_k: int | None = None,
     num_warps: int = 4,
-    prefetch: bool = True,
 ) -> torch.Tensor:  # [1, N] in x's dtype
     """The one-row product without tensor cores (``_wna16_gemv_kernel``), which ``wna16_matmul`` takes for one
     row; groups in order (no ``g_idx``) whose size a power-of-two step of 32-128 rows divides."""
@@ -234,8 +225,7 @@ def wna16_gemv(
     _wna16_gemv_kernel[(tiles, split)](
         x.contiguous(), qweight, scales, zeros, out if locks is not None else part, part,
         locks if locks is not None else out, n, k, per_split, split,
-        GROUP=group_size, BITS=bits, BLOCK_N=block_n, BLOCK_K=bk, REDUCE_LAST=locks is not None, PREFETCH=prefetch,
-        num_warps=num_warps,
+        GROUP=group_size, BITS=bits, BLOCK_N=block_n, BLOCK_K=bk, REDUCE_LAST=locks is not None, num_warps=num_warps,
     )
     if split > 1 and locks is None:  # no count buffer (first call inside a CUDA-graph capture): sum afterwards
         return part.sum(0, keepdim=True).to(x.dtype)
