@@ -200,18 +200,22 @@ def test_one_row_gemv_against_the_oracle(bits, g, k, n, split, dtype):
     assert torch.allclose(got.float(), want, atol=tol * k ** 0.5, rtol=tol), (got.float() - want).abs().max()
 
 
+def _one_row_case(k: int, n: int, g: int, seed: int):  # -> x [1, K], 4-bit words [K / 8, N], scales, zeros [K / g, N]
+    gen = torch.Generator().manual_seed(seed)
+    qw = pack_int32(torch.randint(0, 16, (k, n), generator=gen), 4, 0).contiguous()
+    z = torch.randint(0, 16, (k // g, n), generator=gen).float()
+    s = torch.rand(k // g, n, generator=gen) * 0.01
+    return torch.randn(1, k, generator=gen), qw, s, z
+
+
 def test_gemv_splits_summed_in_the_launch_equal_those_summed_after(monkeypatch):
     """Split rows: the last split of each column tile adds the float32 partial sums in split order inside the launch
     (and leaves the tile counts at zero for the next); without a count buffer (a first call inside a graph capture)
     the splits are summed afterwards, in the same order: the same bits."""
     from pagedllm.kernels import wna16
 
-    gen = torch.Generator().manual_seed(5)
-    k, n, g = 512, 72, 64
-    qw = pack_int32(torch.randint(0, 16, (k, n), generator=gen), 4, 0).contiguous()
-    z = torch.randint(0, 16, (k // g, n), generator=gen).float()
-    s = torch.rand(k // g, n, generator=gen) * 0.01
-    x = torch.randn(1, k, generator=gen)
+    g = 64
+    x, qw, s, z = _one_row_case(512, 72, g, seed=5)
     fused = wna16.wna16_gemv(x, qw, s, z, 4, g, block_n=32, split_k=4)
     assert not wna16._split_counts(x.device, 3).any()
     monkeypatch.setattr(wna16, "_split_counts", lambda device, tiles: None)
@@ -222,12 +226,8 @@ def test_one_row_product_takes_the_gemv():
     """``wna16_matmul`` sends one row with groups in order to the GEMV, and act-order indices to the tile kernel."""
     from pagedllm.kernels.wna16 import wna16_gemv
 
-    gen = torch.Generator().manual_seed(11)
-    k, n, g = 256, 48, 64
-    qw = pack_int32(torch.randint(0, 16, (k, n), generator=gen), 4, 0).contiguous()
-    z = torch.randint(0, 16, (k // g, n), generator=gen).float()
-    s = torch.rand(k // g, n, generator=gen) * 0.01
-    x = torch.randn(1, k, generator=gen)
+    k, g = 256, 64
+    x, qw, s, z = _one_row_case(k, 48, g, seed=11)
     assert torch.equal(wna16_matmul(x, qw, s, z, 4, g), wna16_gemv(x, qw, s, z, 4, g))
     tile = wna16_matmul(x, qw, s, z, 4, g, gemv=False)
     assert not torch.equal(tile, wna16_gemv(x, qw, s, z, 4, g))  # another summation order
