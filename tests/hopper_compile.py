@@ -64,7 +64,9 @@ def shared_memory() -> None:
     from pagedllm.kernels import fp8_block
     from pagedllm.kernels.moe import grouped_gemm as gg
     from pagedllm.kernels.moe.configs import _TABLE
+    import pagedllm.kernels.numerics as km
 
+    km._compiled_for_nvidia = lambda t: True  # the explicitly rounded epilogues that run there
     launches: list = []
     for kernel in (gg._grouped_gemm_kernel, fp8_block._fp8_block_gemm_kernel):
         _record(kernel, launches)
@@ -86,12 +88,14 @@ def shared_memory() -> None:
                                                torch.zeros(e, 2 * i // 128, h // 128), (128, 128)),
                       gg.BlockFp8ExpertWeights(torch.zeros(e, h, i, dtype=torch.float8_e4m3fn),
                                                torch.zeros(e, h // 128, i // 128), (128, 128)), "fp8"),
-        "int8": (gg.Int8ExpertWeights(torch.zeros(e, 2 * i, h, dtype=torch.int8), torch.zeros(e, 2 * i)),
-                 gg.Int8ExpertWeights(torch.zeros(e, h, i, dtype=torch.int8), torch.zeros(e, h)), "int8"),
+        # Activations with zero points: the longer int8 epilogue (a symmetric one only drops its first steps).
+        "int8 asym": (gg.Int8ExpertWeights.asymmetric(torch.zeros(e, 2 * i, h, dtype=torch.int8), torch.zeros(e, 2 * i)),
+                      gg.Int8ExpertWeights.asymmetric(torch.zeros(e, h, i, dtype=torch.int8), torch.zeros(e, h)),
+                      "int8"),
     }
     variants = []
     inputs = {"fp8": (torch.float8_e4m3fn, lambda rows, k: {"a_scale": torch.zeros(rows, k // 128)}),
-              "int8": (torch.int8, lambda rows, k: {"a_scale": torch.zeros(rows, 1)}), "bf16": (bf, lambda rows, k: {})}
+              "int8": (torch.int8, lambda rows, k: {"a_scale": torch.zeros(rows, 1), "a_zero": torch.zeros(rows, 1)}), "bf16": (bf, lambda rows, k: {})}
     for name, (w13, w2, kind) in experts.items():
         for _, config in _TABLE:
             rows = 2 * config["BLOCK_M"]

@@ -4,8 +4,10 @@ product scaled back to the activation dtype in one launch.
 Written as torch ops, a W8A8 linear's activation quantization is eight launches over [T, K] (cast, min, max,
 scale, divide, clamp, round, cast) and its epilogue four over [T, N]; a decode step runs a few hundred
 products, and those launches cost more than the products themselves at small batches. The arithmetic is
-``layers/quantization/int8.py``'s symmetric path (``quantize_int8_rows``, ``w8a8_linear``), IEEE division and
-round-half-to-even, so the two agree bit for bit.
+``layers/quantization/int8.py``'s symmetric path (``quantize_int8_rows`` below, ``w8a8_linear``), IEEE division and
+round-half-to-even, so the two agree bit for bit. The torch arithmetic itself (``int8_qparams``,
+``quantize_int8_rows``, symmetric or with a zero point per row) lives here too: it is these kernels' reference,
+and the MoE kernels quantize asymmetric rows with it.
 """
 from __future__ import annotations
 
@@ -20,6 +22,36 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HALF_RANGE = tl.constexpr(127.5)  # (QMAX - QMIN) / 2: a symmetric row's largest magnitude maps here
 INV_HALF_RANGE = tl.constexpr(float(torch.tensor(1.0) / torch.tensor(127.5)))  # its float32 reciprocal
 EPS = tl.constexpr(torch.finfo(torch.float32).eps)  # the scale of a row of zeros
+QMIN, QMAX = -128, 127
+_EPS = torch.finfo(torch.float32).eps  # EPS for torch
+
+
+def int8_qparams(
+    x: torch.Tensor,  # [M, K]
+    symmetric: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # scales [M, 1] float32, zero points [M, 1] float32 or None
+    """Per-row scale (and zero point) of compressed-tensors' arithmetic: the range always holds zero."""
+    xf = x.float()
+    lo = xf.amin(dim=-1, keepdim=True).clamp(max=0)
+    hi = xf.amax(dim=-1, keepdim=True).clamp(min=0)
+    if symmetric:
+        scale = torch.maximum(lo.abs(), hi) / ((QMAX - QMIN) / 2)
+        return torch.where(scale == 0, torch.full_like(scale, _EPS), scale), None
+    scale = (hi - lo) / (QMAX - QMIN)
+    scale = torch.where(scale == 0, torch.full_like(scale, _EPS), scale)
+    zero = torch.round((QMIN - lo / scale).clamp(QMIN, QMAX))
+    return scale, zero
+
+
+def quantize_int8_rows(
+    x: torch.Tensor,  # [M, K]
+    symmetric: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # q [M, K] int8, scales [M, 1], zero points [M, 1]
+    scale, zero = int8_qparams(x, symmetric)
+    scaled = x.float() / scale
+    if zero is not None:
+        scaled = scaled + zero
+    return torch.round(scaled.clamp(QMIN, QMAX)).to(torch.int8), scale, zero
 
 
 @triton.jit

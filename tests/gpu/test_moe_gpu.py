@@ -110,23 +110,26 @@ def test_block_fp8_experts_match_the_per_expert_linears(tokens):
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * want.abs().max().item(), rtol=3e-2)
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 256, 4096])
-def test_int8_experts_match_the_per_expert_w8a8_products(tokens):
+@pytest.mark.parametrize("tokens,symmetric", [(1, True), (16, True), (256, True), (4096, True), (1, False),
+                                              (256, False)])
+def test_int8_experts_match_the_per_expert_w8a8_products(tokens, symmetric):
     """W8A8 experts in the grouped kernel against the per-expert loop of the dense W8A8 product (``w8a8_linear``:
-    the decode kernel up to 16 rows, cuBLAS's int8 product past that): the same int8 rows and exact int32 sums."""
+    the decode kernel up to 16 rows, cuBLAS's int8 product past that): the same int8 rows and exact int32 sums;
+    asymmetric activations take a zero point per token (the torch quantizer, then cuBLAS)."""
     from pagedllm.kernels.moe.grouped_gemm import Int8ExpertWeights
     from pagedllm.layers.fused_moe.reference import gated_activation, per_expert
     from pagedllm.layers.quantization.int8 import quantize_int8_rows, w8a8_linear
 
     x, w13, w2, weights, ids = _case(tokens, 64, 8, 512, 256, torch.bfloat16, seed=5)
     (q13, s13, _), (q2, s2, _) = quantize_int8_rows(w13.flatten(0, 1)), quantize_int8_rows(w2.flatten(0, 1))
-    e13 = Int8ExpertWeights(q13.view(w13.shape), s13.view(w13.shape[:2]))
-    e2 = Int8ExpertWeights(q2.view(w2.shape), s2.view(w2.shape[:2]))
+    make = Int8ExpertWeights if symmetric else Int8ExpertWeights.asymmetric
+    e13 = make(q13.view(w13.shape), s13.view(w13.shape[:2]))
+    e2 = make(q2.view(w2.shape), s2.view(w2.shape[:2]))
     got = fused_experts(x, e13, e2, weights, ids)
 
     def expert(rows: torch.Tensor, e: int) -> torch.Tensor:
-        h = gated_activation(w8a8_linear(rows, e13.weight[e], e13.scale[e][:, None], None, True), "silu")
-        return w8a8_linear(h, e2.weight[e], e2.scale[e][:, None], None, True)
+        h = gated_activation(w8a8_linear(rows, e13.weight[e], e13.scale[e][:, None], None, symmetric), "silu")
+        return w8a8_linear(h, e2.weight[e], e2.scale[e][:, None], None, symmetric)
 
     want = per_expert(x, weights, ids, 64, expert)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * want.abs().max().item(), rtol=1e-2)

@@ -94,7 +94,10 @@ _FORMATS = {
                     "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
                                           "dynamic": True}}}},
 }
-_QUANTIZERS = {"awq": _awq, "ct-w4a16": _ct_w4a16, "fp8-block": _fp8_blocks, "ct-w8a8": _int8_rows}
+_FORMATS["ct-w8a8-asym-act"] = json.loads(json.dumps(_FORMATS["ct-w8a8"]).replace('"symmetric": true, "strategy": "token"',
+                                                                                  '"symmetric": false, "strategy": "token"'))
+_QUANTIZERS = {"awq": _awq, "ct-w4a16": _ct_w4a16, "fp8-block": _fp8_blocks, "ct-w8a8": _int8_rows,
+               "ct-w8a8-asym-act": _int8_rows}
 
 
 def _quantized_pair(kind: str, fmt: str, root, **shape) -> tuple[str, str]:
@@ -211,8 +214,10 @@ def test_quantized_experts_under_tensor_and_expert_parallelism(tmp_path):
 
 # compressed-tensors W4A16 reaches the same common layout as AWQ (test_quantized_experts_equal_their_dequantized_model
 # covers its conversion), so AWQ stands for both here.
+# The W8A8 case takes activations with a zero point per token, the grouped kernel's longer int8 epilogue; the
+# symmetric one differs only in that epilogue (tests/layers/test_moe_int8_experts.py has both).
 @pytest.mark.parametrize("kind,fmt", [("mixtral", "awq"), ("qwen3_moe", "gptq-act-order"), ("qwen3_moe", "fp8-block"),
-                                      ("mixtral", "ct-w8a8")])
+                                      ("mixtral", "ct-w8a8-asym-act")])
 def test_experts_restacked_for_the_grouped_kernel_keep_their_tokens(kind, fmt, tmp_path, monkeypatch):
     """What a CUDA load does to 4-bit, block-float8 and W8A8 experts, done on the CPU under Triton's interpreter:
     4-bit expert linears to the kernel layout, then each layer's experts stacked for the grouped kernel (act-order

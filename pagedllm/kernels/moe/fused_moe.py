@@ -54,13 +54,13 @@ def fused_experts(
                                                               config["BLOCK_M"])
     num_pairs = tokens * top_k
     act = torch.empty(num_pairs, two_i // 2, dtype=hidden_states.dtype, device=hidden_states.device)
-    a, a_scale = _product_input(hidden_states, w13)
+    a, a_scale, a_zero = _product_input(hidden_states, w13)
     grouped_gemm(a, w13, act, None, sorted_ids, expert_ids, num_padded, top_k, config, gated=True,
-                 w_scale=w13_scale, a_scale=a_scale)
+                 w_scale=w13_scale, a_scale=a_scale, a_zero=a_zero)
     down = torch.empty(num_pairs, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
-    a, a_scale = _product_input(act, w2)
+    a, a_scale, a_zero = _product_input(act, w2)
     grouped_gemm(a, w2, down, topk_weights.reshape(-1).float().contiguous(), sorted_ids, expert_ids, num_padded,
-                 1, config, gated=False, w_scale=w2_scale, a_scale=a_scale)
+                 1, config, gated=False, w_scale=w2_scale, a_scale=a_scale, a_zero=a_zero)
     if top_k == 1:
         return down
     return down.view(tokens, top_k, hidden).sum(dim=1)
@@ -70,12 +70,16 @@ def fused_experts(
 def _product_input(
     x: torch.Tensor,  # [rows, K]
     w,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # (rows as the kernel reads them, their group scales or None)
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # (rows as the kernel reads them, their
+    # scales [rows, groups] or None, their zero points [rows, 1] or None)
     """Block-wise float8 experts take their input rows quantized to float8 per group of a block's inputs, as the
     per-expert linears (``Fp8BlockLinearMethod``) quantize theirs; int8 experts take them as int8 rows with a scale
-    each (``w8a8_linear``'s symmetric quantization, bit for bit); other experts take them as they are."""
+    each (``w8a8_linear``'s quantization, bit for bit: one launch when symmetric, torch's ops with a zero point per
+    row when not); other experts take them as they are."""
     if isinstance(w, BlockFp8ExpertWeights):
-        return fp8_block.quantize_groups(x, w.block[1])
+        return *fp8_block.quantize_groups(x, w.block[1]), None
     if isinstance(w, Int8ExpertWeights):
-        return int8_quant.quantize_rows(x)
-    return x, None
+        if w.row_sums is not None:
+            return int8_quant.quantize_int8_rows(x, symmetric=False)
+        return *int8_quant.quantize_rows(x), None
+    return x, None, None

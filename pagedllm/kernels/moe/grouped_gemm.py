@@ -18,9 +18,11 @@ their values shifted out in registers, and ``(q - z) * s`` rounded to the activa
 path's dequantized weight is, before the tensor-core product; the weight stays packed in memory. Groups
 follow ``k // GROUP``, or a per-expert index of each input row (GPTQ act-order, rows in checkpoint order).
 
-Int8 W8A8 experts (``A_INT8``, compressed-tensors ``int-quantized`` with symmetric per-token activations): the
-input rows arrive quantized to int8 with a scale each (``fused_moe._product_input``), the int8 tensor-core dots
-sum exactly in int32, and the epilogue applies the row's scale then the output column's, as ``w8a8_linear`` does.
+Int8 W8A8 experts (``A_INT8``, compressed-tensors ``int-quantized`` with symmetric weights): the input rows arrive
+quantized to int8 with a scale each (``fused_moe._product_input``), the int8 tensor-core dots sum exactly in int32,
+and the epilogue applies the row's scale then the output column's, as ``w8a8_linear`` does. Asymmetric per-token
+activations (``A_ZP``) also carry a zero point per row: the epilogue first takes ``zero * sum(weight row)`` off the
+sums (the weight rows' sums are kept at load), each product and difference rounded as torch rounds them.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.fp8_block import fp8_dot
+from pagedllm.kernels.numerics import add_rn, exact_rounding, mul_rn
 from pagedllm.kernels.wna16 import _unpack
 
 
@@ -49,10 +52,17 @@ class BlockFp8ExpertWeights:
 
 @dataclass
 class Int8ExpertWeights:
-    """One projection of a layer's W8A8 experts, stacked: int8 rows with a float32 scale each (symmetric)."""
+    """One projection of a layer's W8A8 experts, stacked: symmetric int8 rows with a float32 scale each; with
+    ``row_sums``, the activations are quantized asymmetrically (a zero point per token)."""
 
     weight: torch.Tensor  # [E, N_w, K] int8
     scale: torch.Tensor  # [E, N_w] float32
+    row_sums: torch.Tensor | None = None  # [E, N_w] float32: each weight row's sum, for asymmetric activations
+
+    @staticmethod
+    def asymmetric(weight: torch.Tensor, scale: torch.Tensor) -> "Int8ExpertWeights":
+        """Experts whose activations take a zero point per token: the weight rows' sums computed here, once."""
+        return Int8ExpertWeights(weight, scale, weight.sum(dim=-1, dtype=torch.int32).float().contiguous())
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -123,8 +133,9 @@ def _grouped_gemm_kernel(
     out_ptr,  # [P, N] contiguous
     topk_weights_ptr,  # [P] float32
     w_scale_ptr,  # [E, N_w] float32 when W_SCALED; packed: [E, G, N_w] group scales
-    w_zero_ptr,  # packed: [E, G, N_w] float32 zero points
-    g_idx_ptr,  # packed with HAS_GIDX: [E, P, K] int32 (P = 2 when GATED: the gate's rows, then the up's)
+    w_zero_ptr,  # packed: [E, G, N_w] float32 zero points; A_ZP: [rows] float32 zero points of the int8 rows
+    g_idx_ptr,  # packed with HAS_GIDX: [E, P, K] int32 (P = 2 when GATED: the gate's rows, then the up's);
+    # A_ZP: [E, N_w] float32 sums of the weight rows
     a_scale_ptr,  # W_BLOCK: [rows, ceil(K / BLOCK_K)] float32 scales of the float8 activation groups; A_INT8: [rows]
     sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32
     expert_ids_ptr,  # [max_blocks] int32
@@ -154,6 +165,8 @@ def _grouped_gemm_kernel(
     BN_SCALE: tl.constexpr = 1,  # W_BLOCK: weight rows a scale block (BLOCK_K inputs deep)
     NATIVE_FP8: tl.constexpr = False,
     A_INT8: tl.constexpr = False,  # int8 rows and weights, int32 sums; W_SCALED holds the weight row scales
+    A_ZP: tl.constexpr = False,  # A_INT8 rows quantized with a zero point each
+    EXACT: tl.constexpr = False,  # A_ZP: round each epilogue product and difference (numerics.py)
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -237,8 +250,18 @@ def _grouped_gemm_kernel(
     if A_INT8:
         # The exact int32 sums times the row's scale, then the column's (below): w8a8_linear's order of products.
         row_s = tl.load(a_scale_ptr + a_rows, mask=valid, other=0.0)[:, None]
-        acc = acc.to(tl.float32) * row_s
-        acc_up = acc_up.to(tl.float32) * row_s
+        if A_ZP:
+            # sum((q - z) * w) = sum(q * w) - z * sum(w), in float32 as w8a8_linear takes it.
+            n_w = 2 * N if GATED else N
+            zp = tl.load(w_zero_ptr + a_rows, mask=valid, other=0.0)[:, None]
+            sums_ptrs = g_idx_ptr + expert * n_w + offs_n
+            acc = add_rn(acc.to(tl.float32), -mul_rn(zp, tl.load(sums_ptrs, mask=n_ok, other=0.0)[None, :], EXACT),
+                         EXACT)
+            if GATED:
+                acc_up = add_rn(acc_up.to(tl.float32),
+                                -mul_rn(zp, tl.load(sums_ptrs + N, mask=n_ok, other=0.0)[None, :], EXACT), EXACT)
+        acc = mul_rn(acc.to(tl.float32), row_s, EXACT)
+        acc_up = mul_rn(acc_up.to(tl.float32), row_s, EXACT)
     if W_SCALED:
         n_w = 2 * N if GATED else N
         scale_ptrs = w_scale_ptr + expert * n_w + offs_n
@@ -272,6 +295,7 @@ def grouped_gemm(
     w_scale: torch.Tensor | None = None,  # [E, N (2N if gated)] float32 when w is float8
     a_scale: torch.Tensor | None = None,  # [rows, ceil(K / bk)] float32: a's float8 group scales (block experts);
     # [rows, 1] float32: a's int8 row scales (int8 experts)
+    a_zero: torch.Tensor | None = None,  # [rows, 1] float32: a's int8 row zero points (asymmetric int8 experts)
 ) -> None:
     n, k = out.shape[1], a.shape[1]
     if w.shape[1] != (2 * n if gated else n) or w.shape[2] != k:
@@ -285,8 +309,8 @@ def grouped_gemm(
                       grid, max_blocks)
         return
     if isinstance(w, Int8ExpertWeights):
-        _int8_launch(a, a_scale, w, out, topk_weights, sorted_ids, expert_ids, num_padded, a_row_div, config, gated,
-                     grid, max_blocks)
+        _int8_launch(a, a_scale, a_zero, w, out, topk_weights, sorted_ids, expert_ids, num_padded, a_row_div, config,
+                     gated, grid, max_blocks)
         return
     if isinstance(w, PackedExpertWeights):
         _packed_launch(a, w, out, topk_weights, sorted_ids, expert_ids, num_padded, a_row_div, config, gated, grid,
@@ -356,8 +380,8 @@ def _block_launch(a, a_scale, w: BlockFp8ExpertWeights, out, topk_weights, sorte
     )
 
 
-def _int8_launch(a, a_scale, w: Int8ExpertWeights, out, topk_weights, sorted_ids, expert_ids, num_padded, a_row_div,
-                 config, gated, grid, max_blocks) -> None:
+def _int8_launch(a, a_scale, a_zero, w: Int8ExpertWeights, out, topk_weights, sorted_ids, expert_ids, num_padded,
+                 a_row_div, config, gated, grid, max_blocks) -> None:
     e, n_w, k = w.shape
     if a.dtype != torch.int8 or a_scale is None or a_scale.numel() != a.shape[0] or a_scale.dtype != torch.float32:
         raise ValueError(f"int8 experts take int8 rows with a float32 scale each; got {a.dtype} rows and scales "
@@ -365,11 +389,18 @@ def _int8_launch(a, a_scale, w: Int8ExpertWeights, out, topk_weights, sorted_ids
     if w.weight.dtype != torch.int8 or tuple(w.scale.shape) != (e, n_w) or w.scale.dtype != torch.float32:
         raise ValueError(f"int8 expert scales must be float32 of shape {(e, n_w)}; got {w.scale.dtype} "
                          f"{tuple(w.scale.shape)}")
+    asym = w.row_sums is not None
+    if asym != (a_zero is not None) or (asym and (a_zero.numel() != a.shape[0] or tuple(w.row_sums.shape) != (e, n_w))):
+        raise ValueError(f"int8 experts with weight row sums take rows with a zero point each, and only those; got "
+                         f"row sums {None if w.row_sums is None else tuple(w.row_sums.shape)} and zero points "
+                         f"{None if a_zero is None else tuple(a_zero.shape)} for {a.shape[0]} rows")
     _grouped_gemm_kernel[grid](
-        a, w.weight, out, topk_weights if topk_weights is not None else out, w.scale, out, out, a_scale.contiguous(),
+        a, w.weight, out, topk_weights if topk_weights is not None else out, w.scale,
+        a_zero.float().contiguous() if asym else out, w.row_sums if asym else out, a_scale.contiguous(),
         sorted_ids, expert_ids, num_padded, out.shape[1], k, out.shape[0], a_row_div, max_blocks, a.stride(0),
         w.weight.stride(0), w.weight.stride(1), 0,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=max(config["BLOCK_K"], 32),  # int8 dots: K >= 32
         GROUP_M=config["GROUP_M"], GATED=gated, ROUTED=topk_weights is not None, W_SCALED=True, IEEE=False,
-        A_INT8=True, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        A_INT8=True, A_ZP=asym, EXACT=asym and exact_rounding(a), num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )

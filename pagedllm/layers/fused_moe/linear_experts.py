@@ -11,10 +11,10 @@ permutations) serve the experts as they serve the dense linears. An expert-paral
 experts and the loader skips the others'.
 
 On CUDA, 4/8-bit weight-only experts (AWQ, GPTQ, compressed-tensors W4A16/W8A16), block-wise float8 ones and
-int8 W8A8 ones with symmetric weights and activations (with a SiLU gate) are then stacked into a layout of the
+int8 W8A8 ones with symmetric weights (with a SiLU gate) are then stacked into a layout of the
 grouped kernel (``wna16_layout.stack_experts``; float8 and int8 weights and their scales stacked as loaded) and
 the per-expert linears freed: the forward is ``kernels.moe.fused_experts`` over them, a few launches a layer
-whatever the routing, which CUDA graphs replay. Otherwise (the CPU; asymmetric W8A8 experts) the forward is the
+whatever the routing, which CUDA graphs replay. Otherwise (the CPU; W8A8 experts with asymmetric weights) the forward is the
 reference's per-expert loop (``reference.per_expert``): each expert's rows go through its three linears'
 products and the gated activation, so the outputs are the dense format's, expert by expert. That loop reads how
 many rows each expert got on the host, which a CUDA graph cannot replay: a model with such experts runs its
@@ -67,8 +67,8 @@ class LinearExpertsMethod:
             self.stack_for_kernel(layer)
 
     def stack_for_kernel(self, layer: nn.Module) -> bool:
-        """Stacks 4/8-bit weight-only experts (already in the kernel layout), block-wise float8 or symmetric int8
-        W8A8 ones into the grouped kernel's tensors on ``layer``, then frees the per-expert linears; False where the experts' format or
+        """Stacks 4/8-bit weight-only experts (already in the kernel layout), block-wise float8 or int8 W8A8 ones
+        with symmetric weights into the grouped kernel's tensors on ``layer``, then frees the per-expert linears; False where the experts' format or
         shapes do not allow it (they stay linears, run by the per-expert loop)."""
         experts = layer.linear_experts
         if not experts or layer.activation != "silu":
@@ -140,24 +140,28 @@ def _stack_block_fp8(layer: nn.Module, linears: list[tuple[nn.Module, nn.Module,
 
 
 def _stack_int8(layer: nn.Module, linears: list[tuple[nn.Module, nn.Module, nn.Module]]) -> bool:
-    """Symmetric W8A8 experts as ``Int8ExpertWeights`` on ``layer``: each expert's gate then up int8 rows [2I, H]
-    and down [H, I] with their row scales; False unless every projection is W8A8 with symmetric weights and
-    symmetric per-token activations (asymmetric ones keep the per-expert loop)."""
+    """W8A8 experts with symmetric weights as ``Int8ExpertWeights`` on ``layer``: each expert's gate then up int8
+    rows [2I, H] and down [H, I] with their row scales (and the rows' sums where the activations take a zero
+    point per token); False unless every projection is W8A8 with symmetric weights and one activation scheme
+    (asymmetric weights keep the per-expert loop, as their dense linears take the dequantized path)."""
     from pagedllm.kernels.moe.grouped_gemm import Int8ExpertWeights
     from pagedllm.layers.quantization.int8 import W8A8Int8LinearMethod
 
     methods = [p.quant_method for ps in linears for p in ps]
-    if not all(isinstance(m, W8A8Int8LinearMethod) and m.act == "symmetric" and m.weight_symmetric for m in methods):
+    if not all(isinstance(m, W8A8Int8LinearMethod) and m.act is not None and m.weight_symmetric for m in methods):
         return False
+    if len({m.act for m in methods}) != 1:
+        return False
+    make = Int8ExpertWeights if methods[0].act == "symmetric" else Int8ExpertWeights.asymmetric
     stack = lambda ps, name: torch.stack([torch.cat([getattr(p, name) for p in group]) for group in ps])  # noqa: E731
     w13, w2 = [(w1, w3) for w1, w3, _ in linears], [(w2,) for _, _, w2 in linears]
-    layer.w13_packed = Int8ExpertWeights(stack(w13, "weight").contiguous(),
-                                         stack(w13, "weight_scale").flatten(1).float().contiguous())
-    layer.w2_packed = Int8ExpertWeights(stack(w2, "weight").contiguous(),
-                                        stack(w2, "weight_scale").flatten(1).float().contiguous())
+    layer.w13_packed = make(stack(w13, "weight").contiguous(), stack(w13, "weight_scale").flatten(1).float().contiguous())
+    layer.w2_packed = make(stack(w2, "weight").contiguous(), stack(w2, "weight_scale").flatten(1).float().contiguous())
     for prefix, packed in (("w13", layer.w13_packed), ("w2", layer.w2_packed)):
         layer.register_buffer(f"{prefix}_weight", packed.weight)
         layer.register_buffer(f"{prefix}_weight_scale", packed.scale)
+        if packed.row_sums is not None:
+            layer.register_buffer(f"{prefix}_row_sums", packed.row_sums)
     return True
 
 

@@ -18,40 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import int8_decode, int8_quant
+from pagedllm.kernels.int8_quant import quantize_int8_rows
 from pagedllm.layers.quantization.base import QuantizedLinearMethod
 from pagedllm.layers.quantization.packed_params import PackedParam
-
-QMIN, QMAX = -128, 127
-_EPS = torch.finfo(torch.float32).eps  # a scale of zero (a row of zeros) becomes this
-
-
-def int8_qparams(
-    x: torch.Tensor,  # [M, K]
-    symmetric: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # scales [M, 1] float32, zero points [M, 1] float32 or None
-    """Per-row scale (and zero point) of compressed-tensors' arithmetic: the range always holds zero."""
-    xf = x.float()
-    lo = xf.amin(dim=-1, keepdim=True).clamp(max=0)
-    hi = xf.amax(dim=-1, keepdim=True).clamp(min=0)
-    if symmetric:
-        scale = torch.maximum(lo.abs(), hi) / ((QMAX - QMIN) / 2)
-        return torch.where(scale == 0, torch.full_like(scale, _EPS), scale), None
-    scale = (hi - lo) / (QMAX - QMIN)
-    scale = torch.where(scale == 0, torch.full_like(scale, _EPS), scale)
-    zero = torch.round((QMIN - lo / scale).clamp(QMIN, QMAX))
-    return scale, zero
-
-
-def quantize_int8_rows(
-    x: torch.Tensor,  # [M, K]
-    symmetric: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # q [M, K] int8, scales [M, 1], zero points [M, 1]
-    scale, zero = int8_qparams(x, symmetric)
-    scaled = x.float() / scale
-    if zero is not None:
-        scaled = scaled + zero
-    return torch.round(scaled.clamp(QMIN, QMAX)).to(torch.int8), scale, zero
-
 
 # cuBLAS's int8 product takes more than 16 rows: fewer (decode) are padded with zero rows to this many, which
 # costs nothing next to reading the weight, where the float fallback would convert the whole weight every call.
