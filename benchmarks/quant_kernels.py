@@ -3,7 +3,7 @@
 
 Prints a table (shape, M, bf16 us, wna16 us as the engine runs it, ratio, the tile kernel's, the
 dequantize-then-GEMM path's and, at one row, the GEMV's (``wna16_gemv``) us) and, with ``--out DIR``, writes
-the rows as JSON. ``--sweep`` also times a grid of tile configs per row (up to ``--sweep-budget-s`` seconds) and
+the rows as JSON. ``--sweep`` also times a grid of tile configs per row (up to ``--sweep-budget-s`` seconds over all shapes) and
 reports the best (at one row, a grid of GEMV configs: block_n, split, warps).
 ``--int8`` times the W8A8 linear instead (``int8_rows``); ``--fp8-block`` the block-wise float8 linear
 (``kernels/fp8_block.py``, 128x128 weight blocks, activations quantized per token and 128 inputs; ``fp8_block_rows``).
@@ -160,10 +160,10 @@ def main() -> None:
                 json.dump({"device": torch.cuda.get_device_name(dev), "int8_rows": rows}, f, indent=1)
         return
     rows = []
-    deadline = time.monotonic() + args.sweep_budget_s
     print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'wna16':>8} {'ratio':>6} {'tile':>8} {'dense':>8} {'gemv':>8}"
           f"{'  best tile (us, block, split, warps/stages)' if args.sweep else ''}")
     for name, k, n in SHAPES:
+        deadline = time.monotonic() + args.sweep_budget_s / len(SHAPES)  # each shape its share of the sweep
         q = torch.randint(0, 1 << args.bits, (k, n), device=dev)
         qw = pack_int32(q, args.bits, 0).contiguous()
         del q
@@ -184,13 +184,18 @@ def main() -> None:
                    "gemv_us": gemv, "dense_from_rows": DENSE_FROM_ROWS}
             best = None
             if args.sweep and m == 1:
-                for bn, split, warps in itertools.product((32, 64, 128, 256), (None, 1, 2, 4, 8, 16, 32), (2, 4, 8)):
+                # The split first at the default tile, then the tile and warps at the best split.
+                first = [dict(split_k=sp) for sp in (None, 4, 8, 16, 32)]
+                for kw in first + [None] + [dict(block_n=bn, num_warps=w) for bn in (64, 128, 256) for w in (4, 8)]:
                     if time.monotonic() > deadline:
                         break
-                    t = _time_us(lambda: wna16_gemv(x, qw, s, z, args.bits, args.group, block_n=bn, split_k=split,
-                                                    num_warps=warps), 10)
+                    if kw is None:
+                        base = dict(best[1])
+                        continue
+                    kw = {**base, **kw} if "block_n" in kw else kw
+                    t = _time_us(lambda: wna16_gemv(x, qw, s, z, args.bits, args.group, **kw), 10)
                     if best is None or t < best[0]:
-                        best = (t, bn, split, warps)
+                        best = (t, kw)
                 row["best_gemv"] = best
             elif args.sweep and m <= 256:
                 for block, split, ws in _grid(m):
@@ -206,9 +211,11 @@ def main() -> None:
                         best = (t, block, split, ws)
                 row["best_tile"] = best
             rows.append(row)
-            extra = f"  {best[0]:.1f} {best[1]} {best[2]} {best[3]}" if best else ""
-            print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {got:>8.1f} {got / ref:>6.2f} {tile:>8.1f} {deq:>8.1f} {gemv:>8.1f}"
-                  f"{extra}", flush=True)
+            if best and m == 1:
+                extra = f"  {best[0]:.1f} {best[1]}"
+            else:
+                extra = f"  {best[0]:.1f} {best[1]} {best[2]} {best[3]}" if best else ""
+            print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {got:>8.1f} {got / ref:>6.2f} {tile:>8.1f} {deq:>8.1f} {gemv:>8.1f}{extra}", flush=True)
     if args.out:
         path = os.path.join(args.out, "quant_kernels.json") if os.path.isdir(args.out) else args.out
         with open(path, "w") as f:

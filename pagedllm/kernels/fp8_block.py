@@ -18,6 +18,7 @@ import triton.language as tl
 from pagedllm.kernels.launch import triton_interpreted
 
 FP8_MAX = tl.constexpr(448.0)
+INV_FP8_MAX = tl.constexpr(float(torch.tensor(1.0) / torch.tensor(448.0)))  # its float32 reciprocal
 EPS = tl.constexpr(torch.finfo(torch.float32).eps)  # a zero group's scale, as the torch path sets it
 
 
@@ -28,6 +29,7 @@ def _quant_groups_kernel(
     s_ptr,  # [M, G] float32 (row-major, or column-major for cuBLAS)
     K, G, stride_xm, stride_sm, stride_sg,
     GROUP: tl.constexpr, BLOCK: tl.constexpr,
+    RECIPROCAL: tl.constexpr,  # torch on CUDA divides by a scalar as a product with its float32 reciprocal
 ):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -35,7 +37,11 @@ def _quant_groups_kernel(
     cols = g * GROUP + offs
     mask = (offs < GROUP) & (cols < K)
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX)  # IEEE divisions, as torch's
+    amax = tl.max(tl.abs(x), axis=0)
+    if RECIPROCAL:
+        scale = amax * INV_FP8_MAX
+    else:
+        scale = tl.math.div_rn(amax, FP8_MAX)  # IEEE divisions, as torch's on the CPU
     scale = tl.where(scale == 0.0, EPS, scale)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
     tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -57,6 +63,7 @@ def quantize_groups(
     if m:
         _quant_groups_kernel[(m, groups)](x, q, scales, k, groups, x.stride(0), scales.stride(0), scales.stride(1),
                                           GROUP=group, BLOCK=triton.next_power_of_2(group),
+                                          RECIPROCAL=x.is_cuda and not triton_interpreted(),
                                           num_warps=1 if group <= 128 else 4)
     return q, scales
 
