@@ -1,6 +1,7 @@
 """Worker: owns one device, its model runner, the sizing of the KV cache from memory, and start-up timing."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -144,6 +145,9 @@ class Worker:
     def _profile_cuda_blocks(self, block_bytes: int) -> int:
         cc, sc, mc = self.config.cache_config, self.config.scheduler_config, self.config.model_config
         mem = self.memory
+        # An engine shut down earlier in this process may still hold its cache and graphs in reference cycles:
+        # collected now, they are not counted as this engine's weights.
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         free_before, total = torch.cuda.mem_get_info()
