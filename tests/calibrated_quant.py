@@ -198,10 +198,12 @@ def _fold_scale(layer, prev: str, linears, s: torch.Tensor) -> None:
 
 
 def quantize_model(model, ids: list[int], method: str, group: int = 128, sym: bool = True,
-                   smooth_alpha: float = 0.8) -> dict[str, Grid]:
+                   smooth_alpha: float | str = 0.8, act_symmetric: bool = True) -> dict[str, Grid]:
     """Quantizes ``model``'s decoder linears in place by ``method`` ('gptq', 'awq', 'rtn' or 'smooth') calibrated
     on ``ids``; returns {module name: Grid} of the 4-bit methods ('smooth' only moves the scales; its int8
-    rounding is left to the checkpoint maker)."""
+    rounding is left to the checkpoint maker). ``smooth_alpha`` 'auto': SmoothQuant's migration strength chosen
+    per layer and linear group from ``ALPHA_GRID``, the one whose W8A8 products (activations per token,
+    ``act_symmetric`` or with a zero point) come closest to the float ones on the calibration inputs."""
     h, kwargs = _layer_inputs(model, torch.tensor([ids]))
     grids: dict[str, Grid] = {}
     for li, layer in enumerate(model.model.layers):
@@ -211,10 +213,22 @@ def quantize_model(model, ids: list[int], method: str, group: int = 128, sym: bo
             for prev, linears in _scale_groups(layer):
                 x = xs[linears[0]]
                 ws = [layer.get_submodule(n).weight.data.float() for n in linears]
-                s = (_smooth_scale(x, ws, smooth_alpha) if method == "smooth" else _awq_scale(x, ws, group))
+                if method == "smooth":
+                    alpha = smooth_alpha
+                    if alpha == "auto":
+                        alpha = min(ALPHA_GRID, key=lambda a: _w8a8_error(x, ws, _smooth_scale(x, ws, a),
+                                                                          act_symmetric))
+                    s = _smooth_scale(x, ws, alpha)
+                else:
+                    s = _awq_scale(x, ws, group)
                 _fold_scale(layer, prev, linears, s)
             if method == "smooth" and _has(layer, "self_attn.v_proj") and _has(layer, "self_attn.o_proj"):
-                _smooth_v_into_o(layer, xs["self_attn.o_proj"], smooth_alpha)
+                x, attn = xs["self_attn.o_proj"], layer.self_attn
+                alpha = smooth_alpha
+                if alpha == "auto":
+                    o = [attn.o_proj.weight.data.float()]
+                    alpha = min(ALPHA_GRID, key=lambda a: _w8a8_error(x, o, _v_o_scale(attn, x, a)[1], act_symmetric))
+                _smooth_v_into_o(layer, x, alpha)
         if method == "awq":  # clipping after scaling, on the scaled inputs
             xs = _record_inputs(layer, h, kwargs[li], names)
             for name in names:
@@ -255,11 +269,29 @@ def _smooth_scale(x: torch.Tensor, ws, alpha: float) -> torch.Tensor:
     return (amax.pow(alpha) / wmax.pow(1 - alpha)).clamp(min=1e-5)
 
 
-def _smooth_v_into_o(layer, x: torch.Tensor, alpha: float) -> None:
+# SmoothQuant's migration strengths tried where they are chosen per layer (``smooth_alpha='auto'``).
+ALPHA_GRID = tuple(i / 20 for i in range(21))
+
+
+def _w8a8_error(x: torch.Tensor, ws, s: torch.Tensor, act_symmetric: bool) -> float:
+    """Squared error against the float products ``x @ w.T`` of the W8A8 products after smoothing by ``s`` [K]:
+    inputs ``x / s`` int8 per token, weights ``w * s`` int8 per output row (pagedllm's arithmetic)."""
+    from pagedllm.kernels.int8_quant import quantize_int8_rows
+
+    xq, xs, xz = quantize_int8_rows(x / s, act_symmetric)
+    xd = (xq.float() - (0 if xz is None else xz)) * xs
+    err = 0.0
+    for w in ws:
+        wq, w_scale, _ = quantize_int8_rows(w * s)
+        err += (xd @ (wq.float() * w_scale).t() - x @ w.t()).pow(2).sum().item()
+    return err
+
+
+def _v_o_scale(attn, x: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
     """SmoothQuant between v_proj and o_proj under grouped queries: o_proj's input column (head h, channel d) is
     attention over v_proj's row (kv head of h, d), so one scale per v_proj row serves every head that reads it.
-    ``x``: o_proj's inputs [T, heads * head_dim]."""
-    attn = layer.self_attn
+    ``x``: o_proj's inputs [T, heads * head_dim]. Returns (the scale of each v_proj row [kv * hd], the scale of
+    each o_proj input column [heads * hd])."""
     v, o = attn.v_proj.weight.data, attn.o_proj.weight.data  # [kv * hd, H], [H, heads * hd]
     hd = attn.head_dim
     per_kv = (o.shape[1] // hd) // (v.shape[0] // hd)  # query heads reading one kv head
@@ -268,10 +300,17 @@ def _smooth_v_into_o(layer, x: torch.Tensor, alpha: float) -> None:
     amax = torch.zeros(v.shape[0]).scatter_reduce(0, row, x.abs().amax(0), "amax").clamp(min=1e-5)
     wmax = torch.zeros(v.shape[0]).scatter_reduce(0, row, o.abs().amax(0), "amax").clamp(min=1e-5)
     s = (amax.pow(alpha) / wmax.pow(1 - alpha)).clamp(min=1e-5)  # [kv * hd]
-    v.div_(s[:, None])
+    return s, s[row]
+
+
+def _smooth_v_into_o(layer, x: torch.Tensor, alpha: float) -> None:
+    """Folds ``_v_o_scale`` into v_proj's rows and o_proj's input columns."""
+    attn = layer.self_attn
+    s, cols = _v_o_scale(attn, x, alpha)
+    attn.v_proj.weight.data.div_(s[:, None])
     if attn.v_proj.bias is not None:
         attn.v_proj.bias.data.div_(s)
-    o.mul_(s[row][None, :])
+    attn.o_proj.weight.data.mul_(cols[None, :])
 
 
 def _awq_scale(x: torch.Tensor, ws, group: int, grid_points: int = 20) -> torch.Tensor:

@@ -6,6 +6,7 @@ Cached under ``$PAGEDLLM_TEST_CACHE/quant`` beside the tiny ones, never committe
   the float reference every format is compared against;
 - ``w8a8``: INT8 W8A8 (per-channel symmetric weights, dynamic per-token activations) made by compressed-tensors
   itself after SmoothQuant scales from the calibration text are folded in; ``w8a8-rtn`` without them;
+  ``w8a8-asym``: activations with a zero point per token, SmoothQuant's strength chosen per layer and linear group;
 - ``gptq-4b-g128`` (GPTQ's layout, symmetric) and ``awq-4b-g128`` (AutoAWQ's layout, zero points): calibrated by
   ``calibrated_quant`` and packed by ``quant_checkpoints``, each with its dequantized float32 reference;
   ``rtn-4b-g128``: GPTQ's layout rounded to nearest, the baseline calibration must beat.
@@ -150,19 +151,22 @@ def make_awq(calibration_tokens: int | None = None) -> tuple[str, str]:
     return qc._pair(f"gemma3-270m-awq-g128-c{calibration_tokens or 'all'}", make)
 
 
-def make_ct_w8a8(smooth_alpha: float | None = 0.8, calibration_tokens: int | None = None) -> str:
-    """INT8 W8A8 by compressed-tensors: per-channel symmetric weights, dynamic per-token symmetric activations;
-    ``smooth_alpha``: SmoothQuant's migration strength, its scales calibrated first (None: plain rounding)."""
+def make_ct_w8a8(smooth_alpha: float | str | None = 0.8, calibration_tokens: int | None = None,
+                 act_symmetric: bool = True) -> str:
+    """INT8 W8A8 by compressed-tensors: per-channel symmetric weights, dynamic per-token activations (symmetric,
+    or with a zero point each); ``smooth_alpha``: SmoothQuant's migration strength, its scales calibrated first
+    ('auto': chosen per layer and linear group by the products' error; None: plain rounding)."""
     def make(dst: str) -> None:
         from compressed_tensors.compressors import ModelCompressor
         from compressed_tensors.quantization import apply_quantization_config
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        fmt, qconfig = qc._ct_config("ct-w8a8")
+        fmt, qconfig = qc._ct_config("ct-w8a8" if act_symmetric else "ct-w8a8-asym-act")
         if smooth_alpha is None:
             model = AutoModelForCausalLM.from_pretrained(float_model(), dtype=torch.float32)
         else:
-            model, _ = _quantized_model("smooth", calibration_tokens, smooth_alpha=smooth_alpha)
+            model, _ = _quantized_model("smooth", calibration_tokens, smooth_alpha=smooth_alpha,
+                                        act_symmetric=act_symmetric)
         apply_quantization_config(model, qconfig)
         with torch.no_grad():
             for module in model.modules():
@@ -181,6 +185,8 @@ def make_ct_w8a8(smooth_alpha: float | None = 0.8, calibration_tokens: int | Non
 
     name = ("gemma3-270m-ct-w8a8-rtn" if smooth_alpha is None
             else f"gemma3-270m-ct-w8a8-smooth{smooth_alpha}-c{calibration_tokens or 'all'}")
+    if not act_symmetric:
+        name = name.replace("ct-w8a8", "ct-w8a8-asym")
     return qc._cached(name, make)
 
 
@@ -188,6 +194,7 @@ MAKERS = {  # name -> () -> (checkpoint, reference or None where compressed-tens
     "float32": lambda: (float_model(), None),
     "w8a8": lambda: (make_ct_w8a8(), None),
     "w8a8-rtn": lambda: (make_ct_w8a8(None), None),
+    "w8a8-asym": lambda: (make_ct_w8a8("auto", act_symmetric=False), None),
     "gptq-4b-g128": lambda: make_gptq(),
     "awq-4b-g128": lambda: make_awq(),
     "rtn-4b-g128": lambda: make_gptq("rtn"),
@@ -196,7 +203,7 @@ MAKERS = {  # name -> () -> (checkpoint, reference or None where compressed-tens
 
 # The cache name each maker writes, for is_made.
 _NAMES = {"float32": "gemma3-270m-float32", "w8a8": "gemma3-270m-ct-w8a8-smooth0.8-call", "w8a8-rtn":
-          "gemma3-270m-ct-w8a8-rtn", "gptq-4b-g128": "gemma3-270m-gptq-4b-g128-call",
+          "gemma3-270m-ct-w8a8-rtn", "w8a8-asym": "gemma3-270m-ct-w8a8-asym-smoothauto-call", "gptq-4b-g128": "gemma3-270m-gptq-4b-g128-call",
           "awq-4b-g128": "gemma3-270m-awq-g128-call", "rtn-4b-g128": "gemma3-270m-rtn-4b-g128-call"}
 
 
