@@ -1,7 +1,7 @@
 """What each quantized format costs in accuracy on the real Gemma 3 270M: perplexity of a shipped public-domain text
 under pagedllm and under the reference implementation, for float32 and each format.
 
-The checkpoints (float32, w8a8, w8a8-rtn, gptq-4b-g128, awq-4b-g128, rtn-4b-g128) are made (and cached) by
+The checkpoints (float32, w8a8, w8a8-rtn, w8a8-asym, gptq-4b-g128, awq-4b-g128, rtn-4b-g128) are made (and cached) by
 ``tests/gemma_quant_checkpoints.py``; the text is
 ``benchmarks/data/declaration_gettysburg.txt`` read as one sequence. The reference is transformers loading the
 float checkpoint, or the format's dequantized float checkpoint (GPTQ, AWQ), or compressed-tensors' own model of
@@ -38,7 +38,7 @@ def reference_model(name: str, path: str, ref: str | None, float_dir: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--formats", default="float32,w8a8,w8a8-rtn,gptq-4b-g128,awq-4b-g128,rtn-4b-g128")
+    ap.add_argument("--formats", default="float32,w8a8,w8a8-rtn,w8a8-asym,gptq-4b-g128,awq-4b-g128,rtn-4b-g128")
     ap.add_argument("--tokens", type=int, default=None, help="score only the text's first N tokens")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
