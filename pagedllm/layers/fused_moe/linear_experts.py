@@ -148,9 +148,8 @@ def _stack_int8(layer: nn.Module, linears: list[tuple[nn.Module, nn.Module, nn.M
     from pagedllm.layers.quantization.int8 import W8A8Int8LinearMethod
 
     methods = [p.quant_method for ps in linears for p in ps]
-    if not all(isinstance(m, W8A8Int8LinearMethod) and m.act is not None and m.weight_symmetric for m in methods):
-        return False
-    if len({m.act for m in methods}) != 1:
+    if (not all(isinstance(m, W8A8Int8LinearMethod) and m.act is not None and m.weight_symmetric for m in methods)
+            or len({m.act for m in methods}) != 1):
         return False
     make = Int8ExpertWeights if methods[0].act == "symmetric" else Int8ExpertWeights.asymmetric
     stack = lambda ps, name: torch.stack([torch.cat([getattr(p, name) for p in group]) for group in ps])  # noqa: E731
