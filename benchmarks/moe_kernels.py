@@ -1,7 +1,7 @@
 """The Triton fused MoE against a per-expert loop of cuBLAS products, with a sweep of its tile configs.
 
     PYTHONPATH=$PWD python3 benchmarks/moe_kernels.py [--tokens 1 16 256 4096] [--shapes qwen3-30b-a3b,mixtral-8x7b]
-        [--sweep [--write]] [--no-fp8] [--no-int4] [--no-int8]
+        [--sweep [--write]] [--no-fp8] [--no-int4] [--no-int8] [--no-fp8-block]
 
 One MoE layer in bf16 with random weights and random routing (softmax top-k of random logits). Device µs
 per call from CUDA-graph replay (median of 20): ``fused`` (``kernels.moe.fused_experts`` with the config
@@ -13,7 +13,11 @@ the experts as 4-bit group-128 AWQ/GPTQ-style packed weights (random values; ``-
 ``loop_w4``, the per-expert loop through the dense W4A16 kernel (``kernels/wna16.py``) that such experts ran
 before they were stacked, and its floor (a quarter of the bf16 bytes plus the group scales and zero points).
 ``fused_i8`` runs it over the experts as W8A8 int8 rows (``--no-int8`` skips it), against ``loop_i8``, the per-expert
-loop through the dense W8A8 product (``w8a8_linear``), and its floor (half the bf16 bytes). ``--sweep`` also times a
+loop through the dense W8A8 product (``w8a8_linear``), and its floor (half the bf16 bytes). ``fused_fp8b`` runs it
+over the experts as block-wise float8 (128x128 weight blocks, activations quantized per token and 128 inputs, as
+Qwen3-FP8 checkpoints; ``--no-fp8-block`` skips it), against ``loop_fp8b``, the per-expert loop through the dense
+block-float8 product (``fp8_block_linear``: the Triton kernel up to 64 rows, cuBLAS's block-scaled GEMM past them).
+``--sweep`` also times a
 grid of tile configs per token count and prints the best; ``--write`` also writes them as the device's tuned
 table (``<device name>.json``) into ``pagedllm/kernels/moe/tuned/`` (which ``kernels/moe/configs.py`` reads)
 and under ``--out``, merged into the table already there and rewritten after every token count, so a sweep
@@ -37,7 +41,7 @@ from gpu_measure import copy_bandwidth_bytes_per_s  # noqa: E402 - sibling scrip
 from linear_shapes import graph_time_us  # noqa: E402 - the same graph timing
 
 from pagedllm.kernels.moe import fused_experts  # noqa: E402
-from pagedllm.kernels.moe.grouped_gemm import Int8ExpertWeights, PackedExpertWeights  # noqa: E402
+from pagedllm.kernels.moe.grouped_gemm import BlockFp8ExpertWeights, Int8ExpertWeights, PackedExpertWeights  # noqa: E402
 from pagedllm.kernels.wna16 import wna16_matmul  # noqa: E402
 from pagedllm.kernels.moe.configs import TUNED_DIR, device_file_name, get_config, shape_key  # noqa: E402
 from pagedllm.layers.fused_moe import fused_experts_ref, select_experts  # noqa: E402
@@ -99,6 +103,22 @@ def _i8_product(a, w: Int8ExpertWeights, e: int):
     return w8a8_linear(a, w.weight[e], w.scale[e][:, None], None, True)
 
 
+def _block_fp8_experts(w: torch.Tensor, block: int = 128) -> BlockFp8ExpertWeights:  # [E, N, K] bf16
+    """Float8 experts with a float32 scale per 128x128 block (the block's largest magnitude maps to 448)."""
+    e, n, k = w.shape
+    blocks = w.float().view(e, n // block, block, k // block, block)
+    scale = (blocks.abs().amax(dim=(2, 4)) / 448.0).clamp_min(1e-12)  # [E, N / 128, K / 128]
+    q = (blocks / scale[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(e, n, k)
+    return BlockFp8ExpertWeights(q, scale.contiguous(), (block, block))
+
+
+def _fp8b_product(a, w: BlockFp8ExpertWeights, e: int):
+    """Expert e's projection through the dense block-float8 product, as one block-wise float8 linear runs it."""
+    from pagedllm.kernels.fp8_block import fp8_block_linear
+
+    return fp8_block_linear(a, w.weight[e], w.scale[e], w.block, w.block[1])
+
+
 def _sweep_configs():
     for bm, bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (64, 128), (64, 128), (4, 8), (3, 4)):
         yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8 if bm >= 64 else 1, num_warps=warps,
@@ -157,6 +177,7 @@ def main() -> None:
     ap.add_argument("--no-fp8", action="store_true", help="skip the float8-experts timing")
     ap.add_argument("--no-int4", action="store_true", help="skip the 4-bit packed experts timing")
     ap.add_argument("--no-int8", action="store_true", help="skip the W8A8 int8 experts timing")
+    ap.add_argument("--no-fp8-block", action="store_true", help="skip the block-wise float8 experts timing")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     token_counts = parse_tokens(args.tokens)
@@ -181,6 +202,8 @@ def main() -> None:
             (p13, d13), (p2, d2) = _int4_experts(num_experts, 2 * inter, hidden, g), _int4_experts(num_experts, hidden, inter, g)
         if not args.no_int8:
             i13, i2 = _int8_experts(w13), _int8_experts(w2)
+        if not args.no_fp8_block:
+            b13, b2 = _block_fp8_experts(w13), _block_fp8_experts(w2)
         for tokens in token_counts:
             x = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
             weights, ids = select_experts(torch.randn(tokens, num_experts, generator=g, device="cuda"), top_k, True)
@@ -222,8 +245,16 @@ def main() -> None:
                 case["floor_i8_us"] = floor_us / 2  # one byte a weight
                 int8_note = (f"  fused i8 {case['fused_i8_us']:9.1f} µs  loop i8 {case['loop_i8_us']:9.1f} µs "
                              f"(floor {floor_us / 2:8.1f})")
+            fp8b_note = ""
+            if not args.no_fp8_block:
+                fb = lambda: fused_experts(x, b13, b2, weights, ids)  # noqa: E731
+                loop_fb = _loop(x, b13, b2, weights, ids, _fp8b_product)[0]
+                torch.testing.assert_close(fb().float(), loop_fb().float(), atol=3e-2, rtol=3e-2)
+                case["fused_fp8b_us"], case["loop_fp8b_us"] = graph_time_us(fb), graph_time_us(loop_fb)
+                fp8b_note = f"  fused fp8b {case['fused_fp8b_us']:9.1f} µs  loop fp8b {case['loop_fp8b_us']:9.1f} µs"
             print(f"{shape:>14} {tokens:>5} tokens: fused {case['fused_us']:9.1f} µs  loop {case['loop_us']:9.1f} µs"
-                  f"  floor {floor_us:8.1f} µs  ({touched} experts){fp8_note}{int4_note}{int8_note}", flush=True)
+                  f"  floor {floor_us:8.1f} µs  ({touched} experts){fp8_note}{int4_note}{int8_note}{fp8b_note}",
+                  flush=True)
             if args.sweep:
                 timed = []
                 for config in _sweep_configs():
