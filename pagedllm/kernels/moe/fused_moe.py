@@ -49,7 +49,8 @@ def fused_experts(
         return torch.zeros_like(hidden_states)
     # The tuned tables hold 16-bit experts' tiles; quantized experts take the rows-per-expert table.
     shape = None if isinstance(w13, _QUANTIZED) else (two_i // 2, hidden)
-    config = config or get_config(tokens, top_k, num_experts, hidden_states.dtype, shape=shape)
+    config = config or get_config(tokens, top_k, num_experts, hidden_states.dtype, shape=shape,
+                                  block_fp8=isinstance(w13, BlockFp8ExpertWeights))
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids.to(torch.int32), num_experts,
                                                               config["BLOCK_M"])
     num_pairs = tokens * top_k
