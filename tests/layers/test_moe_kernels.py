@@ -115,6 +115,19 @@ def test_config_table_by_rows_per_expert():
     assert get_config(8, 8, 128, torch.float32)["BLOCK_K"] <= decode["BLOCK_K"]
 
 
+def test_block_fp8_experts_take_their_own_prefill_tiles():
+    """Block-wise float8 experts keep the decode tiles up to 32 rows an expert, then narrower prefill tiles than
+    16-bit experts (the 128x128 tile spills with a scaled dot per 128-deep block) and 8 warps past 512 rows."""
+    assert get_config(64, 2, 8, torch.bfloat16, block_fp8=True) == get_config(64, 2, 8, torch.bfloat16)  # 16 rows
+    mid = get_config(256, 2, 8, torch.bfloat16, block_fp8=True)  # 64 rows per expert
+    big = get_config(4096, 2, 8, torch.bfloat16, block_fp8=True)  # 1,024 rows per expert
+    assert (mid["BLOCK_M"], mid["BLOCK_N"], mid["num_warps"]) == (64, 64, 4)
+    assert (big["BLOCK_M"], big["BLOCK_N"], big["num_warps"]) == (64, 128, 8)
+    assert get_config(4096, 2, 8, torch.bfloat16)["BLOCK_M"] == 128
+    big["BLOCK_M"] = 1  # a copy: the caller may not change the table
+    assert get_config(4096, 2, 8, torch.bfloat16, block_fp8=True)["BLOCK_M"] == 64
+
+
 def test_tuned_config_reaches_only_nearby_token_counts():
     """A table swept at a few counts answers for counts near them; a prefill far from every swept count
     gets no decode tile from it (None: the rows-per-expert table decides)."""
