@@ -2,14 +2,17 @@
 
 It runs on the raw logits, before the sampler's processing (penalties, temperature, top-k/p): as in
 vLLM, a masked token can never be drawn, and logprobs (computed by the sampler from the logits it is
-given) report it as -inf. xgrammar's own kernels do the work: a CUDA/Triton one on the GPU, a C++ loop
-on the CPU (``apply_token_bitmask_inplace`` picks by device).
+given) report it as -inf. On the GPU xgrammar's own kernel does the work. On the CPU its C++ loop took
+0.5-1.3 ms a row over a 262,144-token vocabulary (a branch per token); numpy unpacks the bits and one
+vectorized ``torch.where`` writes the row instead, with the same result.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -65,8 +68,31 @@ def apply_grammar_bitmask(
         aligned = torch.full((num_rows, bitmask.shape[1]), -1, dtype=torch.int32)
         aligned[targets] = bitmask[sources]
     if logits.device.type == "cpu":
-        # The CPU kernel costs about 0.5 ms a row over a 262k vocabulary: only the constrained rows.
-        xgr.apply_token_bitmask_inplace(logits, aligned, vocab_size=logits.shape[-1], indices=targets)
+        _mask_rows_on_cpu(logits, aligned, targets)
     else:
         # One launch over every row (an all-ones row changes nothing), with no index list to upload.
         xgr.apply_token_bitmask_inplace(logits, _staging.upload(aligned, logits.device), vocab_size=logits.shape[-1])
+
+
+def _mask_rows_on_cpu(
+    logits: torch.Tensor,  # [S, V]
+    bitmask: torch.Tensor,  # [S, ceil(V / 32)] int32, row j for logits row j
+    rows: list[int],  # the constrained rows; the others are left as they are
+) -> None:
+    """``xgr.apply_token_bitmask_inplace`` on the CPU, vectorized: token t of a row is allowed when bit t % 32 of
+    its word t // 32 is set."""
+    vocab = logits.shape[-1]
+    if sys.byteorder != "little" or bitmask.shape[1] * 32 < vocab or not logits.is_contiguous():
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)  # raises if too narrow
+        return
+    every = len(rows) == logits.shape[0]
+    words = (bitmask if every else bitmask[rows]).contiguous().numpy()
+    # On a little-endian machine a word's bytes hold its bits 0-7, 8-15, ...: its tokens in order.
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    allowed = torch.from_numpy(bits).view(torch.bool)  # [rows, V]
+    masked = torch.tensor(float("-inf"), dtype=logits.dtype)
+    if every:
+        torch.where(allowed, logits, masked, out=logits)
+    else:
+        index = torch.tensor(rows, dtype=torch.long)
+        logits.index_copy_(0, index, torch.where(allowed, logits.index_select(0, index), masked))
