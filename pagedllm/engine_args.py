@@ -11,6 +11,7 @@ from pagedllm.config import (
     DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     ONLINE_QUANTIZATION_METHODS,
+    QUANTIZATION_KERNEL_ALIASES,
     QUANTIZATION_METHODS,
     CacheConfig,
     DeviceConfig,
@@ -95,10 +96,11 @@ class EngineArgs:
             "attention reads",
         )
         parser.add_argument(
-            "--quantization", "-q", type=str, default=None, choices=list(QUANTIZATION_METHODS),
+            "--quantization", "-q", type=str, default=None, choices=list(QUANTIZATION_METHODS) + list(QUANTIZATION_KERNEL_ALIASES),
             help="quantize the weights at load: fp8 keeps each decoder linear in float8 e4m3 with a scale per "
             "output row and quantizes activations per token (half the weight bytes, float8 tensor-core products); "
-            "a GGUF file gets gguf on the CPU (its weights stay in their quantized blocks) without the flag",
+            "a GGUF file gets gguf on the CPU (its weights stay in their quantized blocks) without the flag; "
+            "awq_marlin, gptq_marlin and moe_wna16 (vLLM's kernel names) read AWQ/GPTQ checkpoints as awq/gptq do",
         )
         parser.add_argument(
             "--gguf-dequantize", action="store_true",
@@ -173,9 +175,11 @@ class EngineArgs:
     def _check(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64; got {self.block_size}")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+        if (self.quantization is not None and self.quantization not in QUANTIZATION_METHODS
+                and self.quantization not in QUANTIZATION_KERNEL_ALIASES):
             raise ValueError(
-                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None; got {self.quantization!r}"
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS + tuple(QUANTIZATION_KERNEL_ALIASES))} "
+                f"or None; got {self.quantization!r}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
@@ -216,6 +220,13 @@ class EngineArgs:
         from pagedllm.model_loader.quant_config import checkpoint_quant_config
 
         qconfig = checkpoint_quant_config(hf_config, warn=False)  # raises, naming it, for what is not supported
+        if quantization in QUANTIZATION_KERNEL_ALIASES:
+            reads = QUANTIZATION_KERNEL_ALIASES[quantization]
+            if qconfig is None or qconfig.name not in reads:
+                raise ValueError(f"quantization {quantization!r} reads checkpoints whose quantization_config has "
+                                 f"quant_method {' or '.join(map(repr, reads))}; {self.model} has "
+                                 f"{'none' if qconfig is None else repr(qconfig.name)}")
+            quantization = qconfig.name
         if src.gguf_file is not None:
             if quantization == "gguf" and self.gguf_dequantize:
                 raise ValueError("quantization 'gguf' keeps a GGUF file's weights quantized and gguf_dequantize "

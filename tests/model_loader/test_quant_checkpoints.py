@@ -131,6 +131,26 @@ def test_quantization_flag_must_match_the_checkpoint() -> None:
         EngineArgs(model=qc.base_model(), device="cpu", quantization="awq").create_engine_config()
 
 
+def test_vllm_kernel_names_read_their_checkpoints() -> None:
+    """vLLM's ``--quantization awq_marlin`` / ``gptq_marlin`` / ``moe_wna16`` name its kernels over AWQ/GPTQ
+    checkpoints: they load those checkpoints as awq/gptq and refuse any other, naming both."""
+    from pagedllm.engine_args import EngineArgs
+
+    gptq, _ = qc.make_gptq(4, 128, False, True)
+    awq, _ = qc.make_awq(128)
+    for flag, path, method in (("gptq_marlin", gptq, "gptq"), ("moe_wna16", gptq, "gptq"), ("awq_marlin", awq, "awq"),
+                               ("moe_wna16", awq, "awq")):
+        config = EngineArgs(model=path, device="cpu", quantization=flag).create_engine_config()
+        assert config.model_config.quantization == method
+    with pytest.raises(ValueError, match="quantization 'awq_marlin' reads checkpoints whose quantization_config has "
+                                         "quant_method 'awq'; .* has 'gptq'"):
+        EngineArgs(model=gptq, device="cpu", quantization="awq_marlin").create_engine_config()
+    with pytest.raises(ValueError, match="quantization 'gptq_marlin' .* has none"):
+        EngineArgs(model=qc.base_model(), device="cpu", quantization="gptq_marlin").create_engine_config()
+    with pytest.raises(ValueError, match="quantization must be one of .*awq_marlin.* got 'marlin'"):
+        EngineArgs(model=gptq, device="cpu", quantization="marlin").create_engine_config()
+
+
 @pytest.mark.parametrize("name", ["ct-w4a16-g128-sym", "ct-w4a16-channel", "ct-w8a8", "ct-fp8-block"])
 def test_compressed_tensors_checkpoint_matches_transformers(name: str) -> None:
     """transformers loading the checkpoint itself (through compressed-tensors) gives the same tokens. Asymmetric
