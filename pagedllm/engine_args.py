@@ -96,7 +96,8 @@ class EngineArgs:
             "attention reads",
         )
         parser.add_argument(
-            "--quantization", "-q", type=str, default=None, choices=list(QUANTIZATION_METHODS) + list(QUANTIZATION_KERNEL_ALIASES),
+            "--quantization", "-q", type=str, default=None,
+            choices=list(QUANTIZATION_METHODS) + list(QUANTIZATION_KERNEL_ALIASES),
             help="quantize the weights at load: fp8 keeps each decoder linear in float8 e4m3 with a scale per "
             "output row and quantizes activations per token (half the weight bytes, float8 tensor-core products); "
             "a GGUF file gets gguf on the CPU (its weights stay in their quantized blocks) without the flag; "
