@@ -127,8 +127,8 @@ def test_quantize_model_refuses_unknown_methods_and_skips_odd_shapes() -> None:
 def test_engine_args_name_the_bad_quantization() -> None:
     from pagedllm.engine_args import EngineArgs
 
-    with pytest.raises(ValueError, match="quantization must be one of fp8, int8, int4, awq, gptq, compressed-tensors, gguf or None; "
-                                         "got 'bitsandbytes'"):
+    with pytest.raises(ValueError, match="quantization must be one of fp8, int8, int4, awq, gptq, compressed-tensors, gguf, "
+                                         "awq_marlin, gptq_marlin, moe_wna16 or None; got 'bitsandbytes'"):
         EngineArgs(model="x", quantization="bitsandbytes")._check()
 
 
