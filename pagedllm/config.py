@@ -33,7 +33,7 @@ _KV_CACHE_TORCH_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "f
 # (layers/quantization/), which its own quantization_config selects; passing one must match it. "gguf" is what a
 # GGUF file gets on the CPU: its matrices stay in their ggml blocks (EngineArgs.gguf_dequantize turns that off).
 ONLINE_QUANTIZATION_METHODS = ("fp8", "int8", "int4")
-QUANTIZATION_METHODS = ONLINE_QUANTIZATION_METHODS + ("awq", "gptq", "compressed-tensors", "gguf")
+QUANTIZATION_METHODS = ONLINE_QUANTIZATION_METHODS + ("awq", "gptq", "compressed-tensors", "modelopt", "gguf")
 # vLLM's names for its kernels over stored AWQ/GPTQ layouts, which scripts pass as --quantization: each reads the
 # checkpoints whose quant_method it lists, with the kernels pagedllm picks for them.
 QUANTIZATION_KERNEL_ALIASES = {"awq_marlin": ("awq",), "gptq_marlin": ("gptq",), "moe_wna16": ("awq", "gptq")}

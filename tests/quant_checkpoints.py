@@ -336,10 +336,41 @@ def ct_reference_model(path: str, float_dir: str | None = None):
     return model.eval()
 
 
+# ---- NVIDIA Model Optimizer ----------------------------------------------------------------------------------
+
+
+def make_modelopt_fp8(legacy: bool = False) -> tuple[str, str]:
+    """(checkpoint, reference) of Model Optimizer's FP8 export of the base model, made by ``nvidia-modelopt`` itself
+    (static scales calibrated on random tokens); the reference holds each float8 weight times its scale in float32.
+    ``legacy``: the quantization stated only in ``hf_quant_config.json``, as older exports do."""
+    def make(dst_q: str, dst_ref: str) -> None:
+        import modelopt.torch.quantization as mtq
+        from modelopt.torch.export import export_hf_checkpoint
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(base_model(), dtype=torch.float32).eval()
+        calib = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+        model = mtq.quantize(model, mtq.FP8_DEFAULT_CFG, lambda m: m(calib))
+        export_hf_checkpoint(model, export_dir=dst_q)
+        if legacy:
+            with open(os.path.join(dst_q, "config.json")) as f:
+                config = json.load(f)
+            del config["quantization_config"]
+            with open(os.path.join(dst_q, "config.json"), "w") as f:
+                json.dump(config, f, indent=1)
+        state = load_file(os.path.join(dst_q, "model.safetensors"))
+        ref = {k: (v.float() * state[k + "_scale"].float() if v.dtype == torch.float8_e4m3fn else v.float())
+               for k, v in state.items() if not k.endswith("_scale")}
+        _write(dst_ref, ref, None)
+
+    return _pair(f"modelopt-fp8{'-legacy' if legacy else ''}", make)
+
+
 def make_all() -> None:
     for name in CT_SCHEMES:
         print(make_ct(name))
-    print(make_gptq(4, 128, False, True), make_awq(128))
+    print(make_gptq(4, 128, False, True), make_awq(128), make_modelopt_fp8())
 
 
 if __name__ == "__main__":

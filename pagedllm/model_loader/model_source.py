@@ -1,6 +1,7 @@
 """ModelSource: where a model's weights, config, generation defaults and tokenizer come from."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,19 @@ def _text_config(hf_config: Any) -> Any:
             text.architectures = [a.replace("ForConditionalGeneration", "ForCausalLM") for a in hf_config.architectures or []]
         return text
     return hf_config
+
+
+def _modelopt_config(hf_config: Any, path: str) -> None:
+    """NVIDIA Model Optimizer's older exports state their quantization only in ``hf_quant_config.json``
+    (``{"quantization": {"quant_algo": ...}}``); it becomes the config's ``quantization_config``, as newer exports
+    write it."""
+    file = os.path.join(path, "hf_quant_config.json")
+    if getattr(hf_config, "quantization_config", None) is not None or not os.path.isfile(file):
+        return
+    with open(file) as f:
+        quantization = json.load(f).get("quantization")
+    if isinstance(quantization, dict):
+        hf_config.quantization_config = {"quant_method": "modelopt", **quantization}
 
 
 def _generation_defaults(path: str) -> dict:
@@ -86,6 +100,7 @@ def load_model_source(
         )
     path = resolve_model_path(model, download_dir)
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    _modelopt_config(hf_config, path)
     if load_format == "auto":
         files = os.listdir(path)
         if any(f.endswith(".safetensors") for f in files):

@@ -116,7 +116,7 @@ def test_quantize_model_refuses_unknown_methods_and_skips_odd_shapes() -> None:
     model = torch.nn.ModuleDict({"ok": ReplicatedLinear(32, 16), "odd": ReplicatedLinear(24, 10)})
     for m in model.values():
         m.weight.data.normal_()
-    with pytest.raises(ValueError, match="quantization must be one of fp8, int8, int4, awq, gptq, compressed-tensors, gguf; got 'int3'"):
+    with pytest.raises(ValueError, match="quantization must be one of fp8, int8, int4, awq, gptq, compressed-tensors, modelopt, gguf; got 'int3'"):
         quantize_model(model, "int3")
     assert quantize_model(model, "fp8") == 1
     assert model["ok"].weight.dtype == FP8_DTYPE and model["odd"].weight.dtype == torch.float32
@@ -127,7 +127,7 @@ def test_quantize_model_refuses_unknown_methods_and_skips_odd_shapes() -> None:
 def test_engine_args_name_the_bad_quantization() -> None:
     from pagedllm.engine_args import EngineArgs
 
-    with pytest.raises(ValueError, match="quantization must be one of fp8, int8, int4, awq, gptq, compressed-tensors, gguf, "
+    with pytest.raises(ValueError, match="quantization must be one of fp8, int8, int4, awq, gptq, compressed-tensors, modelopt, gguf, "
                                          "awq_marlin, gptq_marlin, moe_wna16 or None; got 'bitsandbytes'"):
         EngineArgs(model="x", quantization="bitsandbytes")._check()
 

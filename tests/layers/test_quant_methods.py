@@ -44,6 +44,8 @@ def _with(cfg: dict, path: str, value) -> dict:
     (_with(_CT_W4, "config_groups.group_0.weights.actorder", "group"), "weights.actorder 'group'"),
     (_with(_CT_W4, "config_groups.group_0.targets", ["Embedding"]), "targets \\['Embedding'\\]"),
     (_with(_CT_W4, "format", "marlin-24"), "format 'marlin-24'"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt.*quant_algo 'NVFP4'.*'FP8'"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}, "kv_cache_quant_algo 'NVFP4'"),
 ])
 def test_inconsistent_configs_are_refused_naming_field_and_value(cfg: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -176,3 +178,16 @@ def test_int8_product_equals_the_dequantized_product(symmetric: bool) -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     # and the quantized operands are close to the float ones
     torch.testing.assert_close(got, x @ w.t(), rtol=0.05, atol=0.3)
+
+
+def test_modelopt_config_reads_its_exclusions_and_static_scales() -> None:
+    """Model Optimizer names excluded modules exactly, by a parent module or with '*' patterns; its input scales are
+    static, which pagedllm replaces by per-token scales (a note says so)."""
+    from pagedllm.layers.quantization.registry import parse_quantization_config
+
+    config = parse_quantization_config({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                                        "exclude_modules": ["lm_head", "model.layers.0", "*mlp.gate"]})
+    assert config.engine_method == "fp8" and config.notes
+    assert config.ignores("lm_head") and config.ignores("model.layers.0.self_attn.qkv_proj")
+    assert config.ignores("model.layers.5.mlp.gate")
+    assert not config.ignores("model.layers.5.mlp.gate_up_proj") and not config.ignores("model.layers.10.mlp.down_proj")

@@ -102,6 +102,34 @@ def test_fp8_block_checkpoint_in_vllm_layout_equals_compressed_tensors(tmp_path)
     assert [list(o.outputs[0].token_ids) for o in outs] == pagedllm_greedy(src)
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_modelopt_fp8_checkpoint_matches_its_float8_products(legacy: bool) -> None:
+    """NVIDIA Model Optimizer's FP8 export (made by nvidia-modelopt), with its config in config.json or, as older
+    exports, only in hf_quant_config.json: float8 weights with a scale per tensor, its excluded lm_head unquantized.
+    pagedllm quantizes the linears' inputs per token (the static input scales go unused), so the reference is
+    transformers' model with each decoder linear replaced by that product over the checkpoint's float8 weight."""
+    pytest.importorskip("modelopt")
+    from safetensors.torch import load_file
+
+    from pagedllm.layers.quantization.fp8 import fp8_linear_ref
+
+    ckpt, ref = qc.make_modelopt_fp8(legacy)
+    stored = load_file(os.path.join(ckpt, "model.safetensors"))
+    ref_model = _hf_dir(ref)
+    for name, module in ref_model.named_modules():
+        if name + ".weight_scale" in stored:
+            weight, scale = stored[name + ".weight"], stored[name + ".weight_scale"].float().expand(module.out_features)
+            module.forward = lambda x, w=weight, s=scale: fp8_linear_ref(x.reshape(-1, x.shape[-1]), w, s, None).reshape(
+                *x.shape[:-1], -1)
+    llm = _llm(ckpt, quantization="modelopt")
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    assert model.lm_head.weight.dtype == torch.float32
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(ref_model)
+
+
 def test_online_int8_equals_the_compressed_tensors_w8a8_checkpoint() -> None:
     """``--quantization int8`` rounds each weight row as compressed-tensors does, so a float model quantized at load
     and the W8A8 checkpoint compressed-tensors makes of it give the same logprobs."""

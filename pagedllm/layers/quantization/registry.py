@@ -13,6 +13,7 @@ _CONFIGS: dict[str, tuple[str, str]] = {
     "compressed-tensors": ("pagedllm.layers.quantization.compressed_tensors", "CompressedTensorsConfig"),
     "fp8": ("pagedllm.layers.quantization.fp8_config", "Fp8Config"),
     "gguf": ("pagedllm.layers.quantization.gguf", "GGUFConfig"),
+    "modelopt": ("pagedllm.layers.quantization.modelopt", "ModelOptConfig"),
 }
 
 
