@@ -341,8 +341,8 @@ def ct_reference_model(path: str, float_dir: str | None = None):
 
 def make_modelopt_fp8(legacy: bool = False) -> tuple[str, str]:
     """(checkpoint, reference) of Model Optimizer's FP8 export of the base model, made by ``nvidia-modelopt`` itself
-    (static scales calibrated on random tokens); the reference holds each float8 weight times its scale in float32.
-    ``legacy``: the quantization stated only in ``hf_quant_config.json``, as older exports do."""
+    (static scales calibrated on random tokens, with KV-cache scales); the reference holds each float8 weight times its
+    scale in float32. ``legacy``: the quantization stated only in ``hf_quant_config.json``, as older exports do."""
     def make(dst_q: str, dst_ref: str) -> None:
         import modelopt.torch.quantization as mtq
         from modelopt.torch.export import export_hf_checkpoint
@@ -351,7 +351,8 @@ def make_modelopt_fp8(legacy: bool = False) -> tuple[str, str]:
 
         model = AutoModelForCausalLM.from_pretrained(base_model(), dtype=torch.float32).eval()
         calib = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
-        model = mtq.quantize(model, mtq.FP8_DEFAULT_CFG, lambda m: m(calib))
+        config = dict(mtq.FP8_DEFAULT_CFG, quant_cfg=[*mtq.FP8_DEFAULT_CFG["quant_cfg"], *mtq.FP8_KV_CFG["quant_cfg"]])
+        model = mtq.quantize(model, config, lambda m: m(calib))
         export_hf_checkpoint(model, export_dir=dst_q)
         if legacy:
             with open(os.path.join(dst_q, "config.json")) as f:
@@ -364,7 +365,7 @@ def make_modelopt_fp8(legacy: bool = False) -> tuple[str, str]:
                for k, v in state.items() if not k.endswith("_scale")}
         _write(dst_ref, ref, None)
 
-    return _pair(f"modelopt-fp8{'-legacy' if legacy else ''}", make)
+    return _pair(f"modelopt-fp8-kv{'-legacy' if legacy else ''}", make)
 
 
 def make_all() -> None:

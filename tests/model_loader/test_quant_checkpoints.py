@@ -105,8 +105,8 @@ def test_fp8_block_checkpoint_in_vllm_layout_equals_compressed_tensors(tmp_path)
 @pytest.mark.parametrize("legacy", [False, True])
 def test_modelopt_fp8_checkpoint_matches_its_float8_products(legacy: bool) -> None:
     """NVIDIA Model Optimizer's FP8 export (made by nvidia-modelopt), with its config in config.json or, as older
-    exports, only in hf_quant_config.json: float8 weights with a scale per tensor, its excluded lm_head unquantized.
-    pagedllm quantizes the linears' inputs per token (the static input scales go unused), so the reference is
+    exports, only in hf_quant_config.json: float8 weights with a scale per tensor, its excluded lm_head unquantized,
+    its KV-cache scales on the attention layers. pagedllm quantizes the linears' inputs per token (the static input scales go unused), so the reference is
     transformers' model with each decoder linear replaced by that product over the checkpoint's float8 weight."""
     pytest.importorskip("modelopt")
     from safetensors.torch import load_file
@@ -125,6 +125,8 @@ def test_modelopt_fp8_checkpoint_matches_its_float8_products(legacy: bool) -> No
     model = llm.llm_engine.engine_core.executor.worker.model_runner.model
     assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
     assert model.lm_head.weight.dtype == torch.float32
+    k_scale = float(stored["model.layers.0.self_attn.k_proj.k_scale"])
+    assert model.model.layers[0].self_attn.attn.checkpoint_kv_scales[0] == pytest.approx(k_scale)  # for a float8 cache
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(ref_model)
