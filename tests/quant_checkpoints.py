@@ -339,10 +339,11 @@ def ct_reference_model(path: str, float_dir: str | None = None):
 # ---- NVIDIA Model Optimizer ----------------------------------------------------------------------------------
 
 
-def make_modelopt_fp8(legacy: bool = False) -> tuple[str, str]:
+def make_modelopt_fp8(legacy: bool = False, per_channel: bool = False) -> tuple[str, str]:
     """(checkpoint, reference) of Model Optimizer's FP8 export of the base model, made by ``nvidia-modelopt`` itself
     (static scales calibrated on random tokens, with KV-cache scales); the reference holds each float8 weight times its
-    scale in float32. ``legacy``: the quantization stated only in ``hf_quant_config.json``, as older exports do."""
+    scale in float32. ``legacy``: the quantization stated only in ``hf_quant_config.json``, as older exports do;
+    ``per_channel``: ``FP8_PER_CHANNEL_PER_TOKEN`` (a weight scale per row, dynamic activations, no KV scales)."""
     def make(dst_q: str, dst_ref: str) -> None:
         import modelopt.torch.quantization as mtq
         from modelopt.torch.export import export_hf_checkpoint
@@ -351,7 +352,8 @@ def make_modelopt_fp8(legacy: bool = False) -> tuple[str, str]:
 
         model = AutoModelForCausalLM.from_pretrained(base_model(), dtype=torch.float32).eval()
         calib = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
-        config = dict(mtq.FP8_DEFAULT_CFG, quant_cfg=[*mtq.FP8_DEFAULT_CFG["quant_cfg"], *mtq.FP8_KV_CFG["quant_cfg"]])
+        config = mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG if per_channel else dict(
+            mtq.FP8_DEFAULT_CFG, quant_cfg=[*mtq.FP8_DEFAULT_CFG["quant_cfg"], *mtq.FP8_KV_CFG["quant_cfg"]])
         model = mtq.quantize(model, config, lambda m: m(calib))
         export_hf_checkpoint(model, export_dir=dst_q)
         if legacy:
@@ -361,11 +363,11 @@ def make_modelopt_fp8(legacy: bool = False) -> tuple[str, str]:
             with open(os.path.join(dst_q, "config.json"), "w") as f:
                 json.dump(config, f, indent=1)
         state = load_file(os.path.join(dst_q, "model.safetensors"))
-        ref = {k: (v.float() * state[k + "_scale"].float() if v.dtype == torch.float8_e4m3fn else v.float())
+        ref = {k: (v.float() * state[k + "_scale"].float().reshape(-1, 1) if v.dtype == torch.float8_e4m3fn else v.float())
                for k, v in state.items() if not k.endswith("_scale")}
         _write(dst_ref, ref, None)
 
-    return _pair(f"modelopt-fp8-kv{'-legacy' if legacy else ''}", make)
+    return _pair(f"modelopt-fp8{'-channel' if per_channel else '-kv'}{'-legacy' if legacy else ''}", make)
 
 
 def make_all() -> None:

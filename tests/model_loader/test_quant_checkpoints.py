@@ -102,31 +102,34 @@ def test_fp8_block_checkpoint_in_vllm_layout_equals_compressed_tensors(tmp_path)
     assert [list(o.outputs[0].token_ids) for o in outs] == pagedllm_greedy(src)
 
 
-@pytest.mark.parametrize("legacy", [False, True])
-def test_modelopt_fp8_checkpoint_matches_its_float8_products(legacy: bool) -> None:
+@pytest.mark.parametrize(("legacy", "per_channel"), [(False, False), (True, False), (False, True)])
+def test_modelopt_fp8_checkpoint_matches_its_float8_products(legacy: bool, per_channel: bool) -> None:
     """NVIDIA Model Optimizer's FP8 export (made by nvidia-modelopt), with its config in config.json or, as older
     exports, only in hf_quant_config.json: float8 weights with a scale per tensor, its excluded lm_head unquantized,
-    its KV-cache scales on the attention layers. pagedllm quantizes the linears' inputs per token (the static input scales go unused), so the reference is
+    its KV-cache scales on the attention layers; or with a scale per weight row (FP8_PER_CHANNEL_PER_TOKEN). pagedllm
+    quantizes the linears' inputs per token (the static input scales go unused), so the reference is
     transformers' model with each decoder linear replaced by that product over the checkpoint's float8 weight."""
     pytest.importorskip("modelopt")
     from safetensors.torch import load_file
 
     from pagedllm.layers.quantization.fp8 import fp8_linear_ref
 
-    ckpt, ref = qc.make_modelopt_fp8(legacy)
+    ckpt, ref = qc.make_modelopt_fp8(legacy, per_channel)
     stored = load_file(os.path.join(ckpt, "model.safetensors"))
     ref_model = _hf_dir(ref)
     for name, module in ref_model.named_modules():
         if name + ".weight_scale" in stored:
-            weight, scale = stored[name + ".weight"], stored[name + ".weight_scale"].float().expand(module.out_features)
+            weight, scale = stored[name + ".weight"], stored[name + ".weight_scale"].float().reshape(-1).expand(
+                module.out_features)
             module.forward = lambda x, w=weight, s=scale: fp8_linear_ref(x.reshape(-1, x.shape[-1]), w, s, None).reshape(
                 *x.shape[:-1], -1)
     llm = _llm(ckpt, quantization="modelopt")
     model = llm.llm_engine.engine_core.executor.worker.model_runner.model
     assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
     assert model.lm_head.weight.dtype == torch.float32
-    k_scale = float(stored["model.layers.0.self_attn.k_proj.k_scale"])
-    assert model.model.layers[0].self_attn.attn.checkpoint_kv_scales[0] == pytest.approx(k_scale)  # for a float8 cache
+    if not per_channel:
+        k_scale = float(stored["model.layers.0.self_attn.k_proj.k_scale"])
+        assert model.model.layers[0].self_attn.attn.checkpoint_kv_scales[0] == pytest.approx(k_scale)  # float8 cache
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(ref_model)
