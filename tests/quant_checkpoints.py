@@ -67,10 +67,11 @@ def _linear_items(state: dict) -> list[tuple[str, str]]:
                   if k.endswith(".weight") and k.split(".")[-2] in LINEARS)
 
 
-def _write(dst: str, tensors: dict, quant_cfg: dict | None) -> None:
+def _write(dst: str, tensors: dict, quant_cfg: dict | None, src: str | None = None) -> None:
+    """``tensors`` as ``src``'s checkpoint (default: the base model's config and files) with ``quant_cfg``."""
     from safetensors.torch import save_file
 
-    src = base_model()
+    src = src or base_model()
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(dst, "model.safetensors"))
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
@@ -339,18 +340,25 @@ def ct_reference_model(path: str, float_dir: str | None = None):
 # ---- NVIDIA Model Optimizer ----------------------------------------------------------------------------------
 
 
-def make_modelopt_fp8(legacy: bool = False, per_channel: bool = False) -> tuple[str, str]:
+def moe_model() -> str:
+    """A tiny Qwen3-MoE (8 experts, top 2, one dense MLP layer) for the quantized-experts checkpoints."""
+    return _cached("qwen3-moe", lambda d: make_tiny_model("qwen3_moe", d))
+
+
+def make_modelopt_fp8(legacy: bool = False, per_channel: bool = False, moe: bool = False) -> tuple[str, str]:
     """(checkpoint, reference) of Model Optimizer's FP8 export of the base model, made by ``nvidia-modelopt`` itself
     (static scales calibrated on random tokens, with KV-cache scales); the reference holds each float8 weight times its
     scale in float32. ``legacy``: the quantization stated only in ``hf_quant_config.json``, as older exports do;
-    ``per_channel``: ``FP8_PER_CHANNEL_PER_TOKEN`` (a weight scale per row, dynamic activations, no KV scales)."""
+    ``per_channel``: ``FP8_PER_CHANNEL_PER_TOKEN`` (a weight scale per row, dynamic activations, no KV scales);
+    ``moe``: of ``moe_model()`` (each expert's projections in float8, the routers excluded)."""
     def make(dst_q: str, dst_ref: str) -> None:
         import modelopt.torch.quantization as mtq
         from modelopt.torch.export import export_hf_checkpoint
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(base_model(), dtype=torch.float32).eval()
+        src = moe_model() if moe else base_model()
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
         calib = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
         config = mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG if per_channel else dict(
             mtq.FP8_DEFAULT_CFG, quant_cfg=[*mtq.FP8_DEFAULT_CFG["quant_cfg"], *mtq.FP8_KV_CFG["quant_cfg"]])
@@ -365,9 +373,10 @@ def make_modelopt_fp8(legacy: bool = False, per_channel: bool = False) -> tuple[
         state = load_file(os.path.join(dst_q, "model.safetensors"))
         ref = {k: (v.float() * state[k + "_scale"].float().reshape(-1, 1) if v.dtype == torch.float8_e4m3fn else v.float())
                for k, v in state.items() if not k.endswith("_scale")}
-        _write(dst_ref, ref, None)
+        _write(dst_ref, ref, None, src)
 
-    return _pair(f"modelopt-fp8{'-channel' if per_channel else '-kv'}{'-legacy' if legacy else ''}", make)
+    name = f"modelopt-fp8{'-moe' if moe else ''}{'-channel' if per_channel else '-kv'}{'-legacy' if legacy else ''}"
+    return _pair(name, make)
 
 
 def make_all() -> None:

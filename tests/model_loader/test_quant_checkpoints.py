@@ -135,6 +135,25 @@ def test_modelopt_fp8_checkpoint_matches_its_float8_products(legacy: bool, per_c
     assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(ref_model)
 
 
+def test_modelopt_fp8_moe_checkpoint_follows_its_dequantized_model() -> None:
+    """A Qwen3-MoE exported by Model Optimizer in FP8: each expert's float8 projections load (its routers, excluded,
+    stay float). Tolerance: the float8 activations the experts' products take make the log-probabilities differ from
+    the dequantized float32 model's by rounding, so the next token's top 5 must share 4 and its log-probability agree
+    within 0.05."""
+    pytest.importorskip("modelopt")
+    ckpt, ref = qc.make_modelopt_fp8(moe=True)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=5)
+
+    def top5(path: str) -> list[dict[int, float]]:
+        outs = _llm(path).generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
+
+    for got, want in zip(top5(ckpt), top5(ref)):
+        assert len(got.keys() & want.keys()) >= 4
+        best = max(want, key=want.get)
+        assert best in got and abs(got[best] - want[best]) < 0.05
+
+
 def test_online_int8_equals_the_compressed_tensors_w8a8_checkpoint() -> None:
     """``--quantization int8`` rounds each weight row as compressed-tensors does, so a float model quantized at load
     and the W8A8 checkpoint compressed-tensors makes of it give the same logprobs."""
