@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -129,9 +130,14 @@ def gptq_quantize(w: torch.Tensor, bits: int, group: int, sym: bool, g_idx: torc
     return q.to(torch.int32), zeros.to(torch.int32), scales, deq
 
 
-def make_gptq(bits: int, group: int, desc_act: bool, sym: bool, fmt: str = "gptq") -> tuple[str, str]:
-    """(checkpoint, reference) directories of a GPTQ checkpoint; ``group`` -1 is one group a row."""
+def make_gptq(bits: int, group: int, desc_act: bool, sym: bool, fmt: str = "gptq",
+              skip: str | None = None) -> tuple[str, str]:
+    """(checkpoint, reference) directories of a GPTQ checkpoint; ``group`` -1 is one group a row. ``skip``: a
+    regular expression of modules kept in float, stated as GPTQModel does (a "-:" rule in ``dynamic``, beside a "+:"
+    rule that repeats the bits)."""
     name = f"gptq-{bits}b-g{group}-{'act' if desc_act else 'noact'}-{'sym' if sym else 'asym'}-{fmt}"
+    if skip is not None:
+        name += "-skip-" + "".join(c for c in skip if c.isalnum())
 
     def make(dst_q: str, dst_ref: str) -> None:
         state = _base_state()
@@ -139,6 +145,8 @@ def make_gptq(bits: int, group: int, desc_act: bool, sym: bool, fmt: str = "gptq
         perms: dict[str, torch.Tensor] = {}
         tensors, ref = dict(state), dict(state)
         for module, kind in _linear_items(state):
+            if skip is not None and re.match(skip, module):
+                continue
             w = state[module + ".weight"].float()
             k = w.shape[1]
             g = k if group == -1 else group
@@ -156,8 +164,11 @@ def make_gptq(bits: int, group: int, desc_act: bool, sym: bool, fmt: str = "gptq
             tensors[module + ".scales"] = scales
             tensors[module + ".g_idx"] = g_idx
             ref[module + ".weight"] = deq
-        _write(dst_q, tensors, {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act,
-                                "sym": sym, "checkpoint_format": fmt})
+        cfg = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym,
+               "checkpoint_format": fmt}
+        if skip is not None:
+            cfg["dynamic"] = {"-:" + skip: {}, "+:.*mlp.*": {"bits": bits}}
+        _write(dst_q, tensors, cfg)
         _write(dst_ref, ref, None)
 
     return _pair(name, make)

@@ -44,6 +44,8 @@ def _with(cfg: dict, path: str, value) -> dict:
     (_with(_CT_W4, "config_groups.group_0.weights.actorder", "group"), "weights.actorder 'group'"),
     (_with(_CT_W4, "config_groups.group_0.targets", ["Embedding"]), "targets \\['Embedding'\\]"),
     (_with(_CT_W4, "format", "marlin-24"), "format 'marlin-24'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"+:.*down_proj": {"bits": 8}}},
+     r"gptq.*dynamic\['\+:\.\*down_proj'\] \{'bits': 8\}"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt.*quant_algo 'NVFP4'.*'FP8', 'FP8_PER_CHANNEL"),
     ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}, "kv_cache_quant_algo 'NVFP4'"),
 ])

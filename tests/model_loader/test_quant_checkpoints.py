@@ -75,6 +75,19 @@ def test_gptq_checkpoint_matches_its_dequantized_weights(bits, group, desc_act, 
     assert pagedllm_greedy(path) == hf_greedy(_hf_dir(ref))
 
 
+def test_gptq_dynamic_exclusions_load_as_float_weights() -> None:
+    """GPTQModel's ``dynamic`` "-:" rules name modules stored unquantized (here every attention projection): they
+    load as float weights, and the model follows its reference."""
+    path, ref = qc.make_gptq(4, 128, False, True, skip=r".*self_attn\.")
+    llm = _llm(path)
+    for layer in llm.llm_engine.engine_core.executor.worker.model_runner.model.model.layers:
+        assert layer.self_attn.qkv_proj.weight.dtype == torch.float32 and layer.self_attn.o_proj.keep_unquantized
+        assert not getattr(layer.mlp.down_proj, "keep_unquantized", False)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(_hf_dir(ref))
+
+
 @pytest.mark.parametrize("group", [64, 128])
 def test_awq_checkpoint_matches_its_dequantized_weights(group: int) -> None:
     path, ref = qc.make_awq(group)

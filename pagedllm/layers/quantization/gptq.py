@@ -10,6 +10,8 @@ too, except under act-order, where ``g_idx`` names groups of the whole input and
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -19,8 +21,27 @@ from pagedllm.layers.quantization.packed_params import PackedParam
 from pagedllm.layers.quantization.unpack import gptq_dequantize
 
 
+def _dynamic_exclusions(dynamic: dict, cfg: dict) -> tuple[str, ...]:
+    """GPTQModel's per-module rules (``dynamic``: {pattern: overrides}): the patterns of its "-:" rules, the modules
+    kept unquantized. A "+:" (or unprefixed) rule may only restate the checkpoint's own settings: one linear method
+    holds every quantized module."""
+    if not isinstance(dynamic, dict):
+        raise config_error("gptq", "dynamic", dynamic, "a mapping of module patterns to settings")
+    skipped = []
+    for pattern, overrides in dynamic.items():
+        if pattern.startswith("-:"):
+            skipped.append(pattern[2:])
+            continue
+        changed = {k: v for k, v in (overrides if isinstance(overrides, dict) else {}).items() if cfg.get(k) != v}
+        if changed or not isinstance(overrides, (dict, bool)):
+            raise config_error("gptq", f"dynamic[{pattern!r}]", overrides,
+                               "'-:' rules (modules left unquantized) or rules that repeat the checkpoint's settings")
+    return tuple(skipped)
+
+
 class GPTQConfig(QuantizationConfig):
     name = engine_method = "gptq"
+    skipped: tuple[str, ...] = ()  # regular expressions of modules the checkpoint keeps unquantized
 
     def __init__(self, bits: int, group_size: int, desc_act: bool, zero_offset: int, ignore=()) -> None:
         super().__init__(ignore)
@@ -40,11 +61,15 @@ class GPTQConfig(QuantizationConfig):
         fmt = cfg.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise config_error("gptq", "checkpoint_format", fmt, "'gptq', 'gptq_v2'")
-        if cfg.get("dynamic"):
-            raise config_error("gptq", "dynamic", cfg["dynamic"], "none (one setting for every module)")
         if cfg.get("lm_head"):
             raise config_error("gptq", "lm_head", True, "false (the LM head unquantized)")
-        return cls(bits, group, desc_act, 1 if fmt == "gptq" else 0, tuple(cfg.get("modules_to_not_convert") or ()))
+        config = cls(bits, group, desc_act, 1 if fmt == "gptq" else 0, tuple(cfg.get("modules_to_not_convert") or ()))
+        config.skipped = _dynamic_exclusions(cfg.get("dynamic") or {}, cfg)
+        return config
+
+    def ignores(self, module_name: str) -> bool:
+        # GPTQModel's "-:" rules leave the modules their pattern matches (from the name's start) unquantized.
+        return super().ignores(module_name) or any(re.match(p, module_name) for p in self.skipped)
 
     def linear_method(self) -> GPTQLinearMethod:
         return GPTQLinearMethod(self.bits, self.group_size, self.desc_act, self.zero_offset)
