@@ -71,12 +71,14 @@ def run_variant(args) -> dict:
     for b in (int(v) for v in args.batches.split(",") if v):
         out[f"batch{b}"] = measure_latency(llama, b, in_len, 128 if not args.smoke else 8, num_iters=2, num_warmup=1)
     if args.workload2:
-        from gpu_measure import workload_fixed
+        from gpu_measure import StepRecorder, workload_fixed
 
         n, il, ol = (256, 1000, 1000) if not args.smoke else (12, 40, 30)
         warm_up(llama)
         reqs = workload_fixed(llama.llm_engine.config.model_config.vocab_size, n, il, ol)
-        out["workload2"] = run_generate(llama, reqs)
+        recorder = StepRecorder(llama)
+        out["workload2"] = run_generate(llama, reqs, recorder)
+        out["workload2"]["steps"] = _step_split(recorder.steps, n)
     llama.llm_engine.engine_core.shutdown()
     del llama
     import gc
@@ -89,6 +91,20 @@ def run_variant(args) -> dict:
     if not args.no_workload1:
         out["workload1"] = _workload1(args, engine_kw)
     return out
+
+
+def _step_split(steps: list[dict], full_batch: int) -> dict:
+    """Where workload 2's wall time went: steps that carry prompt tokens against pure decode steps."""
+    import statistics
+
+    prompt = [s for s in steps if s["tokens"] > s["reqs"]]
+    decode = [s for s in steps if s["tokens"] == s["reqs"]]
+    full = [s["step_s"] for s in decode if s["reqs"] == full_batch]
+    return {"prompt_steps": len(prompt), "prompt_s": sum(s["step_s"] for s in prompt),
+            "prompt_tokens": sum(s["tokens"] - s["reqs"] for s in prompt),
+            "decode_steps": len(decode), "decode_s": sum(s["step_s"] for s in decode),
+            "full_batch_decode_steps": len(full),
+            "full_batch_decode_median_ms": 1e3 * statistics.median(full) if full else None}
 
 
 def _workload1(args, engine_kw: dict) -> dict:
@@ -169,6 +185,10 @@ def main() -> None:
             w2 = res["workload2"]["output_tok_per_s"]
             r3 = w2 / base["workload2"]["output_tok_per_s"] if "workload2" in base else float("nan")
             line += f"  | 8B wl2 {w2:7.0f} tok/s ({r3:5.3f})"
+            st = res["workload2"].get("steps")
+            if st:
+                line += (f" prompt steps {st['prompt_s']:.2f} s, decode {st['decode_s']:.2f} s"
+                         f" (full batch {st['full_batch_decode_median_ms'] or float('nan'):.2f} ms)")
         print(line)
 
 

@@ -38,10 +38,12 @@ def main() -> None:
     ap.add_argument("--latency", default="", help="comma-separated BATCH:IN:OUT, timed end to end (TTFT, TPOT)")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--quantization", default=None, help="e.g. fp8: float8 weights (the engine option)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="e.g. fp8: a float8 KV cache (the engine option)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    llm = make_llm(MODELS[args.model], smoke=False, quantization=args.quantization)
+    llm = make_llm(MODELS[args.model], smoke=False, quantization=args.quantization,
+                   kv_cache_dtype=args.kv_cache_dtype)
     results: dict = {}
     from pagedllm.entrypoints.bench.latency import measure_latency
 
@@ -67,7 +69,8 @@ def main() -> None:
     if args.prefill:
         results["launch_overhead_us"] = launch_overhead_us()
         print("== host us per eager launch: " + ", ".join(f"{k} {v:.1f}" for k, v in results["launch_overhead_us"].items()))
-    suffix = f"_{args.quantization}" if args.quantization else ""
+    suffix = (f"_{args.quantization}" if args.quantization else "") + (
+        f"_kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
     with open(os.path.join(args.out, f"kernel_breakdown_{args.model}{suffix}.json"), "w") as f:
         json.dump(results, f, indent=1)
 
