@@ -7,6 +7,8 @@ Cached under ``$PAGEDLLM_TEST_CACHE/quant`` beside the tiny ones, never committe
 - ``w8a8``: INT8 W8A8 (per-channel symmetric weights, dynamic per-token activations) made by compressed-tensors
   itself after SmoothQuant scales from the calibration text are folded in; ``w8a8-rtn`` without them;
   ``w8a8-asym``: activations with a zero point per token, SmoothQuant's strength chosen per layer and linear group;
+  ``w8a8-quip``: every linear's input rotated online by a random Hadamard matrix (compressed-tensors'
+  ``transform_config``, llm-compressor's QuIP "v" rotation), weights rounded to nearest;
 - ``gptq-4b-g128`` (GPTQ's layout, symmetric) and ``awq-4b-g128`` (AutoAWQ's layout, zero points): calibrated by
   ``calibrated_quant`` and packed by ``quant_checkpoints``, each with its dequantized float32 reference;
   ``rtn-4b-g128``: GPTQ's layout rounded to nearest, the baseline calibration must beat.
@@ -152,10 +154,12 @@ def make_awq(calibration_tokens: int | None = None) -> tuple[str, str]:
 
 
 def make_ct_w8a8(smooth_alpha: float | str | None = 0.8, calibration_tokens: int | None = None,
-                 act_symmetric: bool = True) -> str:
+                 act_symmetric: bool = True, rotated: bool = False) -> str:
     """INT8 W8A8 by compressed-tensors: per-channel symmetric weights, dynamic per-token activations (symmetric,
     or with a zero point each); ``smooth_alpha``: SmoothQuant's migration strength, its scales calibrated first
-    ('auto': chosen per layer and linear group by the products' error; None: plain rounding)."""
+    ('auto': chosen per layer and linear group by the products' error; None: plain rounding); ``rotated``: every
+    linear's input rotated by a random Hadamard matrix (QuIP's "v" rotation, compressed-tensors' transform_config,
+    online at inference), the weights then rounded plainly: nothing calibrated."""
     def make(dst: str) -> None:
         from compressed_tensors.compressors import ModelCompressor
         from compressed_tensors.quantization import apply_quantization_config
@@ -164,6 +168,10 @@ def make_ct_w8a8(smooth_alpha: float | str | None = 0.8, calibration_tokens: int
         fmt, qconfig = qc._ct_config("ct-w8a8" if act_symmetric else "ct-w8a8-asym-act")
         if smooth_alpha is None:
             model = AutoModelForCausalLM.from_pretrained(float_model(), dtype=torch.float32)
+            if rotated:
+                from compressed_tensors.transform import apply_transform_config
+
+                apply_transform_config(model, qc.transform_config("random-hadamard", "v", None, True))
         else:
             model, _ = _quantized_model("smooth", calibration_tokens, smooth_alpha=smooth_alpha,
                                         act_symmetric=act_symmetric)
@@ -187,6 +195,8 @@ def make_ct_w8a8(smooth_alpha: float | str | None = 0.8, calibration_tokens: int
             else f"gemma3-270m-ct-w8a8-smooth{smooth_alpha}-c{calibration_tokens or 'all'}")
     if not act_symmetric:
         name = name.replace("ct-w8a8", "ct-w8a8-asym")
+    if rotated:
+        name = name.replace("rtn", "quip-v")
     return qc._cached(name, make)
 
 
@@ -195,6 +205,7 @@ MAKERS = {  # name -> () -> (checkpoint, reference or None where compressed-tens
     "w8a8": lambda: (make_ct_w8a8(), None),
     "w8a8-rtn": lambda: (make_ct_w8a8(None), None),
     "w8a8-asym": lambda: (make_ct_w8a8("auto", act_symmetric=False), None),
+    "w8a8-quip": lambda: (make_ct_w8a8(None, rotated=True), None),
     "gptq-4b-g128": lambda: make_gptq(),
     "awq-4b-g128": lambda: make_awq(),
     "rtn-4b-g128": lambda: make_gptq("rtn"),
@@ -203,7 +214,8 @@ MAKERS = {  # name -> () -> (checkpoint, reference or None where compressed-tens
 
 # The cache name each maker writes, for is_made.
 _NAMES = {"float32": "gemma3-270m-float32", "w8a8": "gemma3-270m-ct-w8a8-smooth0.8-call", "w8a8-rtn":
-          "gemma3-270m-ct-w8a8-rtn", "w8a8-asym": "gemma3-270m-ct-w8a8-asym-smoothauto-call", "gptq-4b-g128": "gemma3-270m-gptq-4b-g128-call",
+          "gemma3-270m-ct-w8a8-rtn", "w8a8-asym": "gemma3-270m-ct-w8a8-asym-smoothauto-call",
+          "w8a8-quip": "gemma3-270m-ct-w8a8-quip-v", "gptq-4b-g128": "gemma3-270m-gptq-4b-g128-call",
           "awq-4b-g128": "gemma3-270m-awq-g128-call", "rtn-4b-g128": "gemma3-270m-rtn-4b-g128-call"}
 
 

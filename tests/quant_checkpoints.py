@@ -253,6 +253,19 @@ CT_SCHEMES: dict[str, tuple[str, dict]] = {
     "ct-w4a16-g128-ignore-down": ("pack-quantized", {"weights": dict(num_bits=4, type="int", symmetric=True,
                                                                      strategy="group", group_size=128),
                                                      "ignore": ["lm_head", "re:.*mlp\\.down_proj"]}),
+    # Online rotations (compressed-tensors' transform_config, llm-compressor's QuIP): (type, groups, head_dim,
+    # randomize); group "v" rotates each linear's input, "u" its output.
+    "ct-w8a8-quip": ("int-quantized", {
+        "weights": dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+        "input_activations": dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True),
+        "transforms": ("random-hadamard", "vu", None, True)}),
+    "ct-w8a8-hadamard-b64": ("int-quantized", {
+        "weights": dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+        "input_activations": dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True),
+        "transforms": ("hadamard", "v", 64, False)}),
+    "ct-w4a16-random-matrix": ("pack-quantized", {
+        "weights": dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128),
+        "transforms": ("random-matrix", "vu", 32, False)}),
     "ct-fp8-block": ("float-quantized", {
         "weights": dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128]),
         "input_activations": dict(num_bits=8, type="float", symmetric=True, strategy="group", group_size=128,
@@ -266,8 +279,23 @@ def _ct_config(name: str):
     fmt, scheme = CT_SCHEMES[name]
     scheme = dict(scheme)
     ignore = scheme.pop("ignore", ["lm_head"])
+    scheme.pop("transforms", None)
     return fmt, QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], **scheme)},
                                    ignore=ignore)
+
+
+def transform_config(kind: str, groups: str, head_dim: int | None, randomize: bool):
+    """compressed-tensors' TransformConfig of QuIP's rotations over every linear but lm_head: group "v" rotates a
+    linear's input online (its inverse fused into the weight), "u" its output."""
+    from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
+
+    where = dict(targets=["Linear"], ignore=["lm_head"])
+    places = {"v": [TransformArgs(location="input", **where),
+                    TransformArgs(location="weight_input", inverse=True, **where)],
+              "u": [TransformArgs(location="weight_output", **where),
+                    TransformArgs(location="output", inverse=True, **where)]}
+    return TransformConfig(config_groups={g: TransformScheme(type=kind, apply=places[g], randomize=randomize,
+                                                             head_dim=head_dim) for g in groups})
 
 
 def _weight_qparams(w: torch.Tensor, args):
@@ -297,6 +325,11 @@ def make_ct(name: str) -> str:
 
         fmt, qconfig = _ct_config(name)
         model = AutoModelForCausalLM.from_pretrained(base_model(), dtype=torch.float32)
+        transforms = CT_SCHEMES[name][1].get("transforms")
+        if transforms is not None:
+            from compressed_tensors.transform import apply_transform_config
+
+            apply_transform_config(model, transform_config(*transforms))
         apply_quantization_config(model, qconfig)
         with torch.no_grad():
             for module in model.modules():
@@ -328,6 +361,11 @@ def ct_reference_model(path: str, float_dir: str | None = None):
         qcfg = json.load(f)["quantization_config"]
     config = AutoConfig.from_pretrained(float_dir or base_model())
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if (qcfg.get("transform_config") or {}).get("config_groups"):
+        # Its online rotations hook around the linears; their matrices are loaded from the checkpoint below.
+        from compressed_tensors.transform import TransformConfig, apply_transform_config
+
+        apply_transform_config(model, TransformConfig.model_validate(qcfg["transform_config"]))
     qconfig = QuantizationConfig.model_validate({k: v for k, v in qcfg.items() if k in QuantizationConfig.model_fields})
     apply_quantization_config(model, qconfig)
     compressor = BaseCompressor.get_value_from_registry(qcfg["format"])

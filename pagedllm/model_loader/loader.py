@@ -46,6 +46,13 @@ class DefaultModelLoader(BaseModelLoader):
         if qconfig is not None and qconfig.skip_suffixes():
             skip = qconfig.skip_suffixes()
             weights = ((n, t) for n, t in weights if not n.endswith(skip))
+        # Online rotations' matrices (compressed-tensors' transform_config) go around the linears, not into them.
+        transforms = None if qconfig is None else qconfig.transforms
+        rotations: dict = {}
+        if transforms is not None:
+            from pagedllm.layers.quantization.transforms import collect_transforms
+
+            weights = collect_transforms(weights, transforms, rotations)
         loaded = model.load_weights(weights)
         check_all_loaded(model, loaded, model_config.model)
         attach_kv_scales(model, kv_scales)
@@ -53,7 +60,12 @@ class DefaultModelLoader(BaseModelLoader):
             from pagedllm.layers.quantization.base import process_loaded_weights
 
             process_loaded_weights(model)
-        return finalize_model(model, device, model_config.quantization, model_config.cpu_int8_activations)
+        model = finalize_model(model, device, model_config.quantization, model_config.cpu_int8_activations)
+        if transforms is not None:
+            from pagedllm.layers.quantization.transforms import attach_transforms
+
+            attach_transforms(model, transforms, rotations)
+        return model
 
 
 def available_load_formats() -> list[str]:

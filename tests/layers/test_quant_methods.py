@@ -19,6 +19,10 @@ _CT_W4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "con
                                        "group_size": 128}}}}
 
 
+_CT_ROTATED = {**_CT_W4, "transform_config": {"config_groups": {"v": {
+    "type": "random-hadamard", "apply": [{"targets": ["Linear"], "location": "input", "ignore": ["lm_head"]}]}}}}
+
+
 def _with(cfg: dict, path: str, value) -> dict:
     import copy
 
@@ -46,6 +50,12 @@ def _with(cfg: dict, path: str, value) -> dict:
     (_with(_CT_W4, "format", "marlin-24"), "format 'marlin-24'"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"+:.*down_proj": {"bits": 8}}},
      r"gptq.*dynamic\['\+:\.\*down_proj'\] \{'bits': 8\}"),
+    (_with(_CT_ROTATED, "transform_config.config_groups.v.type", "fancy"),
+     r"transform_config\.config_groups\['v'\]\.type 'fancy'.*hadamard, random-hadamard, random-matrix"),
+    (_with(_CT_ROTATED, "transform_config.config_groups.v.apply", [{"targets": ["Linear"], "location": "k_cache"}]),
+     r"config_groups\['v'\]\.apply\[0\]\.location 'k_cache'"),
+    (_with(_CT_ROTATED, "transform_config.config_groups.v.head_dim", 0), r"config_groups\['v'\]\.head_dim 0"),
+    (_with(_CT_ROTATED, "transform_config.config_groups.v.precision", "torch.int8"), r"precision 'torch\.int8'"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt.*quant_algo 'NVFP4'.*'FP8', 'FP8_PER_CHANNEL"),
     ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}, "kv_cache_quant_algo 'NVFP4'"),
 ])

@@ -31,6 +31,7 @@ class QuantizationConfig:
     def __init__(self, ignore: tuple[str, ...] = ()) -> None:
         self.ignore = ignore
         self.notes: list[str] = []  # what of the checkpoint goes unused, logged once at load
+        self.transforms = None  # online rotations around the linears (compressed-tensors' transform_config)
 
     @classmethod
     def from_config(cls, cfg: dict) -> QuantizationConfig:

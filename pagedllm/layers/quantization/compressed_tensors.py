@@ -7,7 +7,8 @@ whose scheme says how the linears are stored.
 - ``int-quantized`` (or ``naive-quantized``): int8 ``weight`` [N, K] per channel, with or without per-token
   dynamic int8 activations (W8A8, ``int8.py``).
 - ``float-quantized``: float8 weights per channel or per tensor (``fp8.py``), or per block (``fp8_block.py``).
-``weight_shape`` tensors repeat the layer's shape and are not read.
+``weight_shape`` tensors repeat the layer's shape and are not read. A ``transform_config`` (QuIP-style rotations)
+adds online rotations around the linears it names (``transforms.py``).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pagedllm.layers.quantization.base import QuantizationConfig, QuantizedLinea
 from pagedllm.layers.quantization.fp8_config import STATIC_NOTE, UNUSED_SCALE_SUFFIXES
 from pagedllm.layers.quantization import wna16_layout
 from pagedllm.layers.quantization.packed_params import PackedParam
+from pagedllm.layers.quantization.transforms import TransformConfig
 from pagedllm.layers.quantization.unpack import ct_pack_dequantize
 
 _FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
@@ -93,6 +95,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         else:
             raise _err("weights.type", wtype, "'int', 'float'")
         config = cls(fmt, weights, acts, tuple(cfg.get("ignore") or ()))
+        config.transforms = TransformConfig.from_config(cfg.get("transform_config"))
         if wtype == "float" and strategy != "block" and acts is not None and not acts.get("dynamic", False):
             config.notes.append(STATIC_NOTE)
         return config
