@@ -162,6 +162,9 @@ def main() -> None:
         figures = "".join(f" {key} {res[key][field]:.{digits}f}" for key, field, digits in (
             ("batch1", "tpot_ms", 3), ("workload2", "output_tok_per_s", 0), ("workload1", "output_tok_per_s", 0))
             if key in res)  # as each variant ends: a run cut short still tells what it measured
+        st = res.get("workload2", {}).get("steps")
+        if st:  # where workload 2's time went, printed as each variant ends
+            figures += f" (prompt steps {st['prompt_s']:.2f} s, decode steps {st['decode_s']:.2f} s)"
         print(f"== {name}: {res.get('error', 'ok')[:300]}{figures} ({res['wall_s']:.0f} s)", flush=True)
     with open(os.path.join(args.out, "engine_switches.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
