@@ -27,11 +27,12 @@ class QuantizationConfig:
     name: str = ""
     # The engine's name for the checkpoint's quantization (ModelConfig.quantization).
     engine_method: str = ""
+    # Online rotations around the linears (compressed-tensors' transform_config, ``transforms.py``), or None.
+    transforms = None
 
     def __init__(self, ignore: tuple[str, ...] = ()) -> None:
         self.ignore = ignore
         self.notes: list[str] = []  # what of the checkpoint goes unused, logged once at load
-        self.transforms = None  # online rotations around the linears (compressed-tensors' transform_config)
 
     @classmethod
     def from_config(cls, cfg: dict) -> QuantizationConfig:
