@@ -121,8 +121,9 @@ def collect_transforms(weights: Iterable[tuple[str, torch.Tensor]], config: Tran
             continue
         holder, part = name.rsplit(".", 1)
         module, _, key = holder.rpartition(".")
-        group, _, location = next((g, "_", key[len(g) + 1:]) for g in config.groups if key.startswith(g + "_"))
-        found.setdefault((module, group, location), {})[part] = tensor
+        # "<group>_<location>": the group is whichever of the config's names that leaves a location
+        group = next(g for g in config.groups if key.startswith(g + "_") and key[len(g) + 1:] in ONLINE + OFFLINE)
+        found.setdefault((module, group, key[len(group) + 1:]), {})[part] = tensor
 
 
 class Rotation:
@@ -132,7 +133,7 @@ class Rotation:
     def __init__(self, block: torch.Tensor, divisor: float) -> None:
         self.block, self.divisor = block, divisor
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
         n = self.block.shape[0]
         y = x.to(self.block.dtype).reshape(*x.shape[:-1], x.shape[-1] // n, n) @ self.block
         if self.divisor != 1.0:
@@ -151,7 +152,7 @@ class RotatedLinearMethod(LinearMethodBase):
     def create_weights(self, *args, **kwargs) -> None:
         self.inner.create_weights(*args, **kwargs)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [T, K] -> [T, N]
         if self.rotate_input is not None:
             x = self.rotate_input(x)
         y = self.inner.apply(layer, x, bias)
