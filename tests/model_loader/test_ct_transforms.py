@@ -29,6 +29,10 @@ def test_every_decoder_linear_is_rotated_and_the_lm_head_is_not() -> None:
             assert method.rotate_input is not None and method.rotate_outputs is not None
             assert all(r is not None for _, r in method.rotate_outputs)
     assert not isinstance(getattr(model.lm_head, "quant_method", None), RotatedLinearMethod)
+    # The layers share their group's matrices on the device, one copy each.
+    first, last = model.model.layers[0], model.model.layers[-1]
+    assert first.mlp.down_proj.quant_method.rotate_input is last.mlp.down_proj.quant_method.rotate_input
+    assert first.self_attn.o_proj.quant_method.rotate_input is first.self_attn.qkv_proj.quant_method.rotate_input
 
 
 def test_rotated_checkpoint_under_tp2_equals_one_process() -> None:
