@@ -43,28 +43,32 @@ def _time_us(fn, iters: int) -> float:
 
 
 def _grid(m: int):
-    """(block, split, warps_stages) tile configs to try at M rows."""
+    """(block, split, warps_stages, swap_ab) tile configs to try at M rows, likeliest first (a sweep stops at its
+    deadline)."""
     if m <= 16:
         blocks = [(16, bn, bk) for bn in (32, 64, 128) for bk in (64, 128, 256)]
-        splits, ws = (1, 2, 4, 8, 16), [(4, 2), (4, 3), (4, 4)]
+        splits, ws, swaps = (1, 2, 4, 8, 16), [(4, 2), (4, 3), (4, 4)], (False,)
+    elif m <= 64:
+        blocks = [(bm, bn, bk) for bm in (32, 64) for bn in (64, 128) for bk in (64, 128)]
+        splits, ws, swaps = (1, 2, 4), [(4, 3), (8, 3)], (False, True)
     else:
-        blocks = [(bm, bn, bk) for bm in (32, 64, 128) for bn in (64, 128) for bk in (64, 128)]
-        splits, ws = (1, 2, 4), [(4, 3), (8, 3)]
-    return itertools.product(blocks, splits, ws)
+        # Many rows: large tiles, so that each unpacked weight feeds many rows' products.
+        blocks = [(128, 128, 64), (256, 128, 64), (128, 256, 64), (128, 128, 128), (64, 128, 64), (64, 256, 64)]
+        splits, ws, swaps = (1, 2), [(8, 3), (4, 3), (8, 4)], (True, False)
+    return ((b, sp, w, sw) for sw in swaps for b in blocks for sp in splits for w in ws)
 
 
 def int8_rows(args, dev: torch.device, deadline: float) -> list[dict]:
     """``--int8``: the W8A8 linear at each row count: the one-launch decode kernel (up to 16 rows), its two-launch
-    form (rows quantized first), the path of
-    more rows (row quantizer, cuBLAS int8 product padded to 32 rows, epilogue) and each of its three parts."""
+    form (rows quantized first), the tiles of more rows (``w8a8_tiles``), the cuBLAS path (row quantizer, cuBLAS
+    int8 product padded to 32 rows, epilogue) and each of its three parts."""
     from pagedllm.kernels import int8_quant
-    from pagedllm.kernels.int8_decode import MAX_ROWS, w8a8_decode
+    from pagedllm.kernels.int8_gemm import MAX_ROWS, TileConfig, w8a8_decode, w8a8_tiles
     from pagedllm.layers.quantization.int8 import _int_mm
 
     rows = []
-    print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'decode':>8} {'prequant':>8} {'ratio':>6} {'path':>8}"
-          f" {'quant':>8}"
-          f" {'int_mm':>8} {'epilog':>8}")
+    print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'decode':>8} {'prequant':>8} {'tiles':>8} {'ratio':>6}"
+          f" {'path':>8} {'quant':>8} {'int_mm':>8} {'epilog':>8}")
     for name, k, n in SHAPES:
         w = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8)
         ws = torch.rand(n, 1, device=dev) * 1e-3
@@ -77,12 +81,13 @@ def int8_rows(args, dev: torch.device, deadline: float) -> list[dict]:
             dec = _time_us(lambda: w8a8_decode(x, w, ws, None), args.iters) if m <= MAX_ROWS else float("nan")
             pre = (_time_us(lambda: w8a8_decode(x, w, ws, None, prequantize=True), args.iters) if m <= MAX_ROWS
                    else float("nan"))
+            tiles = _time_us(lambda: w8a8_tiles(x, w, ws, None), args.iters) if m > MAX_ROWS else float("nan")
             path = _time_us(lambda: int8_quant.scale_rows(_int_mm(int8_quant.quantize_rows(x)[0], w), xs, ws, None,
                                                           x.dtype), args.iters)
             quant = _time_us(lambda: int8_quant.quantize_rows(x), args.iters)
             mm = _time_us(lambda: _int_mm(xq, w), args.iters)
             epi = _time_us(lambda: int8_quant.scale_rows(acc, xs, ws, None, x.dtype), args.iters)
-            best = min(dec, pre, path) if m <= MAX_ROWS else path
+            best = min(dec, pre, path) if m <= MAX_ROWS else min(tiles, path)
             tuned = None
             if args.sweep and m <= MAX_ROWS:
                 for bn, bk, warps, prequantize in itertools.product((16, 32, 64), (128, 256, 512), (4, 8),
@@ -94,12 +99,25 @@ def int8_rows(args, dev: torch.device, deadline: float) -> list[dict]:
                     if tuned is None or t < tuned[0]:
                         tuned = (t, bn, bk, warps, prequantize)
                 print(f"   best decode tile (us, block_n, block_k, warps, prequantize): {tuned}", flush=True)
+            elif args.sweep:
+                shape_deadline = min(deadline, time.monotonic() + args.sweep_budget_s / len(SHAPES))
+                for bm, bn, bk, warps, stages in itertools.product((128, 256, 64), (128, 256, 64), (128, 64, 256),
+                                                                   (8, 4), (3, 4)):
+                    if time.monotonic() > shape_deadline or bm > 2 * max(m, 32):
+                        continue
+                    cfg = TileConfig(bm, bn, bk, warps, stages)
+                    try:
+                        t = _time_us(lambda: w8a8_tiles(x, w, ws, None, config=cfg), 10)
+                    except Exception:  # noqa: BLE001 - tiles beyond the device's resources are skipped
+                        continue
+                    if tuned is None or t < tuned[0]:
+                        tuned = (t, *cfg)
+                print(f"   best tile (us, block_m, block_n, block_k, warps, stages): {tuned}", flush=True)
             rows.append({"shape": name, "k": k, "n": n, "m": m, "bf16_us": ref, "decode_us": dec,
-                         "prequantized_us": pre, "path_us": path, "best_decode_tile": tuned,
+                         "prequantized_us": pre, "tiles_us": tiles, "path_us": path, "best_decode_tile": tuned,
                          "ratio": best / ref, "quant_us": quant, "int_mm_us": mm, "epilogue_us": epi})
-            print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {dec:>8.1f} {pre:>8.1f} {best / ref:>6.2f} {path:>8.1f}"
-                  f" {quant:>8.1f}"
-                  f" {mm:>8.1f} {epi:>8.1f}", flush=True)
+            print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {dec:>8.1f} {pre:>8.1f} {tiles:>8.1f} {best / ref:>6.2f}"
+                  f" {path:>8.1f} {quant:>8.1f} {mm:>8.1f} {epi:>8.1f}", flush=True)
     return rows
 
 
@@ -197,24 +215,24 @@ def main() -> None:
                     if best is None or t < best[0]:
                         best = (t, kw)
                 row["best_gemv"] = best
-            elif args.sweep and m <= 256:
-                for block, split, ws in _grid(m):
+            elif args.sweep and m <= 4096:
+                for block, split, ws, swap in _grid(m):
                     if time.monotonic() > deadline:
                         break
                     try:
                         t = _time_us(lambda: wna16_matmul(x, qw, s, z, args.bits, args.group, split_k=split,
-                                                          block=block, warps_stages=ws, dense_from_rows=1 << 30),
-                                     10)
+                                                          block=block, warps_stages=ws, dense_from_rows=1 << 30,
+                                                          swap_ab=swap), 10)
                     except Exception:  # noqa: BLE001 - configs beyond the device's resources are skipped
                         continue
                     if best is None or t < best[0]:
-                        best = (t, block, split, ws)
+                        best = (t, block, split, ws, swap)
                 row["best_tile"] = best
             rows.append(row)
             if best and m == 1:
                 extra = f"  {best[0]:.1f} {best[1]}"
             else:
-                extra = f"  {best[0]:.1f} {best[1]} {best[2]} {best[3]}" if best else ""
+                extra = f"  {best[0]:.1f} {best[1]} {best[2]} {best[3]}{' swap' if best[4] else ''}" if best else ""
             print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {got:>8.1f} {got / ref:>6.2f} {tile:>8.1f} {deq:>8.1f} {gemv:>8.1f}{extra}", flush=True)
     if args.out:
         path = os.path.join(args.out, "quant_kernels.json") if os.path.isdir(args.out) else args.out

@@ -1,8 +1,8 @@
 """Triton gated activations ``act(gate) * up`` over a fused ``[gate | up]`` row: SiLU and GELU (tanh or erf) in one kernel.
 
 A second kernel hands the rows to a float8 linear already quantized (``fp8_quant.Fp8Rows``): one program
-a row computes the products twice, once for the row's largest magnitude and once to quantize them,
-so the 16-bit product is never written.
+a row holds the row's products whole (up to ``launch.WHOLE_ROW_MAX`` of them; a longer row computes them
+twice, once for its largest magnitude and once to quantize them), so the 16-bit product is never written.
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
-from pagedllm.kernels.fp8_quant import Fp8Rows, row_scale, to_fp8_range
+from pagedllm.kernels.fp8_quant import Fp8Rows, quantize_row_fp32, row_scale, to_fp8_range
+from pagedllm.kernels.launch import pdl_launch_args, row_tile, wait_for_previous_kernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -64,23 +64,31 @@ def _act_and_mul_quant_kernel(
     stride_xt,
     ACT: tl.constexpr,
     BLOCK: tl.constexpr,
+    WHOLE_ROW: tl.constexpr,  # BLOCK >= F: the products are computed once (launch.row_tile)
     USE_GDC: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_GDC, False)
     tok = tl.program_id(0)
     row_ptr = x_ptr + tok * stride_xt
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for c0 in range(0, n_cols, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(_gated_product(row_ptr, cols, cols < n_cols, n_cols, ACT)))
     # fp8_quant._quant_rows_kernel's arithmetic over the 16-bit products the unfused kernel would store.
-    scale = row_scale(tl.max(amax, axis=0))
-    tl.store(s_ptr + tok, scale)
-    for c0 in range(0, n_cols, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
+    if WHOLE_ROW:
+        cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        q = to_fp8_range(_gated_product(row_ptr, cols, mask, n_cols, ACT), scale)
+        q, scale = quantize_row_fp32(_gated_product(row_ptr, cols, mask, n_cols, ACT), mask)
+        tl.store(s_ptr + tok, scale)
         tl.store(q_ptr + tok * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(_gated_product(row_ptr, cols, cols < n_cols, n_cols, ACT)))
+        scale = row_scale(tl.max(amax, axis=0))
+        tl.store(s_ptr + tok, scale)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            q = to_fp8_range(_gated_product(row_ptr, cols, mask, n_cols, ACT), scale)
+            tl.store(q_ptr + tok * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 _ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -95,8 +103,9 @@ def act_and_mul(x: torch.Tensor, act: str = "silu", quantize: bool = False):  # 
     if quantize:
         out = Fp8Rows(torch.empty((tokens, n_cols), dtype=torch.float8_e4m3fn, device=x.device),
                       torch.empty((tokens, 1), dtype=torch.float32, device=x.device), x.dtype)
+        block, whole_row, warps = row_tile(n_cols)
         _act_and_mul_quant_kernel[(tokens,)](x, out.q, out.scales, n_cols, x.stride(0), ACT=_ACTS[act],
-                                             BLOCK=min(1024, triton.next_power_of_2(n_cols)), num_warps=4,
+                                             BLOCK=block, WHOLE_ROW=whole_row, num_warps=warps,
                                              **pdl_launch_args(x))
         return out
     out = torch.empty((tokens, n_cols), dtype=x.dtype, device=x.device)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.kernels.launch import pdl_launch_args, row_tile, wait_for_previous_kernel
 
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
 # A row of zeros still gets a positive scale, so dequantization never divides by zero.
@@ -79,23 +79,30 @@ def _quant_rows_kernel(
     K,
     stride_xm,
     BLOCK_K: tl.constexpr,
+    WHOLE_ROW: tl.constexpr,  # BLOCK_K >= K: the row is read once (launch.row_tile)
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
 ):
     wait_for_previous_kernel(USE_GDC, False)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     x_row = x_ptr + row * stride_xm
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = row_scale(tl.max(amax, axis=0))
-    tl.store(s_ptr + row, scale)
-    for k0 in range(0, K, BLOCK_K):
-        mask = k0 + cols < K
-        x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        q = to_fp8_range(x, scale)
-        tl.store(q_ptr + row * K + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    if WHOLE_ROW:
+        mask = cols < K
+        q, scale = quantize_row_fp32(tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32), mask)
+        tl.store(s_ptr + row, scale)
+        tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = row_scale(tl.max(amax, axis=0))
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + cols < K
+            x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+            q = to_fp8_range(x, scale)
+            tl.store(q_ptr + row * K + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -110,11 +117,12 @@ def quantize_rows(
     scales = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scales
-    block_k = min(1024, triton.next_power_of_2(k))
+    block_k, whole_row, warps = row_tile(k)
     _quant_rows_kernel[(m,)](
         x, q, scales, k, x.stride(0),
         BLOCK_K=block_k,
-        num_warps=4,
+        WHOLE_ROW=whole_row,
+        num_warps=warps,
         **pdl_launch_args(x),
     )
     return q, scales

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.kernels.launch import pdl_launch_args, row_tile, wait_for_previous_kernel
 from pagedllm.kernels.numerics import add_rn, exact_rounding, mul_rn
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -66,7 +66,7 @@ def _round_half_even(v, EXACT: tl.constexpr):
 @triton.jit
 def row_scale(amax, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
     """The symmetric scale of rows whose largest magnitude is ``amax`` (float32, a scalar or one per row);
-    shared with ``int8_decode.py``'s fused product, which must compute the same scales."""
+    shared with ``int8_gemm.py``'s fused product, which must compute the same scales."""
     if RECIPROCAL:  # torch on CUDA divides by a scalar as a product with its float32 reciprocal
         scale = mul_rn(amax, INV_HALF_RANGE, EXACT)
     else:
@@ -90,6 +90,7 @@ def _quant_rows_kernel(
     K,
     stride_xm,
     BLOCK_K: tl.constexpr,
+    WHOLE_ROW: tl.constexpr,  # BLOCK_K >= K: the row is read once (launch.row_tile)
     EXACT: tl.constexpr,
     RECIPROCAL: tl.constexpr,
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
@@ -98,16 +99,23 @@ def _quant_rows_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * stride_xm
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = row_scale(tl.max(amax, axis=0), EXACT, RECIPROCAL)
-    tl.store(s_ptr + row, scale)
-    for k0 in range(0, K, BLOCK_K):
-        mask = k0 + cols < K
-        x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * K + k0 + cols, quantize_int8(x, scale, EXACT), mask=mask)
+    if WHOLE_ROW:
+        mask = cols < K
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(x), axis=0), EXACT, RECIPROCAL)
+        tl.store(s_ptr + row, scale)
+        tl.store(q_ptr + row * K + cols, quantize_int8(x, scale, EXACT), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = row_scale(tl.max(amax, axis=0), EXACT, RECIPROCAL)
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + cols < K
+            x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_ptr + row * K + k0 + cols, quantize_int8(x, scale, EXACT), mask=mask)
 
 
 @triton.jit
@@ -149,10 +157,11 @@ def quantize_rows(
     scales = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scales
+    block_k, whole_row, warps = row_tile(k)
     _quant_rows_kernel[(m,)](
         x, q, scales, k, x.stride(0),
-        BLOCK_K=min(1024, triton.next_power_of_2(k)), EXACT=exact_rounding(x), RECIPROCAL=exact_rounding(x),
-        num_warps=4, **pdl_launch_args(x),
+        BLOCK_K=block_k, WHOLE_ROW=whole_row, EXACT=exact_rounding(x), RECIPROCAL=exact_rounding(x),
+        num_warps=warps, **pdl_launch_args(x),
     )
     return q, scales
 

@@ -58,6 +58,7 @@ def _wna16_kernel(
     stride_xm, stride_om, stride_os,
     GROUP: tl.constexpr, BITS: tl.constexpr, ROW_GROUPS: tl.constexpr, HAS_GIDX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -72,7 +73,10 @@ def _wna16_kernel(
     k_start = pid_s * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     shifts = tl.arange(0, PACK) * BITS
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < k_end
@@ -99,12 +103,23 @@ def _wna16_kernel(
             s1 = tl.load(s_ptr + g0 * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             z1 = tl.load(z_ptr + g0 * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             w = ((q - z1[None, :]) * s1[None, :]).to(a.dtype)
-        if DOT_FP32:
+        if SWAP_AB:
+            # y^T = W x^T: the unpacked weight is the first operand, which Hopper's tensor cores read from
+            # registers, so it need not pass through shared memory.
+            if DOT_FP32:
+                acc = tl.dot(tl.trans(w), tl.trans(a), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(tl.trans(w), tl.trans(a), acc)
+        elif DOT_FP32:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
-    out = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if SWAP_AB:
+        out = out_ptr + pid_s * stride_os + offs_n[:, None] + offs_m[None, :] * stride_om
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+    else:
+        out = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -292,21 +307,27 @@ def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return w
 
 
-# From this many rows on, a product dequantizes the weight and runs the dense GEMM (benchmarks/quant_kernels.py
-# --sweep measures the crossing).
-DENSE_FROM_ROWS = 256
+# From this many rows on, a product dequantizes the weight and runs the dense GEMM; from half as many, a product
+# of a weight under ``SMALL_WEIGHT`` values does (benchmarks/quant_kernels.py measures the crossing). On an H100
+# at Llama-3-8B's shapes the dequantization is a fixed cost that more rows amortize: at 256 rows the tile kernel
+# takes 169 / 112 us for gate_up / down against 231 / 124 dense, but 72 / 46 us for qkv / o against 60 / 40;
+# at 512 rows the dense path wins on all four.
+DENSE_FROM_ROWS = 512
+SMALL_WEIGHT = 32 * 1024 * 1024
 
 
-def _config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps, num_stages) for an M x N x K product."""
+def _config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps, num_stages, swap_ab) for an M x N x K product."""
+    swap = False
     if m <= 16:
         bm, bn, bk, warps, stages = 16, 64, 128, 4, 3
     elif m <= 64:
         bm, bn, bk, warps, stages = 32, 64, 64, 4, 3
-    elif m <= 256:
-        bm, bn, bk, warps, stages = 64, 128, 64, 4, 3
     else:
-        bm, bn, bk, warps, stages = 128, 128, 32, 8, 3
+        # Many rows (an H100 sweep at 256): large tiles, so that each unpacked weight serves many rows, computed
+        # as W x^T; the widest outputs take all 256 rows a tile.
+        bm = 256 if m > 128 and n >= 16384 else 128
+        bn, bk, warps, stages, swap = 128, 64, 8, 4 if bm == 256 else 3, True
     split = 1
     if device.type == "cuda":
         # Few output tiles leave most SMs idle; split the input until about two waves of programs run.
@@ -314,7 +335,7 @@ def _config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         while tiles * split * 2 <= 2 * sms and k // (split * 2) >= 4 * bk:
             split *= 2
-    return bm, bn, bk, split, warps, stages
+    return bm, bn, bk, split, warps, stages, swap
 
 
 def wna16_matmul(
@@ -330,6 +351,7 @@ def wna16_matmul(
     warps_stages: tuple[int, int] | None = None,  # (num_warps, num_stages); None: chosen from the shape
     dense_from_rows: int | None = None,  # None: DENSE_FROM_ROWS
     gemv: bool | None = None,  # one row through wna16_gemv; None: wherever its group condition holds
+    swap_ab: bool | None = None,  # the tile product as W x^T (the weight as the first operand); None: by shape
 ) -> torch.Tensor:  # [M, N] in x's dtype
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"wna16: activation dtype {x.dtype} is not one of {SUPPORTED_DTYPES}")
@@ -350,14 +372,16 @@ def wna16_matmul(
             raise ValueError(f"wna16: {name} must be contiguous (rows of {n} columns), got strides {t.stride()}")
     x = x.contiguous()
     if dense_from_rows is None:
-        dense_from_rows = DENSE_FROM_ROWS
+        dense_from_rows = DENSE_FROM_ROWS // 2 if n * k <= SMALL_WEIGHT else DENSE_FROM_ROWS
     if m >= dense_from_rows:
         return x @ wna16_dequantize(qweight, scales, zeros, bits, group_size, g_idx, x.dtype)
     if gemv is None:
         gemv = m == 1 and g_idx is None and block is None and _gemv_block_k(group_size, k, bits) is not None
     if gemv:
         return wna16_gemv(x, qweight, scales, zeros, bits, group_size)
-    bm, bn, bk, split, warps, stages = _config(m, n, k, x.device)
+    bm, bn, bk, split, warps, stages, swap = _config(m, n, k, x.device)
+    if swap_ab is not None:
+        swap = swap_ab
     if block is not None:
         bm, bn, bk = block
     elif g_idx is None and 16 <= group_size < bk and group_size % pack == 0:
@@ -378,7 +402,7 @@ def wna16_matmul(
         x, qweight, scales, zeros, gidx, out, m, n, k, k_per_split,
         x.stride(0), out.stride(1), out.stride(0),
         GROUP=group_size, BITS=bits, HAS_GIDX=has_gidx, ROW_GROUPS=has_gidx or group_size % bk != 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32, SWAP_AB=swap,
         num_warps=warps, num_stages=stages,
     )
     if split == 1:

@@ -1,13 +1,13 @@
 """The int8 W8A8 linear on a real GPU: the compiled row quantizer and epilogue give the torch path's bits, the
 product at decode row counts and prompt row counts equals the exact int32 product, and the fused decode kernel
-(``kernels/int8_decode.py``) gives the bits of the quantizer + cuBLAS + epilogue launches it replaces."""
+(``kernels/int8_gemm.py``) gives the bits of the quantizer + cuBLAS + epilogue launches it replaces."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import int8_decode, int8_quant
+from pagedllm.kernels import int8_gemm, int8_quant
 from pagedllm.layers.quantization.int8 import quantize_int8_rows, w8a8_linear
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -24,7 +24,7 @@ def test_row_quantizer_is_bit_exact(m, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 7, 16, 17, 300])
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 256, 300, 600])  # decode, cuBLAS, tiles
 @pytest.mark.parametrize("bias", [False, True])
 def test_product_equals_the_exact_int32_product(m, dtype, bias):
     k, n = 4096, 6144
@@ -66,9 +66,9 @@ def _four_launches(x, w, ws, b):  # the path the fused kernel replaces: quantize
 @pytest.mark.parametrize("bias", [False, True])
 def test_decode_kernel_equals_the_four_launches(m, k, n, dtype, bias):
     x, w, ws, b = _decode_case(m, k, n, dtype, bias)
-    assert int8_decode.usable(x, w)
+    assert int8_gemm.usable(x, w)
     want = _four_launches(x, w, ws, b)
-    got = int8_decode.w8a8_decode(x, w, ws, b)
+    got = int8_gemm.w8a8_decode(x, w, ws, b)
     assert got.shape == (m, n) and got.dtype == dtype
     assert torch.equal(got, want)
     assert torch.equal(w8a8_linear(x, w, ws, b, act_symmetric=True), want)  # the linear takes it
@@ -92,4 +92,4 @@ def test_decode_kernel_tiles_give_the_same_bits(m, tile):
         xq, xs, _ = quantize_int8_rows(x, symmetric=True)
         exact = (xq.double() @ w.double().t()).float()  # int32-exact in float64
         want = (exact * xs * ws.view(1, -1) + b.float()).to(x.dtype)
-        assert torch.equal(int8_decode.w8a8_decode(x, w, ws, b, **tile), want)
+        assert torch.equal(int8_gemm.w8a8_decode(x, w, ws, b, **tile), want)

@@ -24,7 +24,7 @@ def _gptq(k: int, n: int, bits: int, group: int, act_order: bool, gen: torch.Gen
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 16, 300])
+@pytest.mark.parametrize("m", [1, 16, 100, 300, 600])  # GEMV, tiles, W x^T tiles, dense
 @pytest.mark.parametrize("k,n,bits,group,act_order", [
     (4096, 14336, 4, 128, False), (14336, 4096, 4, 128, True), (4096, 6144, 8, 64, False), (4096, 4096, 4, 32, True)])
 def test_kernel_matches_oracle(dtype, m, k, n, bits, group, act_order):

@@ -41,10 +41,12 @@ def test_reference_quantizer_bounds_the_error_and_keeps_zero_rows() -> None:
     assert (err <= x.abs() * 2.0**-4 + s * 2.0**-10 + 1e-12).all()
 
 
+@pytest.mark.parametrize("whole_row_max", [16384, 512])  # rows read once; rows past 512 in two passes of 1024
 @pytest.mark.parametrize(("m", "k"), [(1, 64), (5, 1300), (3, 2048)])
-def test_triton_quantizer_matches_the_reference(m: int, k: int) -> None:
-    from pagedllm.kernels import fp8_quant
+def test_triton_quantizer_matches_the_reference(m: int, k: int, whole_row_max: int, monkeypatch) -> None:
+    from pagedllm.kernels import fp8_quant, launch
 
+    monkeypatch.setattr(launch, "WHOLE_ROW_MAX", whole_row_max)
     x, q_exp, s_exp = _exact_rows(m, k, seed=m * k)
     q, s = fp8_quant.quantize_rows(x.to(DEVICE))
     assert q.shape == (m, k) and q.dtype == FP8_DTYPE and s.shape == (m, 1)
@@ -152,11 +154,14 @@ def test_norm_kernel_quantizes_its_output_as_the_quantizer_would(residual: bool,
     assert torch.equal(fused.scales, s) and torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("whole_row_max", [16384, 512])  # the row's products computed once, or twice
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_activation_kernel_quantizes_its_output_as_the_quantizer_would(act: str) -> None:
+def test_activation_kernel_quantizes_its_output_as_the_quantizer_would(act: str, whole_row_max: int,
+                                                                         monkeypatch) -> None:
     from pagedllm.kernels import activation as act_k
-    from pagedllm.kernels import fp8_quant
+    from pagedllm.kernels import fp8_quant, launch
 
+    monkeypatch.setattr(launch, "WHOLE_ROW_MAX", whole_row_max)
     gen = torch.Generator().manual_seed(12)
     x = (torch.randn(5, 2 * 1300, generator=gen) * 2).half().to(DEVICE)  # 1300: two column blocks, one partial
     q, s = fp8_quant.quantize_rows(act_k.act_and_mul(x, act))

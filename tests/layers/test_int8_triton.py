@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.kernels import int8_quant
+from pagedllm.kernels import int8_quant, launch
 from pagedllm.layers.quantization.int8 import quantize_int8_rows, w8a8_linear
 
 
@@ -18,9 +18,11 @@ def _rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return x.to(dtype)
 
 
+@pytest.mark.parametrize("whole_row_max", [16384, 512])  # rows read once; rows past 512 in two passes of 1024
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,k", [(1, 64), (5, 1000), (3, 2500)])  # one block, a ragged block, several blocks
-def test_row_quantizer_is_bit_exact(m, k, dtype):
+def test_row_quantizer_is_bit_exact(m, k, dtype, whole_row_max, monkeypatch):
+    monkeypatch.setattr(launch, "WHOLE_ROW_MAX", whole_row_max)
     x = _rows(m, k, dtype, seed=m * k)
     q, s = int8_quant.quantize_rows(x)
     q_ref, s_ref, _ = quantize_int8_rows(x, symmetric=True)

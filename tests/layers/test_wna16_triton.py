@@ -116,6 +116,22 @@ def test_split_k_and_odd_tiles():
     _check(w, awq_dequantize(qw, qz, s, g), 5, torch.float32, gen, split_k=3, block=(16, 32, 64))
 
 
+@pytest.mark.parametrize("act_order,dtype,split", [(False, torch.float32, 3), (True, torch.float16, 1)])
+def test_weight_as_first_operand(act_order: bool, dtype: torch.dtype, split: int):
+    """The tile product computed as W x^T (``swap_ab``): the same oracle over N, K and M tails, split-K partial
+    sums and act-order groups read per row."""
+    gen = torch.Generator().manual_seed(12)
+    n, k, g = 88, 320, 32
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    s = (torch.rand(k // g, n, generator=gen) * 0.02).to(dtype)
+    qz = pack_int32(torch.randint(0, 15, (k // g, n), generator=gen), 4, 1)
+    g_idx = (torch.randperm(k, generator=gen) % (k // g)).to(torch.int32) if act_order else None
+    qw = pack_int32(q, 4, 0)
+    w = layout.from_gptq(qw, qz, s, g_idx, 4, g, 0)
+    oracle = gptq_dequantize(qw, qz, s, g_idx if act_order else torch.arange(k, dtype=torch.int32) // g, 4, 0)
+    _check(w, oracle, 21, dtype, gen, split_k=split, block=(16, 32, 64), swap_ab=True)
+
+
 def test_bad_input_names_field():
     qw = torch.zeros(4, 8, dtype=torch.int32)
     s = torch.ones(1, 8)

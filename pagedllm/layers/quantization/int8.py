@@ -7,9 +7,10 @@ quantizes each row of a 16/32-bit weight symmetrically as compressed-tensors doe
 same arithmetic per token, symmetric or asymmetric (a zero point per token). The product multiplies the
 int8 operands exactly in int32 (``torch._int_mm``) and applies the scales, and the activations' zero points
 through each row's weight sum, to that; asymmetric weights take the dequantized float path instead. On CUDA
-a symmetric product of at most 16 rows (decode) takes ``kernels/int8_decode.py`` (int32 product and epilogue
-in one launch, one row's quantization too); more rows quantize and scale in ``kernels/int8_quant.py``'s
-launches around cuBLAS's int8 product. Both give the torch ops' bits.
+a symmetric product of at most 16 rows (decode) takes ``kernels/int8_gemm.py`` (int32 product and epilogue
+in one launch, one row's quantization too), from ``int8_gemm.TILES_MIN_ROWS`` on its tiles after a row
+quantizer; the rows between quantize and scale in ``kernels/int8_quant.py``'s launches around cuBLAS's int8
+product. All give the torch ops' bits.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import int8_decode, int8_quant
+from pagedllm.kernels import int8_gemm, int8_quant
 from pagedllm.kernels.int8_quant import quantize_int8_rows
 from pagedllm.layers.quantization.base import QuantizedLinearMethod
 from pagedllm.layers.quantization.packed_params import PackedParam
@@ -48,10 +49,13 @@ def w8a8_linear(
     bias: torch.Tensor | None,  # [N]
     act_symmetric: bool,
 ) -> torch.Tensor:  # [T, N] in x's dtype
-    if act_symmetric and int8_quant.usable(x) and int8_decode.usable(x, weight):
+    if act_symmetric and int8_quant.usable(x) and int8_gemm.usable(x, weight):
         # Decode rows: one or two launches, where the path below takes four and cuBLAS's int8 product is
         # slow on a few rows. The same arithmetic.
-        return int8_decode.w8a8_decode(x, weight, weight_scale.float(), bias)
+        return int8_gemm.w8a8_decode(x, weight, weight_scale.float(), bias)
+    if act_symmetric and int8_quant.usable(x) and int8_gemm.tiles_usable(x, weight):
+        # Many rows (a large decode batch, a prompt chunk): two launches, faster than cuBLAS's int8 product.
+        return int8_gemm.w8a8_tiles(x, weight, weight_scale.float(), bias)
     if act_symmetric and int8_quant.usable(x) and _int_mm_usable(x, weight):
         # One launch quantizes the rows, one scales the product back: the same arithmetic as below.
         xq, xs = int8_quant.quantize_rows(x)

@@ -1,20 +1,23 @@
-"""Triton W8A8 int8 linear of at most 16 rows (decode), bit for bit ``w8a8_linear``'s torch path.
+"""Triton W8A8 int8 linears, bit for bit ``w8a8_linear``'s torch path: one launch for decode rows
+(``w8a8_decode``, at most 16), row and column tiles for more (``w8a8_tiles``).
 
-The launch applies both scales (and the bias) to the exact int32 product of the int8 rows and the int8
-weight. At decode the path of more rows in ``layers/quantization/int8.py`` runs four launches a linear (the
-row quantizer, a pad to 32 rows, cuBLAS's int8 product, ``int8_quant.py``'s epilogue), and cuBLAS answers a
-few rows against a wide weight slowly: on an H100, 51 us for Llama-3-8B's gate_up at one row, where this
-kernel takes 44 (bf16: 79).
+A launch applies both scales (and the bias) to the exact int32 product of the int8 rows and the int8
+weight. The torch path runs four launches a linear on CUDA (the row quantizer, a pad to 32 rows, cuBLAS's
+int8 product, ``int8_quant.py``'s epilogue), and cuBLAS answers a few rows against a wide weight slowly: on
+an H100, 51 us for Llama-3-8B's gate_up at one row, where the decode launch takes 44 (bf16: 79); at 256 rows
+cuBLAS's int8 product of that shape took 91 us against bf16's 101.
 
 Each program owns ``BLOCK_N`` output columns, i.e. ``BLOCK_N`` contiguous weight rows of K bytes
-(coalesced), and walks all of K in ``BLOCK_K`` steps: no split-K, so no partial sums in memory, no second
-launch, and a fixed summation order; it adds each step's int8 x int8 tensor-core product to an int32
-accumulator, exact as cuBLAS's. One row is quantized inside the launch: every program takes the row's
-largest magnitude (x stays in L2) and quantizes its x tile with ``int8_quant``'s own arithmetic (shared jit
-helpers, so the bits cannot drift apart), an IEEE division per value that every program repeats. From two
-rows on that repetition costs more than a launch, so the rows are quantized once first (``prequantize``,
-``int8_quant.quantize_rows``) and the kernel reads them. ``BLOCK_M`` is the rows rounded up to a power of
-two (Triton pads the tensor-core tile); ``default_config`` holds the tiles an H100 sweep chose.
+(coalesced), and ``BLOCK_M`` rows, and walks all of K in ``BLOCK_K`` steps: no split-K, so no partial sums
+in memory, no second launch, and a fixed summation order; it adds each step's int8 x int8 tensor-core
+product to an int32 accumulator, exact as cuBLAS's. The row tiles of one column tile are neighbouring
+programs, so a weight tile is read from memory once. One row is quantized inside the launch: every program
+takes the row's largest magnitude (x stays in L2) and quantizes its x tile with ``int8_quant``'s own
+arithmetic (shared jit helpers, so the bits cannot drift apart), an IEEE division per value that every
+program repeats. From two rows on that repetition costs more than a launch, so the rows are quantized once
+first (``prequantize``, ``int8_quant.quantize_rows``) and the kernel reads them. At decode ``BLOCK_M`` is
+the rows rounded up to a power of two (Triton pads the tensor-core tile); ``default_config`` holds the
+tiles an H100 sweep chose, ``tile_config`` those of more rows.
 """
 from __future__ import annotations
 
@@ -29,15 +32,17 @@ from pagedllm.kernels.int8_quant import SUPPORTED_DTYPES, quantize_int8, row_sca
 from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
 from pagedllm.kernels.numerics import add_rn, exact_rounding, mul_rn
 
-# Rows one launch takes: one tensor-core tile's rows (the int8 mma is 16 rows deep); more keep the
-# quantizer + cuBLAS path, where the padded product stops being mostly waste.
+# Rows the decode launch takes: one tensor-core tile's rows (the int8 mma is 16 rows deep).
 MAX_ROWS = 16
+# Rows from which the tiles beat the quantizer + cuBLAS path (an H100 at Llama-3-8B's shapes, 64 to 4096 rows:
+# at 64 cuBLAS's split products win on the long ``down`` input; from 256 on the tiles win, most at 4096).
+TILES_MIN_ROWS = 65
 # The longest input whose int32 sums cannot overflow (|q_x * q_w| <= 128 * 128): compiled int8 mma
 # saturates (``.satfinite``) where cuBLAS would wrap, so past it the two could differ.
 MAX_K = (2**31 - 1) // (128 * 128)
 
 
-class DecodeConfig(NamedTuple):
+class TileConfig(NamedTuple):
     block_m: int  # activation rows a program holds (a power of two >= M, at most 16; rows >= M masked)
     block_n: int  # output columns (weight rows) a program owns
     block_k: int  # input columns a step reads; >= 32, the int8 dot's shortest K on NVIDIA
@@ -64,7 +69,7 @@ def _w_tile(w_ptrs, k0, cols_in, ks, K):
 
 
 @triton.jit
-def _w8a8_decode_kernel(
+def _w8a8_kernel(
     x_ptr,  # [M, K] float16/bfloat16/float32 (int8 under PREQUANT), last dim contiguous
     xs_ptr,  # [M] float32 row scales (read only under PREQUANT)
     w_ptr,  # [N, K] int8, last dim contiguous
@@ -76,6 +81,7 @@ def _w8a8_decode_kernel(
     K,
     stride_xm,
     stride_wn,
+    row_tiles,  # programs along M: program p takes row tile p % row_tiles of column tile p // row_tiles
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -86,9 +92,11 @@ def _w8a8_decode_kernel(
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
     PREQUANT: tl.constexpr,  # x is already int8_quant.quantize_rows's output, its scales at xs_ptr
 ):
-    rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    # The row tiles of one column tile run side by side, so its weight is read from memory once.
+    pid = tl.program_id(0)
+    rows = (pid % row_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     rows_in = rows < M
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    cols = (pid // row_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     cols_in = cols < N
     ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
@@ -131,7 +139,7 @@ def _w8a8_decode_kernel(
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
 
 
-def default_config(m: int, n: int, k: int) -> DecodeConfig:
+def default_config(m: int, n: int, k: int) -> TileConfig:
     """The tile for an [m, k] x [n, k]^T product of at most 16 rows, from a sweep on an H100 over Llama-3-8B's
     shapes (``benchmarks/quant_kernels.py --int8 --sweep``):
 
@@ -142,16 +150,13 @@ def default_config(m: int, n: int, k: int) -> DecodeConfig:
     """
     wide = n >= 6144
     block_k = min(256 if wide else 512, max(32, triton.next_power_of_2(k)))
-    return DecodeConfig(max(1, triton.next_power_of_2(m)), 64 if wide else 32, block_k, 4, 3)
+    return TileConfig(max(1, triton.next_power_of_2(m)), 64 if wide else 32, block_k, 4, 3)
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """1-16 rows on CUDA in a 16/32-bit float type against a contiguous-rowed int8 weight of the same input size
-    (at most ``MAX_K``)."""
+def _runnable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.dim() == 2
         and x.is_cuda
-        and 0 < x.shape[0] <= MAX_ROWS
         and x.dtype in SUPPORTED_DTYPES
         and x.stride(-1) == 1
         and weight.dim() == 2
@@ -163,7 +168,18 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _check_config(cfg: DecodeConfig, m: int) -> None:
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """1-16 rows on CUDA in a 16/32-bit float type against a contiguous-rowed int8 weight of the same input size
+    (at most ``MAX_K``): ``w8a8_decode``."""
+    return 0 < x.shape[0] <= MAX_ROWS and _runnable(x, weight)
+
+
+def tiles_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """From ``TILES_MIN_ROWS`` rows on, otherwise as ``usable``: ``w8a8_tiles``."""
+    return x.shape[0] >= TILES_MIN_ROWS and _runnable(x, weight)
+
+
+def _check_config(cfg: TileConfig, m: int) -> None:
     def pow2(v: int) -> bool:
         return v > 0 and v & (v - 1) == 0
 
@@ -171,6 +187,48 @@ def _check_config(cfg: DecodeConfig, m: int) -> None:
         raise ValueError(f"block_m={cfg.block_m}: must be a power of two from the {m} rows up to {MAX_ROWS}")
     if not (pow2(cfg.block_n) and pow2(cfg.block_k) and cfg.block_k >= 32):
         raise ValueError(f"block_n={cfg.block_n}, block_k={cfg.block_k}: powers of two, block_k >= 32")
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or x.dtype not in SUPPORTED_DTYPES or (x.numel() and x.stride(-1) != 1):
+        raise ValueError(f"x: a [M, K] float16/bfloat16/float32 tensor with contiguous rows, got "
+                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+    k = x.shape[1]
+    if k > MAX_K:
+        raise ValueError(f"x: K={k} past MAX_K={MAX_K}, where int32 sums could overflow")
+    if weight.dim() != 2 or weight.dtype != torch.int8 or weight.shape[1] != k or weight.stride(-1) != 1:
+        raise ValueError(f"weight: an [N, {k}] int8 tensor with contiguous rows, got {weight.dtype} "
+                         f"{tuple(weight.shape)} strides {weight.stride()}")
+    n = weight.shape[0]
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) not in ((n,), (n, 1)):
+        raise ValueError(f"weight_scale: [{n}, 1] or [{n}] float32, got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}")
+    if bias is not None and (bias.shape != (n,) or not bias.is_floating_point()):
+        raise ValueError(f"bias: [{n}] floating point, got {bias.dtype} {tuple(bias.shape)}")
+
+
+def _launch(x: torch.Tensor, xin: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+            bias: torch.Tensor | None, out: torch.Tensor, cfg: TileConfig, prequantized: bool,
+            early_launch: bool) -> None:
+    m, k = x.shape
+    n = weight.shape[0]
+    row_tiles = triton.cdiv(m, cfg.block_m)
+    _w8a8_kernel[(row_tiles * triton.cdiv(n, cfg.block_n),)](
+        xin, xs, weight, weight_scale.reshape(-1).contiguous(), bias.contiguous() if bias is not None else out, out,
+        m, n, k, xin.stride(0), weight.stride(0), row_tiles,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        EXACT=exact_rounding(x),
+        RECIPROCAL=exact_rounding(x),  # as int8_quant.quantize_rows: torch's CUDA scalar division
+        EARLY_LAUNCH=early_launch,
+        PREQUANT=prequantized,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **pdl_launch_args(x),
+    )
 
 
 def w8a8_decode(
@@ -190,25 +248,13 @@ def w8a8_decode(
     """``x @ W^T`` of W8A8 int8: x's rows quantized symmetrically per row, the exact int32 product, scaled by
     both scales (+ bias) in float32, rounded to x's dtype; one launch. Tile arguments left None take
     ``default_config``'s."""
-    if x.dim() != 2 or x.dtype not in SUPPORTED_DTYPES or (x.numel() and x.stride(-1) != 1):
-        raise ValueError(f"x: a [M, K] float16/bfloat16/float32 tensor with contiguous rows, got "
-                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+    _check_operands(x, weight, weight_scale, bias)
     m, k = x.shape
     if m > MAX_ROWS:
-        raise ValueError(f"x has {m} rows: w8a8_decode takes at most {MAX_ROWS} (more take int8_quant + _int_mm)")
-    if k > MAX_K:
-        raise ValueError(f"x: K={k} past MAX_K={MAX_K}, where int32 sums could overflow")
-    if weight.dim() != 2 or weight.dtype != torch.int8 or weight.shape[1] != k or weight.stride(-1) != 1:
-        raise ValueError(f"weight: an [N, {k}] int8 tensor with contiguous rows, got {weight.dtype} "
-                         f"{tuple(weight.shape)} strides {weight.stride()}")
+        raise ValueError(f"x has {m} rows: w8a8_decode takes at most {MAX_ROWS} (more take w8a8_tiles)")
     n = weight.shape[0]
-    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) not in ((n,), (n, 1)):
-        raise ValueError(f"weight_scale: [{n}, 1] or [{n}] float32, got {weight_scale.dtype} "
-                         f"{tuple(weight_scale.shape)}")
-    if bias is not None and (bias.shape != (n,) or not bias.is_floating_point()):
-        raise ValueError(f"bias: [{n}] floating point, got {bias.dtype} {tuple(bias.shape)}")
     given = (block_m, block_n, block_k, num_warps, num_stages)
-    cfg = DecodeConfig(*(v if v is not None else d for v, d in zip(given, default_config(m, n, k))))
+    cfg = TileConfig(*(v if v is not None else d for v, d in zip(given, default_config(m, n, k))))
     _check_config(cfg, m)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -220,19 +266,39 @@ def w8a8_decode(
     if prequantize:
         # Two launches, but no program repeats the rows' quantization (a division per value).
         xin, xs = int8_quant.quantize_rows(x)
-    _w8a8_decode_kernel[(triton.cdiv(n, cfg.block_n),)](
-        xin, xs, weight, weight_scale.reshape(-1).contiguous(), bias.contiguous() if bias is not None else out, out,
-        m, n, k, xin.stride(0), weight.stride(0),
-        HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        EXACT=exact_rounding(x),
-        RECIPROCAL=exact_rounding(x),  # as int8_quant.quantize_rows: torch's CUDA scalar division
-        EARLY_LAUNCH=early_launch,
-        PREQUANT=prequantize,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **pdl_launch_args(x),
-    )
+    _launch(x, xin, xs, weight, weight_scale, bias, out, cfg, prequantize, early_launch)
+    return out
+
+
+def tile_config(m: int, n: int, k: int) -> TileConfig:
+    """The tile of a product of more than ``MAX_ROWS`` rows, from an H100 sweep at 256-4096 rows: 128 rows x 128
+    columns a program in 128-deep int8 steps, 4 warps; 64 columns where 128 would leave fewer programs than
+    an H100 has SMs."""
+    bm = 128 if m > 64 else 64
+    if triton.cdiv(m, bm) * triton.cdiv(n, 128) < 128:
+        return TileConfig(bm, 64, 128, 4, 4)
+    return TileConfig(bm, 128, 128, 4, 3)
+
+
+def w8a8_tiles(
+    x: torch.Tensor,  # [M, K] float16/bfloat16/float32, last dim contiguous
+    weight: torch.Tensor,  # [N, K] int8, last dim contiguous
+    weight_scale: torch.Tensor,  # [N, 1] or [N] float32
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    config: TileConfig | None = None,  # None: tile_config's
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """``w8a8_decode``'s product for any number of rows: rows quantized in their own launch, then row and column
+    tiles of the same kernel (epilogue and bits as ``int8_quant.scale_rows`` over cuBLAS's product)."""
+    _check_operands(x, weight, weight_scale, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    cfg = config or tile_config(m, n, k)
+    if not all(v > 0 and v & (v - 1) == 0 for v in cfg[:3]) or cfg.block_k < 32:
+        raise ValueError(f"{cfg}: block sizes must be powers of two, block_k >= 32")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    xin, xs = int8_quant.quantize_rows(x)
+    _launch(x, xin, xs, weight, weight_scale, bias, out, cfg, True, False)
     return out

@@ -1,12 +1,12 @@
-"""The fused W8A8 decode product (``kernels/int8_decode.py``) against the torch path of
-``layers/quantization/int8.py`` under Triton's interpreter (tests/conftest.py turns it on without a GPU): the
-same bits for 1-16 rows, ragged tiles, rows of very different ranges and a row of zeros."""
+"""The fused W8A8 products (``kernels/int8_gemm.py``) against the torch path of ``layers/quantization/int8.py``
+under Triton's interpreter (tests/conftest.py turns it on without a GPU): the same bits for 1-16 rows (decode)
+and for more (tiles), ragged tiles, rows of very different ranges and a row of zeros."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedllm.kernels import int8_decode, int8_quant
+from pagedllm.kernels import int8_gemm, int8_quant
 from pagedllm.layers.quantization.int8 import w8a8_linear
 from test_int8_triton import _rows  # rows of very different ranges, a run of equal values, a row of zeros
 
@@ -33,7 +33,7 @@ def test_decode_product_is_bit_exact(dtype, m, bias, k, n, tile):
     x = _rows(m, k, dtype, seed=m * k)
     w, ws, b = _weight(n, k, dtype, seed=n)
     b = b if bias else None
-    got = int8_decode.w8a8_decode(x, w, ws, b, **tile)
+    got = int8_gemm.w8a8_decode(x, w, ws, b, **tile)
     want = w8a8_linear(x, w, ws, b, act_symmetric=True)  # on CPU: quantize_int8_rows, torch._int_mm, epilogue
     assert got.shape == (m, n) and got.dtype == dtype
     assert torch.equal(got, want)
@@ -44,7 +44,7 @@ def test_prequantized_rows_give_the_same_bits(m):
     # The two-launch form (rows quantized by int8_quant.quantize_rows, the kernel reading int8 rows).
     x = _rows(m, 300, torch.float16, seed=m)
     w, ws, b = _weight(40, 300, torch.float16, seed=7)
-    got = int8_decode.w8a8_decode(x, w, ws, b, block_n=16, block_k=64, prequantize=True)
+    got = int8_gemm.w8a8_decode(x, w, ws, b, block_n=16, block_k=64, prequantize=True)
     assert torch.equal(got, w8a8_linear(x, w, ws, b, act_symmetric=True))
 
 
@@ -53,8 +53,23 @@ def test_row_tile_wider_than_the_rows(block_m):
     # Rows past M are masked (a zero row, eps scale) and add nothing; nothing is stored for them.
     x = _rows(3, 300, torch.float16, seed=5)
     w, ws, b = _weight(40, 300, torch.float16, seed=6)
-    got = int8_decode.w8a8_decode(x, w, ws.view(-1), b, block_m=block_m, block_n=32, block_k=128)
+    got = int8_gemm.w8a8_decode(x, w, ws.view(-1), b, block_m=block_m, block_n=32, block_k=128)
     assert torch.equal(got, w8a8_linear(x, w, ws, b, act_symmetric=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,block_m", [(17, 16), (70, 32)])  # ragged row tiles: 2 tiles - 15, 3 tiles - 26
+def test_row_tiles_are_bit_exact(dtype, m, block_m):
+    x = _rows(m, 200, dtype, seed=m)
+    w, ws, b = _weight(50, 200, dtype, seed=3)
+    cfg = int8_gemm.TileConfig(block_m, 16, 64, 4, 2)  # N: 3 tiles + 2, K: 3 steps + 8
+    got = int8_gemm.w8a8_tiles(x, w, ws, b, config=cfg)
+    assert got.shape == (m, 50) and got.dtype == dtype
+    assert torch.equal(got, w8a8_linear(x, w, ws, b, act_symmetric=True))
+    assert torch.equal(int8_gemm.w8a8_tiles(x, w, ws.view(-1), None, config=cfg),
+                       w8a8_linear(x, w, ws, None, act_symmetric=True))
+    with pytest.raises(ValueError, match="block_k >= 32"):
+        int8_gemm.w8a8_tiles(x, w, ws, b, config=int8_gemm.TileConfig(16, 16, 16, 4, 2))
 
 
 def test_bfloat16_matches_the_two_launch_kernels():
@@ -64,14 +79,14 @@ def test_bfloat16_matches_the_two_launch_kernels():
     w, ws, b = _weight(70, 500, torch.bfloat16, seed=10)
     xq, xs = int8_quant.quantize_rows(x)
     want = int8_quant.scale_rows(torch._int_mm(xq, w.t()), xs, ws, b, torch.bfloat16)
-    assert torch.equal(int8_decode.w8a8_decode(x, w, ws, b), want)
+    assert torch.equal(int8_gemm.w8a8_decode(x, w, ws, b), want)
 
 
 def test_default_tiles_are_valid():
     # Rows rounded up to a power of two (never a wasted 16-row tile for one row), the int8 dot's shortest K.
     for m, n, k in [(1, 4096, 4096), (7, 6144, 4096), (16, 4096, 14336), (3, 28672, 4096), (1, 64, 20)]:
-        cfg = int8_decode.default_config(m, n, k)
-        int8_decode._check_config(cfg, m)
+        cfg = int8_gemm.default_config(m, n, k)
+        int8_gemm._check_config(cfg, m)
         assert cfg.block_m == max(1, 1 << (m - 1).bit_length()) and cfg.block_k >= 32
 
 
@@ -79,7 +94,7 @@ def test_more_than_sixteen_rows_is_refused():
     x = torch.zeros(17, 64)
     w, ws, _ = _weight(32, 64, torch.float32, seed=0)
     with pytest.raises(ValueError, match="17 rows"):
-        int8_decode.w8a8_decode(x, w, ws)
+        int8_gemm.w8a8_decode(x, w, ws)
 
 
 @pytest.mark.parametrize(
@@ -97,10 +112,10 @@ def test_mismatched_arguments_are_refused(change, match):
     x = torch.zeros(2, 64)
     w, ws, b = _weight(16, 64, torch.float32, seed=0)
     with pytest.raises(ValueError, match=match):
-        int8_decode.w8a8_decode(*change(x, w, ws, b))
+        int8_gemm.w8a8_decode(*change(x, w, ws, b))
 
 
 def test_cpu_tensors_keep_the_torch_path():
     x = torch.zeros(2, 64)
     w, _, _ = _weight(16, 64, torch.float32, seed=0)
-    assert not int8_decode.usable(x, w)
+    assert not int8_gemm.usable(x, w)
