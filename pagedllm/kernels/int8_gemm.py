@@ -29,7 +29,7 @@ import triton.language as tl
 
 from pagedllm.kernels import int8_quant
 from pagedllm.kernels.int8_quant import SUPPORTED_DTYPES, quantize_int8, row_scale
-from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
+from pagedllm.kernels.launch import max_shared_memory, pdl_launch_args, wait_for_previous_kernel
 from pagedllm.kernels.numerics import add_rn, exact_rounding, mul_rn
 
 # Rows the decode launch takes: one tensor-core tile's rows (the int8 mma is 16 rows deep).
@@ -270,15 +270,18 @@ def w8a8_decode(
     return out
 
 
-def tile_config(m: int, n: int, k: int) -> TileConfig:
+def tile_config(m: int, n: int, k: int, shared_memory: int = 227 * 1024) -> TileConfig:
     """The tile of a product of more than ``MAX_ROWS`` rows, from an H100 sweep of Llama-3-8B's qkv at 256-4096
     rows (``benchmarks/quant_kernels.py --int8 --sweep``): 128 rows x 128 columns a program in 128-deep int8 steps
     on 4 warps (at 4,096 rows 197 us against 254 on 8 warps); 64 columns where 128 would leave fewer programs
     than an H100 has SMs (at 256 rows 22.5 us against 24.8)."""
     bm = 128 if m > 64 else 64
+    # Either tile's stages take ~96 KB of shared memory; where a program has less than 128 KB (consumer GPUs:
+    # 99 KB, part of it reserved), two stages.
+    few = shared_memory < 128 * 1024
     if triton.cdiv(m, bm) * triton.cdiv(n, 128) < 128:
-        return TileConfig(bm, 64, 128, 4, 4)
-    return TileConfig(bm, 128, 128, 4, 3)
+        return TileConfig(bm, 64, 128, 4, 2 if few else 4)
+    return TileConfig(bm, 128, 128, 4, 2 if few else 3)
 
 
 def w8a8_tiles(
@@ -294,7 +297,7 @@ def w8a8_tiles(
     _check_operands(x, weight, weight_scale, bias)
     m, k = x.shape
     n = weight.shape[0]
-    cfg = config or tile_config(m, n, k)
+    cfg = config or tile_config(m, n, k, max_shared_memory(x.device.index or 0) if x.is_cuda else 227 * 1024)
     if not all(v > 0 and v & (v - 1) == 0 for v in cfg[:3]) or cfg.block_k < 32:
         raise ValueError(f"{cfg}: block sizes must be powers of two, block_k >= 32")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -103,3 +103,10 @@ def row_tile(n: int) -> tuple[int, bool, int]:
         return 1024, False, 4
     return block, True, max(4, min(16, block // 1024))
 
+
+@functools.lru_cache(maxsize=None)
+def max_shared_memory(index: int) -> int:
+    """Bytes of shared memory one program may use on CUDA device ``index`` (227 KiB on an H100, 99 KiB on
+    consumer GPUs): tiles sized for Hopper take fewer pipeline stages or rows where it is smaller."""
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+

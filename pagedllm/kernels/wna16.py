@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.launch import max_shared_memory
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SUPPORTED_BITS = (2, 4, 8)
 
@@ -325,8 +327,10 @@ def _config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int
         bm, bn, bk, warps, stages = 32, 64, 64, 4, 3
     else:
         # Many rows (an H100 sweep at 256): large tiles, so that each unpacked weight serves many rows, computed
-        # as W x^T; the widest outputs take all 256 rows a tile.
-        bm = 256 if m > 128 and n >= 16384 else 128
+        # as W x^T; the widest outputs take all 256 rows a tile where a program's shared memory holds four
+        # stages of them (~160 KB: Hopper's, not a consumer GPU's 99 KB).
+        big = device.type == "cuda" and max_shared_memory(device.index or 0) >= 200 * 1024
+        bm = 256 if m > 128 and n >= 16384 and big else 128
         bn, bk, warps, stages, swap = 128, 64, 8, 4 if bm == 256 else 3, True
     split = 1
     if device.type == "cuda":

@@ -90,6 +90,16 @@ def test_default_tiles_are_valid():
         assert cfg.block_m == max(1, 1 << (m - 1).bit_length()) and cfg.block_k >= 32
 
 
+def test_row_tiles_fit_the_shared_memory():
+    # Hopper: 128 x 128 tiles, or 64 columns where 128 would leave SMs idle; a consumer GPU's 99 KB: two stages.
+    assert int8_gemm.tile_config(1024, 28672, 4096) == int8_gemm.TileConfig(128, 128, 128, 4, 3)
+    assert int8_gemm.tile_config(256, 4096, 14336) == int8_gemm.TileConfig(128, 64, 128, 4, 4)
+    assert int8_gemm.tile_config(80, 6144, 4096) == int8_gemm.TileConfig(128, 64, 128, 4, 4)
+    for m, n in [(1024, 28672), (256, 4096)]:
+        cfg = int8_gemm.tile_config(m, n, 4096, shared_memory=99 * 1024)
+        assert cfg.num_stages == 2 and cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k <= 99 * 1024
+
+
 def test_more_than_sixteen_rows_is_refused():
     x = torch.zeros(17, 64)
     w, ws, _ = _weight(32, 64, torch.float32, seed=0)
