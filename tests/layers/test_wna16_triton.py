@@ -130,6 +130,7 @@ def test_weight_as_first_operand(act_order: bool, dtype: torch.dtype, split: int
     w = layout.from_gptq(qw, qz, s, g_idx, 4, g, 0)
     oracle = gptq_dequantize(qw, qz, s, g_idx if act_order else torch.arange(k, dtype=torch.int32) // g, 4, 0)
     _check(w, oracle, 21, dtype, gen, split_k=split, block=(16, 32, 64), swap_ab=True)
+    _check(w, oracle, 70, dtype, gen)  # past 64 rows the default tile is W x^T
 
 
 def test_bad_input_names_field():
