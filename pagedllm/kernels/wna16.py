@@ -11,8 +11,10 @@ it loads the words covering those rows once, shifts and masks each word's values
 in registers, subtracts the zero point, scales (one row of scales per tile when the tile lies in one group),
 casts to the activation dtype and multiplies on the tensor cores with float32 accumulation. The weight never
 exists unpacked in memory. For few tokens the input is split over ``SPLIT_K`` programs per tile so that the
-grid fills the device; their float32 partial sums are added afterwards. One row (batch-1 decode) takes a
-GEMV without tensor cores (``wna16_gemv``); many rows dequantize once and run the dense GEMM.
+grid fills the device; their float32 partial sums are added afterwards. Past 64 rows the tiles compute
+W x^T, the unpacked weight being the dot's first operand. One row (batch-1 decode) takes a GEMV without
+tensor cores (``wna16_gemv``); from ``DENSE_FROM_ROWS`` rows (half as many for small weights) the weight is
+dequantized once and the dense GEMM runs.
 
 Integers become floats by or-ing them into the mantissa of 2**23 and subtracting 2**23 (exact for any value
 below 2**23): the GPU converts integers to floats at a quarter of its float rate, and that conversion, once
@@ -106,8 +108,8 @@ def _wna16_kernel(
             z1 = tl.load(z_ptr + g0 * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             w = ((q - z1[None, :]) * s1[None, :]).to(a.dtype)
         if SWAP_AB:
-            # y^T = W x^T: the unpacked weight is the first operand, which Hopper's tensor cores read from
-            # registers, so it need not pass through shared memory.
+            # y^T = W x^T: the unpacked weight is the first operand (the one Hopper's tensor cores may read from
+            # registers); on an H100 these tiles beat the x W^T ones at 128-256 rows (benchmarks/quant_kernels.py).
             if DOT_FP32:
                 acc = tl.dot(tl.trans(w), tl.trans(a), acc, input_precision="ieee")
             else:
@@ -318,13 +320,18 @@ DENSE_FROM_ROWS = 512
 SMALL_WEIGHT = 32 * 1024 * 1024
 
 
-def _config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int, int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps, num_stages, swap_ab) for an M x N x K product."""
+def _config(m: int, n: int, k: int, device: torch.device,
+            x_bytes: int = 2) -> tuple[int, int, int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps, num_stages, swap_ab) for an M x N x K product of
+    ``x_bytes``-byte activations."""
     swap = False
     if m <= 16:
         bm, bn, bk, warps, stages = 16, 64, 128, 4, 3
     elif m <= 64:
         bm, bn, bk, warps, stages = 32, 64, 64, 4, 3
+    elif x_bytes > 2:
+        # float32 activations: tiles whose stages fit any GPU's shared memory.
+        bm, bn, bk, warps, stages = 64, 128, 32, 4, 3
     else:
         # Many rows (an H100 sweep at 256): large tiles, so that each unpacked weight serves many rows, computed
         # as W x^T; the widest outputs take all 256 rows a tile where a program's shared memory holds four
@@ -383,7 +390,7 @@ def wna16_matmul(
         gemv = m == 1 and g_idx is None and block is None and _gemv_block_k(group_size, k, bits) is not None
     if gemv:
         return wna16_gemv(x, qweight, scales, zeros, bits, group_size)
-    bm, bn, bk, split, warps, stages, swap = _config(m, n, k, x.device)
+    bm, bn, bk, split, warps, stages, swap = _config(m, n, k, x.device, x.element_size())
     if swap_ab is not None:
         swap = swap_ab
     if block is not None:
