@@ -5,9 +5,11 @@ The checkpoints (float32, w8a8, w8a8-rtn, w8a8-asym, gptq-4b-g128, awq-4b-g128, 
 ``tests/gemma_quant_checkpoints.py``; the text is
 ``benchmarks/data/declaration_gettysburg.txt`` read as one sequence. The reference is transformers loading the
 float checkpoint, or the format's dequantized float checkpoint (GPTQ, AWQ), or compressed-tensors' own model of
-the checkpoint (W8A8: decompressed weights, activations quantized by its forward). Making the calibrated
-checkpoints from an empty cache takes about 15 minutes on two CPU cores, scoring them about as long. Prints a
-table: perplexity, ratio to float32, pagedllm against the reference; ``--output-json`` writes the same numbers.
+the checkpoint (W8A8: decompressed weights, activations quantized by its forward). GPTQ and AWQ follow
+``GPTQ_RECIPE`` and ``AWQ_RECIPE`` of that file (GPTQ: 16k calibration tokens, act-order). Making all from an
+empty cache takes about 15 minutes on two CPU cores (GPTQ about 2, AWQ about 1.5), scoring each about a minute.
+Prints a table: perplexity, ratio to float32, pagedllm against the reference; ``--output-json`` writes the same
+numbers.
 
     PYTHONPATH=$PWD python benchmarks/quant_quality.py [--formats float32,w8a8,gptq-4b-g128]
         [--tokens N] [--output-json F]

@@ -28,10 +28,15 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 
 @dataclass
 class Grid:
-    """A linear's 4-bit group grid: q [N, K] ints in [0, 15], zeros [N, K/g] ints, scales [N, K/g] float16."""
+    """A linear's 4-bit group grid: q [N, K] ints in [0, 15], zeros [N, K/g] ints, scales [N, K/g] float16;
+    ``g_idx`` [K]: each input column's group where GPTQ's act-order grouped the columns out of order, else None."""
     q: torch.Tensor
     zeros: torch.Tensor
     scales: torch.Tensor
+    g_idx: torch.Tensor | None = None
+
+    def rows(self, rows: slice) -> "Grid":
+        return Grid(self.q[rows], self.zeros[rows], self.scales[rows], self.g_idx)
 
 
 def group_grid(w: torch.Tensor, group: int, sym: bool, clip: torch.Tensor | None = None):
@@ -69,17 +74,22 @@ def rtn(w: torch.Tensor, group: int, sym: bool, clip: torch.Tensor | None = None
     return Grid(q.to(torch.int32), zeros.to(torch.int32), scales), (q - zk) * sk.float()
 
 
-def gptq(w: torch.Tensor, hessian: torch.Tensor, group: int, sym: bool,
-         damp: float = 0.01) -> tuple[Grid, torch.Tensor]:
+def gptq(w: torch.Tensor, hessian: torch.Tensor, group: int, sym: bool, damp: float = 0.01,
+         act_order: bool = False) -> tuple[Grid, torch.Tensor]:
     """GPTQ of ``w`` [N, K] with ``hessian`` [K, K] = sum of x x^T over the calibration tokens: columns are rounded
     in order, each one's rounding error spread over the columns not yet rounded through the inverse Hessian's
-    Cholesky factor; a group's grid is taken from its columns as they stand when the group is reached."""
+    Cholesky factor; a group's grid is taken from its columns as they stand when the group is reached.
+    ``damp``: the fraction of the Hessian's mean diagonal added to it; ``act_order``: columns taken (and grouped)
+    in order of decreasing Hessian diagonal, so the most active inputs are rounded while most columns can still
+    absorb their error (the grid's ``g_idx`` then says each column's group)."""
     w = w.clone().float()
     n, k = w.shape
     h = hessian.clone().double()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
+    perm = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else torch.arange(k)
+    w, h = w[:, perm], h[perm][:, perm]
     h += damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()  # [K, K]
     q_all = torch.zeros(n, k)
@@ -102,34 +112,51 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, group: int, sym: bool,
             block[:, i:] -= err[:, None] * hb[i, i:][None, :]
             errs[:, i] = err
         w[:, g1:] -= errs @ hinv[g0:g1, g1:]
-    grid = Grid(q_all.to(torch.int32), torch.stack(zeros_all, 1).to(torch.int32), torch.stack(scales_all, 1))
-    return grid, deq_all
+    inv = torch.argsort(perm)
+    g_idx = None
+    if act_order:
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[perm] = (torch.arange(k) // group).to(torch.int32)
+    grid = Grid(q_all[:, inv].to(torch.int32), torch.stack(zeros_all, 1).to(torch.int32),
+                torch.stack(scales_all, 1), g_idx)
+    return grid, deq_all[:, inv]
 
 
 # ---- running a model layer by layer ---------------------------------------------------------------------------
 
 
-def _layer_inputs(model, ids: torch.Tensor):
-    """(hidden states entering the first decoder layer [1, T, H], each layer's keyword arguments) of one forward."""
+def _layer_inputs(model, batches: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[dict]]]:
+    """For each batch of token ids [B, T]: (the hidden states entering the first decoder layer [B, T, H], each
+    layer's keyword arguments: masks, positions). Only the embeddings run: the layers pass their input through
+    while they are recorded, and the LM head is not reached."""
     layers = model.model.layers
-    captured: dict = {}
+    out = []
+    for ids in batches:
+        captured: dict = {"kwargs": []}
 
-    def hook(module, args, kwargs):
-        idx = captured.setdefault("idx", 0)
-        if idx == 0:
-            captured["h"] = args[0] if args else kwargs["hidden_states"]
-        captured.setdefault("kwargs", []).append({k: v for k, v in kwargs.items()
-                                                  if k not in ("hidden_states", "cache", "past_key_values")})
-        captured["idx"] = idx + 1
+        def hook(module, args, kwargs):
+            if not captured["kwargs"]:
+                captured["h"] = args[0] if args else kwargs["hidden_states"]
+            captured["kwargs"].append({k: v for k, v in kwargs.items()
+                                       if k not in ("hidden_states", "cache", "past_key_values")})
 
-    handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
-    try:
-        with torch.no_grad():
-            model(ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return captured["h"], captured["kwargs"]
+        handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
+        for layer in layers:
+            layer.forward = _passthrough
+        try:
+            with torch.no_grad():
+                model.model(ids, use_cache=False)
+        finally:
+            for layer in layers:
+                del layer.forward
+            for h in handles:
+                h.remove()
+        out.append((captured["h"], captured["kwargs"]))
+    return out
+
+
+def _passthrough(*args, **kwargs):
+    return args[0] if args else kwargs["hidden_states"]
 
 
 def _run_layer(layer, h: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -137,21 +164,36 @@ def _run_layer(layer, h: torch.Tensor, kwargs: dict) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _record_inputs(layer, h, kwargs, names) -> dict[str, torch.Tensor]:
-    """The inputs [T, K] each named linear of ``layer`` sees when it runs on ``h``."""
-    seen: dict[str, torch.Tensor] = {}
+def _record_inputs(layer, batches, li: int, names) -> dict[str, torch.Tensor]:
+    """The inputs [T, K] each named linear of ``layer`` (decoder layer ``li``) sees when it runs on each batch's
+    hidden states, all batches' tokens together."""
+    seen: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     handles = []
     for name in names:
         mod = layer.get_submodule(name)
-        handles.append(mod.register_forward_hook(lambda m, a, o, name=name: seen.__setitem__(
-            name, a[0].reshape(-1, a[0].shape[-1]).detach().float())))
+        handles.append(mod.register_forward_hook(lambda m, a, o, name=name: seen[name].append(
+            a[0].reshape(-1, a[0].shape[-1]).detach().float())))
     try:
         with torch.no_grad():
-            _run_layer(layer, h, kwargs)
+            for h, kwargs in batches:
+                _run_layer(layer, h, kwargs[li])
     finally:
         for hd in handles:
             hd.remove()
-    return seen
+    return {name: torch.cat(xs, 0) for name, xs in seen.items()}
+
+
+def _batches(ids, batch: int) -> list[torch.Tensor]:
+    """Token ids [B, T] of one sequence (a list of ints) or of sequences (lists of ints), ``batch`` sequences of
+    one length at a time."""
+    seqs = [ids] if ids and isinstance(ids[0], int) else list(ids)
+    out: list[list[list[int]]] = []
+    for seq in seqs:
+        if out and len(out[-1]) < batch and len(out[-1][0]) == len(seq):
+            out[-1].append(seq)
+        else:
+            out.append([seq])
+    return [torch.tensor(b) for b in out]
 
 
 def _same_input(names: list[str]) -> list[list[str]]:
@@ -197,19 +239,24 @@ def _fold_scale(layer, prev: str, linears, s: torch.Tensor) -> None:
         layer.get_submodule(name).weight.data.mul_(s[None, :])
 
 
-def quantize_model(model, ids: list[int], method: str, group: int = 128, sym: bool = True,
-                   smooth_alpha: float | str = 0.8, act_symmetric: bool = True) -> dict[str, Grid]:
-    """Quantizes ``model``'s decoder linears in place by ``method`` ('gptq', 'awq', 'rtn' or 'smooth') calibrated
-    on ``ids``; returns {module name: Grid} of the 4-bit methods ('smooth' only moves the scales; its int8
-    rounding is left to the checkpoint maker). ``smooth_alpha`` 'auto': SmoothQuant's migration strength chosen
-    per layer and linear group from ``ALPHA_GRID``, the one whose W8A8 products (activations per token,
-    ``act_symmetric`` or with a zero point) come closest to the float ones on the calibration inputs."""
-    h, kwargs = _layer_inputs(model, torch.tensor([ids]))
+def quantize_model(model, ids, method: str, group: int = 128, sym: bool = True,
+                   smooth_alpha: float | str = 0.8, act_symmetric: bool = True, *, batch: int = 8,
+                   act_order: bool = False, damp: float = 0.01, search_tokens: int = 4096) -> dict[str, Grid]:
+    """Quantizes ``model``'s decoder linears in place by ``method`` ('gptq', 'awq', 'rtn' or 'smooth')
+    calibrated on ``ids`` (one sequence of token ids, or sequences run ``batch`` at a time); returns {module name:
+    Grid} of the 4-bit methods ('smooth' only moves the scales; its int8 rounding is left to the checkpoint maker).
+    ``smooth_alpha`` 'auto': SmoothQuant's migration strength chosen per layer and linear group from
+    ``ALPHA_GRID``, the one whose W8A8 products (activations per token, ``act_symmetric`` or with a zero point)
+    come closest to the float ones on the calibration inputs. GPTQ: ``damp``, ``act_order`` as ``gptq``. AWQ's
+    searches score at most
+    ``search_tokens`` calibration tokens (evenly spaced) for time; its statistics use them all."""
+    batches = _layer_inputs(model, _batches(ids, batch))
     grids: dict[str, Grid] = {}
+    scaled = method in ("awq", "smooth")
     for li, layer in enumerate(model.model.layers):
         names = _linears(layer)
-        if method in ("awq", "smooth"):
-            xs = _record_inputs(layer, h, kwargs[li], names)
+        if scaled:
+            xs = _record_inputs(layer, batches, li, names)
             for prev, linears in _scale_groups(layer):
                 x = xs[linears[0]]
                 ws = [layer.get_submodule(n).weight.data.float() for n in linears]
@@ -220,7 +267,7 @@ def quantize_model(model, ids: list[int], method: str, group: int = 128, sym: bo
                                                                           act_symmetric))
                     s = _smooth_scale(x, ws, alpha)
                 else:
-                    s = _awq_scale(x, ws, group)
+                    s = _awq_scale(x, ws, group, sample=search_tokens)
                 _fold_scale(layer, prev, linears, s)
             if method == "smooth" and _has(layer, "self_attn.v_proj") and _has(layer, "self_attn.o_proj"):
                 x, attn = xs["self_attn.o_proj"], layer.self_attn
@@ -229,8 +276,9 @@ def quantize_model(model, ids: list[int], method: str, group: int = 128, sym: bo
                     o = [attn.o_proj.weight.data.float()]
                     alpha = min(ALPHA_GRID, key=lambda a: _w8a8_error(x, o, _v_o_scale(attn, x, a)[1], act_symmetric))
                 _smooth_v_into_o(layer, x, alpha)
+            del xs
         if method == "awq":  # clipping after scaling, on the scaled inputs
-            xs = _record_inputs(layer, h, kwargs[li], names)
+            xs = _record_inputs(layer, batches, li, names)
             for name in names:
                 mod = layer.get_submodule(name)
                 w = mod.weight.data.float()
@@ -240,17 +288,19 @@ def quantize_model(model, ids: list[int], method: str, group: int = 128, sym: bo
                 mod.weight.data.copy_(deq)
                 grids[f"model.layers.{li}.{name}"] = grid
         elif method == "gptq":
-            xs = _record_inputs(layer, h, kwargs[li], names)
+            xs = _record_inputs(layer, batches, li, names)
             for same in _same_input(names):  # rows are rounded independently: linears sharing an input go together
                 x = xs[same[0]]
                 mods = [layer.get_submodule(n) for n in same]
-                grid, deq = gptq(torch.cat([m.weight.data.float() for m in mods], 0), x.t() @ x, group, sym)
+                grid, deq = gptq(torch.cat([m.weight.data.float() for m in mods], 0), x.t() @ x, group, sym, damp,
+                                 act_order)
                 row = 0
                 for name, mod in zip(same, mods):
                     rows = slice(row, row + mod.weight.shape[0])
                     mod.weight.data.copy_(deq[rows])
-                    grids[f"model.layers.{li}.{name}"] = Grid(grid.q[rows], grid.zeros[rows], grid.scales[rows])
+                    grids[f"model.layers.{li}.{name}"] = grid.rows(rows)
                     row = rows.stop
+            del xs
         elif method == "rtn":
             for name in names:
                 mod = layer.get_submodule(name)
@@ -258,7 +308,7 @@ def quantize_model(model, ids: list[int], method: str, group: int = 128, sym: bo
                 mod.weight.data.copy_(deq)
                 grids[f"model.layers.{li}.{name}"] = grid
         with torch.no_grad():
-            h = _run_layer(layer, h, kwargs[li])
+            batches = [(_run_layer(layer, h, kwargs[li]), kwargs) for h, kwargs in batches]
     return grids
 
 
@@ -313,12 +363,14 @@ def _smooth_v_into_o(layer, x: torch.Tensor, alpha: float) -> None:
     attn.o_proj.weight.data.mul_(cols[None, :])
 
 
-def _awq_scale(x: torch.Tensor, ws, group: int, grid_points: int = 20) -> torch.Tensor:
+def _awq_scale(x: torch.Tensor, ws, group: int, grid_points: int = 20, sample: int = 4096) -> torch.Tensor:
     """AWQ's scale search: s = mean|x|^r / mean|w|^(1-r) over r in [0, 1), the r whose quantized linears' outputs
-    on the calibration inputs ``x`` [T, K] come closest to the float ones."""
+    on the calibration inputs ``x`` [T, K] (at most ``sample`` of them, evenly spaced) come closest to the float
+    ones."""
     w = torch.cat(ws, 0)  # [N, K]
-    ref = x @ w.t()
     x_mean = x.abs().mean(0)
+    x = _evenly(x, sample)
+    ref = x @ w.t()
     wg = w.abs().reshape(w.shape[0], -1, group)
     w_mean = (wg / wg.amax(-1, keepdim=True).clamp(min=1e-8)).reshape(w.shape).mean(0)
     best, best_s = float("inf"), torch.ones_like(x_mean)
@@ -338,7 +390,7 @@ def _awq_clip(w: torch.Tensor, x: torch.Tensor, group: int, steps: int = 20, tok
     calibration inputs changes least. Returns [N, G]."""
     n, k = w.shape
     g = k // group
-    xs = x[torch.linspace(0, x.shape[0] - 1, min(tokens, x.shape[0])).long()].reshape(-1, g, group)  # [T, G, g]
+    xs = _evenly(x, tokens).reshape(-1, g, group)  # [T, G, g]
     wg = w.reshape(n, g, group)
     ref = torch.einsum("tgc,ngc->ntg", xs, wg)
     best_err = torch.full((n, g), float("inf"))
@@ -351,3 +403,8 @@ def _awq_clip(w: torch.Tensor, x: torch.Tensor, group: int, steps: int = 20, tok
         better = err < best_err
         best_err[better], best[better] = err[better], ratio
     return best
+
+
+def _evenly(x: torch.Tensor, count: int) -> torch.Tensor:
+    """At most ``count`` rows of ``x``, evenly spaced."""
+    return x if x.shape[0] <= count else x[torch.linspace(0, x.shape[0] - 1, count).long()]
