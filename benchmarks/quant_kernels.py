@@ -58,6 +58,25 @@ def _grid(m: int):
     return ((b, sp, w, sw) for sw in swaps for b in blocks for sp in splits for w in ws)
 
 
+def _int8_tile_grid(m: int):
+    """W8A8 tile configs (block_m, block_n, block_k, warps, stages, split_k) to try at M > 16 rows, likeliest first
+    (a sweep stops at its deadline). Triton keeps an int32 accumulator's tensor-core product synchronous, and the
+    activation tiles are read again for every column tile, so the large tiles come first, split along K where
+    they would leave SMs idle."""
+    from pagedllm.kernels.int8_gemm import TileConfig
+
+    bms = [bm for bm in (256, 128, 64) if bm <= 2 * max(m, 32)]
+    for bm in bms:
+        warps = 8 if bm == 256 else 4
+        for split in (1, 2, 4, 8):
+            yield TileConfig(bm, 128, 128, warps, 3, split)
+            yield TileConfig(bm, 128, 64, warps, 4, split)
+    for bm in bms:
+        for split in (1, 2, 4):
+            yield TileConfig(bm, 64, 128, 4, 4, split)
+            yield TileConfig(bm, 256, 64, 8, 3, split)
+
+
 def int8_rows(args, dev: torch.device, deadline: float) -> list[dict]:
     """``--int8``: the W8A8 linear at each row count: the one-launch decode kernel (up to 16 rows), its two-launch
     form (rows quantized first), the tiles of more rows (``w8a8_tiles``), the cuBLAS path (row quantizer, cuBLAS
@@ -101,18 +120,16 @@ def int8_rows(args, dev: torch.device, deadline: float) -> list[dict]:
                 print(f"   best decode tile (us, block_n, block_k, warps, prequantize): {tuned}", flush=True)
             elif args.sweep:
                 shape_deadline = min(deadline, time.monotonic() + args.sweep_budget_s / len(SHAPES))
-                for bm, bn, bk, warps, stages in itertools.product((128, 256, 64), (128, 256, 64), (128, 64, 256),
-                                                                   (8, 4), (3, 4)):
-                    if time.monotonic() > shape_deadline or bm > 2 * max(m, 32):
-                        continue
-                    cfg = TileConfig(bm, bn, bk, warps, stages)
+                for cfg in _int8_tile_grid(m):
+                    if time.monotonic() > shape_deadline:
+                        break
                     try:
                         t = _time_us(lambda: w8a8_tiles(x, w, ws, None, config=cfg), 10)
                     except Exception:  # noqa: BLE001 - tiles beyond the device's resources are skipped
                         continue
                     if tuned is None or t < tuned[0]:
                         tuned = (t, *cfg)
-                print(f"   best tile (us, block_m, block_n, block_k, warps, stages): {tuned}", flush=True)
+                print(f"   best tile (us, block_m, block_n, block_k, warps, stages, split_k): {tuned}", flush=True)
             rows.append({"shape": name, "k": k, "n": n, "m": m, "bf16_us": ref, "decode_us": dec,
                          "prequantized_us": pre, "tiles_us": tiles, "path_us": path, "best_decode_tile": tuned,
                          "ratio": best / ref, "quant_us": quant, "int_mm_us": mm, "epilogue_us": epi})

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels import int8_quant
+from pagedllm.kernels import int8_quant, launch
 from pagedllm.kernels.int8_quant import SUPPORTED_DTYPES, quantize_int8, row_scale
 from pagedllm.kernels.launch import max_shared_memory, pdl_launch_args, wait_for_previous_kernel
 from pagedllm.kernels.numerics import add_rn, exact_rounding, mul_rn
@@ -48,6 +48,7 @@ class TileConfig(NamedTuple):
     block_k: int  # input columns a step reads; >= 32, the int8 dot's shortest K on NVIDIA
     num_warps: int
     num_stages: int
+    split_k: int = 1  # programs along K per tile (row tiles only), summed in the launch by the last to finish
 
 
 @triton.jit
@@ -69,6 +70,18 @@ def _w_tile(w_ptrs, k0, cols_in, ks, K):
 
 
 @triton.jit
+def _store_scaled(acc, xs, ws, b_ptr, out_ptr, rows, cols, cols_in, tile_in, N, HAS_BIAS: tl.constexpr,
+                  EXACT: tl.constexpr):
+    """int8_quant's epilogue of an int32 tile [BLOCK_M, BLOCK_N]: (acc * x scale) * w scale (+ bias), each rounded
+    as torch's float32 ops, stored in the output's dtype."""
+    y = mul_rn(mul_rn(acc.to(tl.float32), xs[:, None], EXACT), ws[None, :], EXACT)  # [BLOCK_M, BLOCK_N]
+    if HAS_BIAS:
+        y = add_rn(y, tl.load(b_ptr + cols, mask=cols_in, other=0.0).to(tl.float32)[None, :], EXACT)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=tile_in)
+
+
+@triton.jit
 def _w8a8_kernel(
     x_ptr,  # [M, K] float16/bfloat16/float32 (int8 under PREQUANT), last dim contiguous
     xs_ptr,  # [M] float32 row scales (read only under PREQUANT)
@@ -76,12 +89,15 @@ def _w8a8_kernel(
     ws_ptr,  # [N] float32 weight row scales, contiguous
     b_ptr,  # [N] bias, contiguous (read only when HAS_BIAS)
     out_ptr,  # [M, N] x's dtype, contiguous
+    part_ptr,  # [splits, M, N] int32 partial products (SPLIT only)
+    count_ptr,  # [>= tiles] int32, zero between launches: splits of each tile that have finished (SPLIT only)
     M,
     N,
     K,
     stride_xm,
     stride_wn,
     row_tiles,  # programs along M: program p takes row tile p % row_tiles of column tile p // row_tiles
+    k_per_split,  # inputs of one split (axis 1 of the grid), a multiple of BLOCK_K; K when there is one
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -91,6 +107,7 @@ def _w8a8_kernel(
     EARLY_LAUNCH: tl.constexpr,  # (USE_GDC) let the next kernel launch as soon as this one has waited
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
     PREQUANT: tl.constexpr,  # x is already int8_quant.quantize_rows's output, its scales at xs_ptr
+    SPLIT: tl.constexpr,  # (PREQUANT) K in several programs a tile; the last of them to finish sums and stores
 ):
     # The row tiles of one column tile run side by side, so its weight is read from memory once.
     pid = tl.program_id(0)
@@ -99,19 +116,21 @@ def _w8a8_kernel(
     cols = (pid // row_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     cols_in = cols < N
     ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
     # No kernel writes the weights or their scales: under PDL they are read while the previous kernel
     # (which writes x) finishes, and only x waits for it.
-    w = _w_tile(w_ptrs, 0, cols_in, ks, K)
+    w = _w_tile(w_ptrs, k_lo, cols_in, ks, K)
     ws = tl.load(ws_ptr + cols, mask=cols_in, other=0.0)  # [BLOCK_N]
     wait_for_previous_kernel(USE_GDC, EARLY_LAUNCH)
 
     if PREQUANT:
         xs = tl.load(xs_ptr + rows, mask=rows_in, other=1.0)  # [BLOCK_M]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        acc = tl.dot(_xq_tile(x_ptrs, 0, rows_in, ks, K), tl.trans(w), acc, out_dtype=tl.int32)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        acc = tl.dot(_xq_tile(x_ptrs, k_lo, rows_in, ks, K), tl.trans(w), acc, out_dtype=tl.int32)
+        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             acc = tl.dot(_xq_tile(x_ptrs, k0, rows_in, ks, K), tl.trans(_w_tile(w_ptrs, k0, cols_in, ks, K)), acc,
                          out_dtype=tl.int32)
     else:
@@ -131,12 +150,23 @@ def _w8a8_kernel(
             xq = quantize_int8(_x_tile(x_ptrs, k0, rows_in, ks, K), xs[:, None], EXACT)
             acc = tl.dot(xq, tl.trans(_w_tile(w_ptrs, k0, cols_in, ks, K)), acc, out_dtype=tl.int32)
 
-    # int8_quant's epilogue: (acc * x scale) * w scale (+ bias), each rounded as torch's float32 ops.
-    y = mul_rn(mul_rn(acc.to(tl.float32), xs[:, None], EXACT), ws[None, :], EXACT)  # [BLOCK_M, BLOCK_N]
-    if HAS_BIAS:
-        y = add_rn(y, tl.load(b_ptr + cols, mask=cols_in, other=0.0).to(tl.float32)[None, :], EXACT)
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
-    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
+    tile_in = rows_in[:, None] & cols_in[None, :]
+    if SPLIT:
+        # Integer sums: the splits add up to the one-program product exactly, in any order. Each split leaves
+        # its int32 tile; the last to finish adds them and stores the output, so the product stays one launch.
+        tile_off = rows.to(tl.int64)[:, None] * N + cols[None, :]  # [BLOCK_M, BLOCK_N]
+        tl.store(part_ptr + tl.program_id(1) * M * N + tile_off, acc, mask=tile_in)
+        tl.debug_barrier()  # every thread's partial tile stored before the count moves
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:
+            tl.debug_barrier()
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+            for sp in range(0, tl.num_programs(1)):
+                acc += tl.load(part_ptr + sp * M * N + tile_off, mask=tile_in, other=0, cache_modifier=".cg")
+            _store_scaled(acc, xs, ws, b_ptr, out_ptr, rows, cols, cols_in, tile_in, N, HAS_BIAS, EXACT)
+            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
+    else:
+        _store_scaled(acc, xs, ws, b_ptr, out_ptr, rows, cols, cols_in, tile_in, N, HAS_BIAS, EXACT)
 
 
 def default_config(m: int, n: int, k: int) -> TileConfig:
@@ -214,9 +244,19 @@ def _launch(x: torch.Tensor, xin: torch.Tensor, xs: torch.Tensor, weight: torch.
     m, k = x.shape
     n = weight.shape[0]
     row_tiles = triton.cdiv(m, cfg.block_m)
-    _w8a8_kernel[(row_tiles * triton.cdiv(n, cfg.block_n),)](
+    tiles = row_tiles * triton.cdiv(n, cfg.block_n)
+    # Whole K steps a split, and no split left empty.
+    steps = triton.cdiv(k, cfg.block_k)
+    per_split = triton.cdiv(steps, max(1, min(cfg.split_k, steps)))
+    splits = triton.cdiv(steps, per_split)
+    counts = launch.split_counts(x.device, tiles) if splits > 1 and prequantized else None
+    if counts is None:  # no count buffer (a first call inside a CUDA-graph capture): one program a tile
+        splits, per_split = 1, steps
+    part = torch.empty((splits, m, n), dtype=torch.int32, device=x.device) if splits > 1 else out
+    _w8a8_kernel[(tiles, splits)](
         xin, xs, weight, weight_scale.reshape(-1).contiguous(), bias.contiguous() if bias is not None else out, out,
-        m, n, k, xin.stride(0), weight.stride(0), row_tiles,
+        part, counts if counts is not None else out,
+        m, n, k, xin.stride(0), weight.stride(0), row_tiles, per_split * cfg.block_k,
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -225,6 +265,7 @@ def _launch(x: torch.Tensor, xin: torch.Tensor, xs: torch.Tensor, weight: torch.
         RECIPROCAL=exact_rounding(x),  # as int8_quant.quantize_rows: torch's CUDA scalar division
         EARLY_LAUNCH=early_launch,
         PREQUANT=prequantized,
+        SPLIT=splits > 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch_args(x),
@@ -298,8 +339,8 @@ def w8a8_tiles(
     m, k = x.shape
     n = weight.shape[0]
     cfg = config or tile_config(m, n, k, max_shared_memory(x.device.index or 0) if x.is_cuda else 227 * 1024)
-    if not all(v > 0 and v & (v - 1) == 0 for v in cfg[:3]) or cfg.block_k < 32:
-        raise ValueError(f"{cfg}: block sizes must be powers of two, block_k >= 32")
+    if not all(v > 0 and v & (v - 1) == 0 for v in cfg[:3]) or cfg.block_k < 32 or cfg.split_k < 1:
+        raise ValueError(f"{cfg}: block sizes must be powers of two, block_k >= 32, split_k >= 1")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out

@@ -110,3 +110,21 @@ def max_shared_memory(index: int) -> int:
     consumer GPUs): tiles sized for Hopper take fewer pipeline stages or rows where it is smaller."""
     return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
+
+# Tiles a split launch may have under one count buffer; wider products sum their splits afterwards.
+MAX_SPLIT_TILES = 1 << 16
+_SPLIT_COUNTS: dict[str, torch.Tensor] = {}  # device -> [MAX_SPLIT_TILES] int32 zeros, kept for the process's life
+
+
+def split_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's buffer of per-tile split counts for launches whose last split to finish sums the others
+    (the W4A16 GEMV, the int8 tiles): zero between launches, since each launch's last split clears its own
+    count. Made once outside CUDA-graph capture (a capture would record its zeroing, not run it) and never
+    freed, since captured graphs hold its address; None where it cannot serve. Launches on one stream share it:
+    a launch clears its counts before it ends, so the next one finds them zero."""
+    key = str(device)
+    if key not in _SPLIT_COUNTS:
+        if tiles > MAX_SPLIT_TILES or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return None
+        _SPLIT_COUNTS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _SPLIT_COUNTS[key] if tiles <= MAX_SPLIT_TILES else None

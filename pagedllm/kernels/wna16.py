@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels import launch
 from pagedllm.kernels.launch import max_shared_memory
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -239,7 +240,7 @@ def wna16_gemv(
     split = triton.cdiv(chunks, per_split)
     tiles = triton.cdiv(n, block_n)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    locks = _split_counts(x.device, tiles) if split > 1 else None
+    locks = launch.split_counts(x.device, tiles) if split > 1 else None
     part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _wna16_gemv_kernel[(tiles, split)](
         x.contiguous(), qweight, scales, zeros, out if locks is not None else part, part,
@@ -249,23 +250,6 @@ def wna16_gemv(
     if split > 1 and locks is None:  # no count buffer (first call inside a CUDA-graph capture): sum afterwards
         return part.sum(0, keepdim=True).to(x.dtype)
     return out
-
-
-# Column tiles a GEMV launch may have under one count buffer; wider products sum their splits afterwards.
-_MAX_TILES = 1 << 16
-_SPLIT_COUNTS: dict[str, torch.Tensor] = {}  # device -> [_MAX_TILES] int32 zeros, kept for the process's life
-
-
-def _split_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's buffer of per-tile split counts (zero between launches: each launch's last split clears its
-    own), made once outside CUDA-graph capture (a capture would record its zeroing, not run it) and never freed,
-    since captured graphs hold its address; None where it cannot serve."""
-    key = str(device)
-    if key not in _SPLIT_COUNTS:
-        if tiles > _MAX_TILES or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return None
-        _SPLIT_COUNTS[key] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-    return _SPLIT_COUNTS[key] if tiles <= _MAX_TILES else None
 
 
 @triton.jit

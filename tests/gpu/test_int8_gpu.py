@@ -93,3 +93,24 @@ def test_decode_kernel_tiles_give_the_same_bits(m, tile):
         exact = (xq.double() @ w.double().t()).float()  # int32-exact in float64
         want = (exact * xs * ws.view(1, -1) + b.float()).to(x.dtype)
         assert torch.equal(int8_gemm.w8a8_decode(x, w, ws, b, **tile), want)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        int8_gemm.TileConfig(256, 128, 128, 8, 3, 1),
+        int8_gemm.TileConfig(256, 128, 128, 8, 3, 4),  # K in 4 programs a tile, summed by the last to finish
+        int8_gemm.TileConfig(128, 64, 128, 4, 4, 2),
+        int8_gemm.TileConfig(64, 256, 64, 8, 3, 3),
+    ],
+)
+def test_row_tiles_give_the_exact_product(cfg):
+    # The tiles a sweep may pick at prompt and full-batch row counts, ragged shapes included, and a second launch
+    # after the first (the split counts left at zero).
+    for m, k, n in ((256, 14336, 4096), (300, 1000, 100)):
+        x, w, ws, b = _decode_case(m, k, n, torch.bfloat16, bias=True)
+        xq, xs, _ = quantize_int8_rows(x, symmetric=True)
+        exact = (xq.double() @ w.double().t()).float()  # int32-exact in float64
+        want = (exact * xs * ws.view(1, -1) + b.float()).to(x.dtype)
+        for _ in range(2):
+            assert torch.equal(int8_gemm.w8a8_tiles(x, w, ws, b, config=cfg), want)

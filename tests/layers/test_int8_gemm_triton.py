@@ -72,6 +72,25 @@ def test_row_tiles_are_bit_exact(dtype, m, block_m):
         int8_gemm.w8a8_tiles(x, w, ws, b, config=int8_gemm.TileConfig(16, 16, 16, 4, 2))
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 7])  # 7: more splits than K steps (5) -> 5 splits of one step
+def test_split_input_tiles_are_bit_exact(split_k, monkeypatch):
+    """K in several programs a tile: int32 partial tiles summed in the launch by the last split to finish, the same
+    bits as one program a tile, and the tile counts left at zero for the next launch; with no count buffer (a first
+    call inside a CUDA-graph capture) one program a tile."""
+    from pagedllm.kernels import launch
+
+    x = _rows(40, 300, torch.float16, seed=11)
+    w, ws, b = _weight(50, 300, torch.float16, seed=12)
+    cfg = int8_gemm.TileConfig(32, 16, 64, 4, 2, split_k)  # 2 x 4 tiles, K: 4 steps + 44
+    want = w8a8_linear(x, w, ws, b, act_symmetric=True)
+    assert torch.equal(int8_gemm.w8a8_tiles(x, w, ws, b, config=cfg), want)
+    assert not launch.split_counts(x.device, 8).any()
+    monkeypatch.setattr(launch, "split_counts", lambda device, tiles: None)
+    assert torch.equal(int8_gemm.w8a8_tiles(x, w, ws, b, config=cfg), want)
+    with pytest.raises(ValueError, match="split_k >= 1"):
+        int8_gemm.w8a8_tiles(x, w, ws, b, config=int8_gemm.TileConfig(32, 16, 64, 4, 2, 0))
+
+
 def test_bfloat16_matches_the_two_launch_kernels():
     # The interpreter casts float32 to bfloat16 by truncation (torch and compiled code round to nearest), so
     # bfloat16 is checked here against int8_quant's kernels, which share that cast; on a GPU, test_int8_gpu.py.

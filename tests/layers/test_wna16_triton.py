@@ -229,13 +229,13 @@ def test_gemv_splits_summed_in_the_launch_equal_those_summed_after(monkeypatch):
     """Split rows: the last split of each column tile adds the float32 partial sums in split order inside the launch
     (and leaves the tile counts at zero for the next); without a count buffer (a first call inside a graph capture)
     the splits are summed afterwards, in the same order: the same bits."""
-    from pagedllm.kernels import wna16
+    from pagedllm.kernels import launch, wna16
 
     g = 64
     x, qw, s, z = _one_row_case(512, 72, g, seed=5)
     fused = wna16.wna16_gemv(x, qw, s, z, 4, g, block_n=32, split_k=4)
-    assert not wna16._split_counts(x.device, 3).any()
-    monkeypatch.setattr(wna16, "_split_counts", lambda device, tiles: None)
+    assert not launch.split_counts(x.device, 3).any()
+    monkeypatch.setattr(launch, "split_counts", lambda device, tiles: None)
     assert torch.equal(fused, wna16.wna16_gemv(x, qw, s, z, 4, g, block_n=32, split_k=4))
 
 
