@@ -35,6 +35,10 @@ SUPPORTED_BITS = (2, 4, 8)
 
 MAGIC_BITS = tl.constexpr(0x4B000000)  # float32 2**23: its 23 mantissa bits hold an unsigned integer exactly
 MAGIC = tl.constexpr(8388608.0)
+# A 4-bit value in the top four bits of a float32 mantissa (``_scaled_value``).
+KEEP_BITS = 0xF << 19
+# Outputs from which the W x^T tiles dequantize with _scaled_tile.
+FMA_DEQUANT_MIN_N = 16384
 
 
 @triton.jit
@@ -57,13 +61,50 @@ def _unpack(words, shifts, MASK: tl.constexpr):
 
 
 @triton.jit
+def _scaled_value(words, P: tl.constexpr, scale, neg_offset, keep, magic, BITS: tl.constexpr):
+    """Value ``P`` of each int32 word dequantized, ``(q - z) * s``, in two integer operations and one fused
+    multiply-add: the word is rotated so that the value sits in the top ``BITS`` bits of a float32 mantissa and
+    kept with 2**23's exponent bits by one AND-OR, which reads as ``2**23 + q 2**(23 - BITS)``; ``scale`` carries
+    ``2**(BITS - 23)`` and ``neg_offset`` is ``-(2**BITS + z) s``. The product inside the fused multiply-add is
+    exact, so the one rounding error is ``neg_offset``'s, below ``2**(BITS - 23)`` of ``s``."""
+    R: tl.constexpr = (23 - BITS - P * BITS) % 32
+    u = words.to(tl.uint32, bitcast=True)
+    if R == 0:
+        top = u
+    else:
+        top = (u << R) | (u >> (32 - R))
+    v = ((top & keep) | magic).to(tl.float32, bitcast=True)
+    return v * scale + neg_offset
+
+
+@triton.jit
+def _scaled_tile(words, scale, neg_offset, keep, magic, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """The dequantized [BLOCK_K, BLOCK_N] float32 tile of 4-bit ``words`` [BLOCK_K / 8, BLOCK_N]: each word's eight
+    values are joined in registers of one thread, so every rotation is a constant."""
+    t01 = tl.join(_scaled_value(words, 0, scale, neg_offset, keep, magic, BITS),
+                  _scaled_value(words, 1, scale, neg_offset, keep, magic, BITS))
+    t23 = tl.join(_scaled_value(words, 2, scale, neg_offset, keep, magic, BITS),
+                  _scaled_value(words, 3, scale, neg_offset, keep, magic, BITS))
+    t45 = tl.join(_scaled_value(words, 4, scale, neg_offset, keep, magic, BITS),
+                  _scaled_value(words, 5, scale, neg_offset, keep, magic, BITS))
+    t67 = tl.join(_scaled_value(words, 6, scale, neg_offset, keep, magic, BITS),
+                  _scaled_value(words, 7, scale, neg_offset, keep, magic, BITS))
+    t = tl.join(tl.join(t01, t23), tl.join(t45, t67))  # [W, N, i, j, l]: value 4 l + 2 j + i
+    return tl.reshape(tl.permute(t, (0, 4, 3, 2, 1)), (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
 def _wna16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, out_ptr,
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_om, stride_os,
+    keep_bits,  # (FMA_DEQUANT) KEEP_BITS, and below MAGIC_BITS: runtime values, so that each AND-OR stays one LOP3
+    magic_bits,
     GROUP: tl.constexpr, BITS: tl.constexpr, ROW_GROUPS: tl.constexpr, HAS_GIDX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    FMA_DEQUANT: tl.constexpr,  # (4-bit, 16-bit activations, groups whole in the tile) _scaled_tile's dequantization
 ):
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -91,8 +132,8 @@ def _wna16_kernel(
         offs_w = k0 // PACK + tl.arange(0, WORDS)
         words = tl.load(qw_ptr + offs_w[:, None] * N + offs_n[None, :],
                         mask=(offs_w * PACK < k_end)[:, None] & n_ok[None, :], other=0)  # [BK / PACK, BN]
-        q = tl.reshape(_unpack(words[:, None, :], shifts[None, :, None], MASK), (BLOCK_K, BLOCK_N))
         if ROW_GROUPS:
+            q = tl.reshape(_unpack(words[:, None, :], shifts[None, :, None], MASK), (BLOCK_K, BLOCK_N))
             # Groups change inside the tile (act-order indices, or groups smaller than BLOCK_K): per-row gathers.
             if HAS_GIDX:
                 g = tl.load(gidx_ptr + offs_k, mask=k_ok, other=0)
@@ -107,7 +148,12 @@ def _wna16_kernel(
             g0 = k0 // GROUP
             s1 = tl.load(s_ptr + g0 * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             z1 = tl.load(z_ptr + g0 * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            w = ((q - z1[None, :]) * s1[None, :]).to(a.dtype)
+            if FMA_DEQUANT:
+                w = _scaled_tile(words, (s1 * _pow2_neg(23 - BITS))[None, :], (-(z1 + (1 << BITS)) * s1)[None, :],
+                                 keep_bits, magic_bits, BITS, BLOCK_K, BLOCK_N).to(a.dtype)
+            else:
+                q = tl.reshape(_unpack(words[:, None, :], shifts[None, :, None], MASK), (BLOCK_K, BLOCK_N))
+                w = ((q - z1[None, :]) * s1[None, :]).to(a.dtype)
         if SWAP_AB:
             # y^T = W x^T: the unpacked weight is the first operand (the one Hopper's tensor cores may read from
             # registers); on an H100 these tiles beat the x W^T ones at 128-256 rows (benchmarks/quant_kernels.py).
@@ -347,6 +393,7 @@ def wna16_matmul(
     dense_from_rows: int | None = None,  # None: DENSE_FROM_ROWS
     gemv: bool | None = None,  # one row through wna16_gemv; None: wherever its group condition holds
     swap_ab: bool | None = None,  # the tile product as W x^T (the weight as the first operand); None: by shape
+    fma_dequant: bool | None = None,  # 4-bit tiles of 16-bit activations through _scaled_tile; None: by shape
 ) -> torch.Tensor:  # [M, N] in x's dtype
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"wna16: activation dtype {x.dtype} is not one of {SUPPORTED_DTYPES}")
@@ -392,13 +439,17 @@ def wna16_matmul(
     out = torch.empty((split, m, n), dtype=out_dtype, device=x.device)
     has_gidx = g_idx is not None
     gidx = g_idx if has_gidx else qweight  # any pointer; not read without HAS_GIDX
+    row_groups = has_gidx or group_size % bk != 0
+    if fma_dequant is None:
+        fma_dequant = swap and n >= FMA_DEQUANT_MIN_N
+    fma_dequant = fma_dequant and bits == 4 and x.dtype != torch.float32 and not row_groups
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
     _wna16_kernel[grid](
         x, qweight, scales, zeros, gidx, out, m, n, k, k_per_split,
-        x.stride(0), out.stride(1), out.stride(0),
-        GROUP=group_size, BITS=bits, HAS_GIDX=has_gidx, ROW_GROUPS=has_gidx or group_size % bk != 0,
+        x.stride(0), out.stride(1), out.stride(0), KEEP_BITS, MAGIC_BITS.value,
+        GROUP=group_size, BITS=bits, HAS_GIDX=has_gidx, ROW_GROUPS=row_groups,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32, SWAP_AB=swap,
-        num_warps=warps, num_stages=stages,
+        FMA_DEQUANT=fma_dequant, num_warps=warps, num_stages=stages,
     )
     if split == 1:
         return out[0]

@@ -104,3 +104,23 @@ def test_online_int4_on_the_gpu_equals_its_decoded_weights():
             assert abs(our_lp[i][a].logprob - their_lp[i][b].logprob) < 4e-2, (i, a)
     # Each divergence was checked above to be one of the reference's near-ties; an H100 met two of four.
     assert flips <= len(prompts) // 2, f"{flips} of {len(prompts)} prompts diverge"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [16, 128, 256])
+@pytest.mark.parametrize("fma", [False, True])
+def test_sixteen_bit_tiles_read_the_rounded_weight(dtype, m, fma):
+    """Identity rows read the 4-bit tiles' dequantized weight out: the torch path's ``(q - z) * s`` rounded to the
+    activation dtype, exactly with the two-step dequantization and, with one fused multiply-add a value
+    (``_scaled_value``), but for rare ties and then by one unit at most."""
+    gen = torch.Generator().manual_seed(m)
+    k, n = 4096, 14336
+    qw, qz, s, g_idx = _gptq(k, n, 4, 128, False, gen)
+    w = layout.from_gptq(qw.cuda(), qz.cuda(), s.to(dtype).cuda(), None, 4, 128, 1)
+    want = gptq_dequantize(qw, qz, s.to(dtype), g_idx, 4, 1).to(dtype).t()[:m].cuda()  # [m, N]
+    got = wna16_matmul(torch.eye(m, k, dtype=dtype, device="cuda"), w.qweight, w.scales, w.zeros, 4, 128,
+                       fma_dequant=fma)
+    ulp = (torch.nextafter(want.abs(), torch.tensor(float("inf"), dtype=dtype, device="cuda")) - want.abs()).float()
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= ulp).all(), diff.max().item()
+    assert (diff > 0).float().mean().item() < (0.01 if fma else 1e-9)

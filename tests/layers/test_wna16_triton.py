@@ -116,6 +116,31 @@ def test_split_k_and_odd_tiles():
     _check(w, awq_dequantize(qw, qz, s, g), 5, torch.float32, gen, split_k=3, block=(16, 32, 64))
 
 
+@pytest.mark.parametrize("m,swap", [(16, False), (128, True)])
+def test_sixteen_bit_tiles_read_the_weight_the_torch_path_rounds(m: int, swap: bool):
+    """The 4-bit tiles of 16-bit activations may dequantize with one fused multiply-add a value (``_scaled_value``):
+    identity rows read their weight out exactly, which must be the torch path's ``((q - z) * s)`` rounded to
+    float16 in all but a rare tie (the offset's rounding, ~2**-19 of a scale), and then by one unit at most."""
+    gen = torch.Generator().manual_seed(5)
+    n, k, g = 64, 128, 32
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    z = torch.randint(0, 16, (k // g, n), generator=gen)
+    s = (torch.rand(k // g, n, generator=gen) * 0.02 + 0.001).to(torch.float16)
+    qw, qz = _awq_pack(q), _awq_pack(z)
+    w = layout.from_awq(qw, qz, s, g)
+    want = awq_dequantize(qw, qz, s, g).to(torch.float16).t()  # [K, N]: row i is what input i multiplies
+    x = torch.eye(m, k, dtype=torch.float16)
+    got = wna16_matmul(x, w.qweight, w.scales, w.zeros, w.bits, w.group_size, swap_ab=swap, fma_dequant=True)
+    rows = want[:m]
+    ulp = (torch.nextafter(rows.abs(), torch.tensor(float("inf"), dtype=torch.float16)) - rows.abs()).float()
+    diff = (got.float() - rows.float()).abs()
+    assert (diff <= ulp).all(), diff.max()
+    assert (diff > 0).float().mean() < 0.01
+    # The two-step dequantization (subtract, multiply) rounds once: those bits exactly.
+    exact = wna16_matmul(x, w.qweight, w.scales, w.zeros, w.bits, w.group_size, swap_ab=swap, fma_dequant=False)
+    assert torch.equal(exact, rows)
+
+
 @pytest.mark.parametrize("act_order,dtype,split", [(False, torch.float32, 3), (True, torch.float16, 1)])
 def test_weight_as_first_operand(act_order: bool, dtype: torch.dtype, split: int):
     """The tile product computed as W x^T (``swap_ab``): the same oracle over N, K and M tails, split-K partial
