@@ -312,16 +312,19 @@ def w8a8_decode(
 
 
 def tile_config(m: int, n: int, k: int, shared_memory: int = 227 * 1024) -> TileConfig:
-    """The tile of a product of more than ``MAX_ROWS`` rows, from an H100 sweep of Llama-3-8B's qkv at 256-4096
+    """The tile of a product of more than ``MAX_ROWS`` rows, from H100 sweeps of Llama-3-8B's shapes at 256-4096
     rows (``benchmarks/quant_kernels.py --int8 --sweep``): 128 rows x 128 columns a program in 128-deep int8 steps
     on 4 warps (at 4,096 rows 197 us against 254 on 8 warps); 64 columns where 128 would leave fewer programs
-    than an H100 has SMs (at 256 rows 22.5 us against 24.8)."""
+    than an H100 has SMs (qkv at 256 rows 22.5 us against 24.8), and then long inputs split in two along K
+    (``down`` at 256 rows 55.3 against 58.1 us). Triton keeps an int32 accumulator's tensor-core product
+    synchronous, so more programs an SM, not larger tiles, keep the tensor cores fed: 256-row tiles on 8 warps
+    lost on every shape."""
     bm = 128 if m > 64 else 64
     # Either tile's stages take ~96 KB of shared memory; where a program has less than 128 KB (consumer GPUs:
     # 99 KB, part of it reserved), two stages.
     few = shared_memory < 128 * 1024
     if triton.cdiv(m, bm) * triton.cdiv(n, 128) < 128:
-        return TileConfig(bm, 64, 128, 4, 2 if few else 4)
+        return TileConfig(bm, 64, 128, 4, 2 if few else 4, 2 if k >= 8192 else 1)
     return TileConfig(bm, 128, 128, 4, 2 if few else 3)
 
 

@@ -18,7 +18,10 @@ dequantized once and the dense GEMM runs.
 
 Integers become floats by or-ing them into the mantissa of 2**23 and subtracting 2**23 (exact for any value
 below 2**23): the GPU converts integers to floats at a quarter of its float rate, and that conversion, once
-per weight, bound the kernels before.
+per weight, bound the kernels before. The W x^T tiles of wide outputs (``FMA_DEQUANT_MIN_N``) go further for
+4-bit weights and 16-bit activations (``_scaled_tile``): one rotate, one AND-OR and one fused multiply-add a
+value give ``(q - z) * s``, whose one rounding into the activation dtype may differ from the two-step path's in
+a rare tie, by one unit.
 """
 from __future__ import annotations
 
