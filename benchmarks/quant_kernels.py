@@ -5,9 +5,10 @@ Prints a table (shape, M, bf16 us, wna16 us as the engine runs it, ratio, the ti
 dequantize-then-GEMM path's and, at one row, the GEMV's (``wna16_gemv``) us) and, with ``--out DIR``, writes
 the rows as JSON. ``--sweep`` also times a grid of tile configs per row (up to ``--sweep-budget-s`` seconds over all shapes) and
 reports the best (at one row, a grid of GEMV configs: block_n, split, warps).
-``--int8`` times the W8A8 linear instead (``int8_rows``); ``--fp8-block`` the block-wise float8 linear
+``--dequant`` times the many-row path's dequantization alone (``wna16_dequantize``) over a grid of its tiles, with the
+bytes it moves a second; ``--int8`` times the W8A8 linear instead (``int8_rows``); ``--fp8-block`` the block-wise float8 linear
 (``kernels/fp8_block.py``, 128x128 weight blocks, activations quantized per token and 128 inputs; ``fp8_block_rows``).
-``PYTHONPATH=$PWD python benchmarks/quant_kernels.py [--bits 4] [--group 128] [--m 1,16,64,256,4096] [--sweep] [--int8 | --fp8-block] [--out DIR]``
+``PYTHONPATH=$PWD python benchmarks/quant_kernels.py [--bits 4] [--group 128] [--m 1,16,64,256,4096] [--sweep] [--dequant | --int8 | --fp8-block] [--out DIR]``
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import time
 
 import torch
 
-from pagedllm.kernels.wna16 import DENSE_FROM_ROWS, wna16_gemv, wna16_matmul
+from pagedllm.kernels.wna16 import DENSE_FROM_ROWS, DEQUANT_TILE, wna16_dequantize, wna16_gemv, wna16_matmul
 from pagedllm.layers.quantization.unpack import pack_int32
 
 # Llama-3-8B linears as (name, K inputs, N outputs): fused qkv, o, fused gate/up, down.
@@ -138,6 +139,31 @@ def int8_rows(args, dev: torch.device, deadline: float) -> list[dict]:
     return rows
 
 
+def dequant_rows(args, dev: torch.device) -> list[dict]:
+    """µs and GB/s of ``wna16_dequantize`` per shape: the default tile, then each tile of a small grid."""
+    tiles = [DEQUANT_TILE] + [(bk, bn, w) for bk in (64, 128) for bn in (128, 256, 512) for w in (4, 8)
+                              if (bk, bn, w) != DEQUANT_TILE]
+    rows = []
+    print(f"{'shape':>8} {'K':>6} {'N':>6} {'default us':>10} {'GB/s':>7}  best (us, GB/s, tile)")
+    for name, k, n in SHAPES:
+        qw = torch.randint(-2**31, 2**31 - 1, (k * args.bits // 32, n), device=dev, dtype=torch.int32)
+        s = (torch.rand(k // args.group, n, device=dev) * 0.01).to(torch.bfloat16)
+        z = torch.full(s.shape, float(1 << (args.bits - 1)), device=dev)
+        moved = qw.nbytes + s.nbytes + z.nbytes + k * n * 2
+        times = {}
+        for tile in tiles:
+            times[tile] = _time_us(lambda: wna16_dequantize(qw, s, z, args.bits, args.group, None, torch.bfloat16,
+                                                            tile=tile), args.iters)
+        best = min(times, key=times.get)
+        t0, tb = times[DEQUANT_TILE], times[best]
+        rows.append({"shape": name, "k": k, "n": n, "bits": args.bits, "group": args.group, "bytes": moved,
+                     "default_tile": list(DEQUANT_TILE), "default_us": t0,
+                     "tiles": [[list(t), us] for t, us in times.items()]})
+        print(f"{name:>8} {k:>6} {n:>6} {t0:>10.1f} {moved / t0 / 1e3:>7.0f}  {tb:.1f} {moved / tb / 1e3:.0f} {best}",
+              flush=True)
+    return rows
+
+
 def fp8_block_rows(args, dev: torch.device) -> list[dict]:
     """bf16 cuBLAS against the block-wise float8 product (quantizing the activations included), µs per call: the
     path the engine takes (``fp8blk``: cuBLAS's block-scaled GEMM from ``CUBLAS_MIN_ROWS`` where it is there) and
@@ -172,6 +198,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8))
     ap.add_argument("--int8", action="store_true", help="time the W8A8 int8 linear instead")
+    ap.add_argument("--dequant", action="store_true", help="time the many-row path's dequantization alone")
     ap.add_argument("--fp8-block", action="store_true", help="time the block-wise float8 linear instead")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--m", default="1,16,64,256,4096")
@@ -187,6 +214,13 @@ def main() -> None:
             path = os.path.join(args.out, "quant_kernels.json") if os.path.isdir(args.out) else args.out
             with open(path, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(dev), "fp8_block_rows": rows}, f, indent=1)
+        return
+    if args.dequant:
+        rows = dequant_rows(args, dev)
+        if args.out:
+            path = os.path.join(args.out, "quant_kernels.json") if os.path.isdir(args.out) else args.out
+            with open(path, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(dev), "dequant_rows": rows}, f, indent=1)
         return
     if args.int8:
         rows = int8_rows(args, dev, time.monotonic() + args.sweep_budget_s)

@@ -308,40 +308,57 @@ def _wna16_dequant_kernel(
     qw_ptr, s_ptr, z_ptr, gidx_ptr, w_ptr, N, K,
     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Writes the dense weight w [K, N] (kernel row order) in the activation dtype."""
+    """Writes the dense weight w [K, N] (kernel row order) in the activation dtype.
+
+    Value ``p`` of each word goes to rows ``p, p + PACK, ...`` of the tile by its own store, so no value moves
+    between threads, and a tile inside one group reads its row of scales and zero points once: the kernel then
+    streams at the copy rate, where gathering both per value and regrouping the values in shared memory
+    kept it at about half of it."""
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     WORDS: tl.constexpr = BLOCK_K // PACK
+    ONE_GROUP: tl.constexpr = (not HAS_GIDX) and GROUP % BLOCK_K == 0
     offs_w = tl.program_id(0) * WORDS + tl.arange(0, WORDS)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
-    k_ok = offs_k < K
-    words = tl.load(qw_ptr + offs_w[:, None] * N + offs_n[None, :], mask=(offs_w * PACK < K)[:, None] & n_ok[None, :],
-                    other=0)
-    shifts = tl.arange(0, PACK) * BITS
-    q = tl.reshape(_unpack(words[:, None, :], shifts[None, :, None], MASK), (BLOCK_K, BLOCK_N))
-    if HAS_GIDX:
-        g = tl.load(gidx_ptr + offs_k, mask=k_ok, other=0)
-    else:
-        g = offs_k // GROUP
-    ok = k_ok[:, None] & n_ok[None, :]
-    s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(w_ptr + offs_k[:, None] * N + offs_n[None, :], ((q - z) * s).to(w_ptr.dtype.element_ty), mask=ok)
+    w_ok = offs_w * PACK < K
+    words = tl.load(qw_ptr + offs_w[:, None] * N + offs_n[None, :], mask=w_ok[:, None] & n_ok[None, :], other=0)
+    if ONE_GROUP:
+        g = tl.program_id(0) * BLOCK_K // GROUP
+        s_row = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        z_row = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    for p in tl.static_range(PACK):
+        rows = offs_w * PACK + p
+        ok = (rows < K)[:, None] & n_ok[None, :]
+        q = _unpack(words, p * BITS, MASK)
+        if ONE_GROUP:
+            s, z = s_row, z_row
+        else:
+            if HAS_GIDX:
+                g = tl.load(gidx_ptr + rows, mask=rows < K, other=0)
+            else:
+                g = rows // GROUP
+            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+        tl.store(w_ptr + rows[:, None] * N + offs_n[None, :], ((q - z) * s).to(w_ptr.dtype.element_ty), mask=ok)
+
+
+# The dequantization's tile (inputs, outputs, warps).
+DEQUANT_TILE = (64, 256, 4)
 
 
 def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,
-                     g_idx: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:  # [K, N] in dtype
+                     g_idx: torch.Tensor | None, dtype: torch.dtype,
+                     tile: tuple[int, int, int] | None = None) -> torch.Tensor:  # [K, N] in dtype
     """The dense weight in kernel row order, for products with many rows, where the tensor cores' dense
     GEMM on a weight written once beats unpacking it in every output tile."""
     k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
     w = torch.empty((k, n), dtype=dtype, device=qweight.device)
-    bk, bn = 64, 128
+    bk, bn, warps = tile or DEQUANT_TILE
     has_gidx = g_idx is not None
     _wna16_dequant_kernel[(triton.cdiv(k, bk), triton.cdiv(n, bn))](
         qweight, scales, zeros, g_idx if has_gidx else qweight, w, n, k,
-        GROUP=group_size, BITS=bits, HAS_GIDX=has_gidx, BLOCK_K=bk, BLOCK_N=bn,
+        GROUP=group_size, BITS=bits, HAS_GIDX=has_gidx, BLOCK_K=bk, BLOCK_N=bn, num_warps=warps,
     )
     return w
 

@@ -12,7 +12,7 @@ import torch
 from pagedllm.kernels.wna16 import wna16_matmul
 from pagedllm.layers.quantization import wna16_layout as layout
 from pagedllm.layers.quantization.unpack import (AWQ_REVERSE_ORDER, awq_dequantize, ct_pack_dequantize,
-                                                 gptq_dequantize, pack_int32)
+                                                 gptq_dequantize, pack_int32, unpack_int32)
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU runs need TRITON_INTERPRET=1")
 
@@ -286,3 +286,30 @@ def test_one_row_gemv_refuses_what_it_cannot_run():
         wna16_gemv(torch.zeros(2, 128), qw, s, s, 4, 128)
     with pytest.raises(ValueError, match="group 48"):
         wna16_gemv(torch.zeros(1, 128), qw, s, s, 4, 48)
+
+
+@pytest.mark.parametrize("bits,g,k,n,act_order,tile", [
+    (4, 128, 384, 296, False, None),  # a tile within one group: one row of scales a tile
+    (4, 64, 256, 72, False, (64, 32, 1)),  # the group is one tile exactly
+    (4, 32, 320, 40, False, None),  # several groups a tile: scales gathered per row
+    (8, 128, 256, 36, False, (128, 64, 2)),
+    (2, 64, 192, 48, False, (64, 64, 1)),
+    (4, 64, 256, 88, True, (64, 64, 1)),  # act-order: a group index per row
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bfloat16: the interpreter's casts are wrong
+def test_dequantized_weight_is_the_layouts_bit_for_bit(bits, g, k, n, act_order, tile, dtype):
+    """The dense weight of the many-row path: every value ``((q - z) * s)`` rounded once into the dtype, as the torch
+    layout computes it, over group shapes, widths, N tails and act-order rows."""
+    from pagedllm.kernels.wna16 import wna16_dequantize
+
+    gen = torch.Generator().manual_seed(bits * 1000 + k + n)
+    q = torch.randint(0, 1 << bits, (k, n), generator=gen)
+    s = (torch.rand(k // g, n, generator=gen) * 0.02 + 0.001).to(dtype)
+    qz = pack_int32(torch.randint(0, (1 << bits) - 1, (k // g, n), generator=gen), bits, 1)
+    g_idx = (torch.randperm(k, generator=gen) % (k // g)).to(torch.int32) if act_order else None
+    w = layout.from_gptq(pack_int32(q, bits, 0), qz, s, g_idx, bits, g, 0)
+    rows = w.g_idx.long() if w.g_idx is not None else torch.arange(k) // w.group_size
+    want = (unpack_int32(w.qweight, bits, 0) - w.zeros[rows]).float() * w.scales.float()[rows]  # [K, N], kernel rows
+    got = wna16_dequantize(w.qweight, w.scales, w.zeros, bits, w.group_size, w.g_idx, dtype, tile=tile)
+    assert got.shape == (k, n) and got.dtype == dtype
+    assert torch.equal(got, want.to(dtype))
