@@ -367,7 +367,7 @@ def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
 # From this many rows on, a product dequantizes the weight and runs the dense GEMM; from half as many, a product
 # of a weight under ``SMALL_WEIGHT`` values does (benchmarks/quant_kernels.py measures the crossing). On an H100
 # at Llama-3-8B's shapes the dequantization is a fixed cost that more rows amortize: at 256 rows the tile kernel
-# takes 169 / 112 us for gate_up / down against 231 / 124 dense, but 72 / 46 us for qkv / o against 60 / 40;
+# takes 143 / 112 us for gate_up / down against 215 / 113 dense, but 72 / 48 us for qkv / o against 51 / 34;
 # at 512 rows the dense path wins on all four.
 DENSE_FROM_ROWS = 512
 SMALL_WEIGHT = 32 * 1024 * 1024
