@@ -132,9 +132,9 @@ def test_each_rank_dequantizes_its_slice_of_the_whole_weight(method: str, kind: 
     _fill(whole, torch.Generator().manual_seed(1))
     if method == "gptq-act-order":
         whole.g_idx.data = torch.randperm(k, generator=torch.Generator().manual_seed(2)).int() // 64
+    full = {name: p.data.clone() for name, p in whole.named_parameters()}  # the checkpoint, before any repacking
     whole.quant_method.process_weights_after_loading(whole)
     full_w = whole.quant_method.dequantize(whole)
-    full = {name: p.data.clone() for name, p in whole.named_parameters()}
     for rank in range(2):
         part = build(quant_method=_METHODS[method](), tp_rank=rank, tp_size=2)
         if method == "fp8-block" and kind == "qkv":

@@ -9,6 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+from pagedllm.kernels.cpu import wna16_gemm as cpu_kernel
 from pagedllm.kernels.wna16 import wna16_matmul
 from pagedllm.layers.quantization import wna16_layout as layout
 from pagedllm.layers.quantization.unpack import (AWQ_REVERSE_ORDER, awq_dequantize, ct_pack_dequantize,
@@ -170,8 +171,9 @@ def test_bad_input_names_field():
 @pytest.mark.parametrize("method", ["awq", "gptq", "gptq-act-order", "gptq-8bit-one-group", "ct-w4a16-asym",
                                     "ct-w8a16-sym-channel"])
 def test_linear_method_kernel_path_equals_torch_path(method):
-    """A row-parallel rank's linear (act-order: global group ids) gives the torch path's output once moved to the
-    kernel layout, as process_weights_after_loading does on CUDA."""
+    """A row-parallel rank's linear (act-order: global group ids), once process_weights_after_loading has moved it to
+    this device's kernel layout (on the CPU the compiled kernel's rows, or the torch path where it does not read
+    the shape), gives the product of the checkpoint tensors as the format's own unpacking dequantizes them."""
     from pagedllm.layers.linear import RowParallelLinear
     from pagedllm.layers.quantization.awq import AWQLinearMethod
     from pagedllm.layers.quantization.compressed_tensors import PackedWeightOnlyLinearMethod
@@ -195,13 +197,25 @@ def test_linear_method_kernel_path_equals_torch_path(method):
             p.data = torch.rand(p.shape, generator=gen) * 0.02 + 0.005
     if method == "gptq-act-order":
         layer.g_idx.data = (torch.randperm(k, generator=gen)[:k // 2] // 32).int()
+    raw = {name: t.detach().clone() for name, t in layer.named_parameters()}
+    local = torch.arange(k // 2, dtype=torch.int32)
+    oracle = {
+        "awq": lambda: awq_dequantize(raw["qweight"], raw["qzeros"], raw["scales"], 32),
+        "gptq": lambda: gptq_dequantize(raw["qweight"], raw["qzeros"], raw["scales"], local // 32, 4, 1),
+        "gptq-act-order": lambda: gptq_dequantize(raw["qweight"], raw["qzeros"], raw["scales"], raw["g_idx"], 4, 1),
+        "gptq-8bit-one-group": lambda: gptq_dequantize(raw["qweight"], raw["qzeros"], raw["scales"], local * 0, 8, 0),
+        "ct-w4a16-asym": lambda: ct_pack_dequantize(raw["weight_packed"], raw["weight_scale"],
+                                                    raw["weight_zero_point"], 4, 32),
+        "ct-w8a16-sym-channel": lambda: ct_pack_dequantize(raw["weight_packed"], raw["weight_scale"], None, 8, k // 2),
+    }[method]()
     layer.quant_method.process_weights_after_loading(layer)
+    if cpu_kernel.available():  # all but act-order groups of uneven sizes, which keep the common layout
+        assert isinstance(layer.wna16, layout.WNA16Rows) == (method != "gptq-act-order")
     x = torch.randn(3, k // 2, generator=gen)
-    want = layer.quant_method.apply(layer, x, None)
-    layer.quant_method.to_kernel_layout(layer)
-    assert hasattr(layer, "wna16")
     got = layer.quant_method.apply(layer, x, None)
+    want = x @ oracle.t()
     assert torch.allclose(got, want, atol=1e-3, rtol=1e-3), (got - want).abs().max()
+    assert torch.equal(layer.quant_method.dequantize(layer), oracle)
 
 
 @pytest.mark.parametrize("act_order", [False, True])

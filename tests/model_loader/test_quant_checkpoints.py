@@ -59,7 +59,9 @@ def test_ignored_linears_load_as_float_weights() -> None:
     model = llm.llm_engine.engine_core.executor.worker.model_runner.model
     for layer in model.model.layers:
         assert layer.mlp.down_proj.weight.dtype == torch.float32
-        assert layer.mlp.gate_up_proj.weight_packed.dtype == torch.int32
+        gate_up = layer.mlp.gate_up_proj
+        packed = gate_up.wna16.qrows if hasattr(gate_up, "wna16") else gate_up.weight_packed  # the CPU kernel's rows
+        assert packed.dtype == torch.int32 and not hasattr(gate_up, "weight")
 
 
 @pytest.mark.parametrize(("bits", "group", "desc_act", "sym", "fmt"), [

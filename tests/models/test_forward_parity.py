@@ -157,7 +157,9 @@ def test_dummy_load_of_a_quantized_config_builds_its_format(quant_cfg):
     methods = {type(m.quant_method).__name__ for m in model.modules()
                if isinstance(getattr(m, "quant_method", None), QuantizedLinearMethod)}
     assert methods, "no linear took the checkpoint's quantization method"
-    assert any(p.dtype == torch.int32 for p in model.parameters())  # packed 4-bit words
+    packed = [p for p in model.parameters()] + [m.wna16.qrows for m in model.modules() if hasattr(m, "wna16")
+                                                 and hasattr(m.wna16, "qrows")]  # the CPU kernel's rows
+    assert any(p.dtype == torch.int32 for p in packed)  # packed 4-bit words
     batcher = PagedBatcher([7], num_blocks=2, device="cpu")
     positions, md = batcher.step([7])
     with torch.no_grad():

@@ -220,7 +220,7 @@ def test_quantized_experts_under_tensor_and_expert_parallelism(tmp_path):
                                       ("mixtral", "ct-w8a8-asym-act")])
 def test_experts_restacked_for_the_grouped_kernel_keep_their_tokens(kind, fmt, tmp_path, monkeypatch):
     """What a CUDA load does to 4-bit, block-float8 and W8A8 experts, done on the CPU under Triton's interpreter:
-    4-bit expert linears to the kernel layout, then each layer's experts stacked for the grouped kernel (act-order
+    4-bit expert linears to the kernel layout (the CPU's own rows, where its kernel took them), then each layer's experts stacked for the grouped kernel (act-order
     rows back in checkpoint order with a group index per row; float8 and int8 weights with their scales); the
     model keeps its tokens and logprobs (float32, within 1e-4) and may replay in CUDA graphs."""
     from pagedllm.kernels import fp8_block
@@ -242,7 +242,8 @@ def test_experts_restacked_for_the_grouped_kernel_keep_their_tokens(kind, fmt, t
             if fmt in ("awq", "gptq-act-order"):
                 for expert in layer.linear_experts:
                     for proj in (expert.w1, expert.w3, expert.w2):
-                        proj.quant_method.to_kernel_layout(proj)
+                        if not hasattr(proj, "wna16"):  # rows for the CPU's kernel are restacked as they are
+                            proj.quant_method.to_kernel_layout(proj)
             assert layer.experts_method.stack_for_kernel(layer)
             assert layer.linear_experts is None and layer.experts_method.cuda_graph_safe
             assert layer.w13_packed.shape == (layer.num_experts, 2 * layer.intermediate_size_per_partition,

@@ -107,8 +107,9 @@ class LinearExpertsMethod:
 
 
 def _on_cuda(linear: nn.Module) -> bool:
-    tensors = [linear.wna16.qweight] if hasattr(linear, "wna16") else list(linear.parameters())
-    return any(t.is_cuda for t in tensors)
+    if hasattr(linear, "wna16"):
+        return linear.wna16.device.type == "cuda"
+    return any(t.is_cuda for t in linear.parameters())
 
 
 def _stack_block_fp8(layer: nn.Module, linears: list[tuple[nn.Module, nn.Module, nn.Module]]) -> bool:

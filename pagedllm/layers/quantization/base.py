@@ -8,6 +8,7 @@ loader places checkpoint shards (q/k/v, gate/up) and tensor-parallel slices from
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import re
 from collections.abc import Callable
@@ -97,6 +98,14 @@ class QuantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, self.dequantize(layer).to(x.dtype), bias)
+
+
+def layer_device(layer: nn.Module) -> torch.device:
+    """Where a linear's weight lives, in whatever form its method keeps it (a packed layout holds no parameters)."""
+    packed = getattr(layer, "wna16", None)
+    if packed is not None:
+        return packed.device
+    return next(itertools.chain(layer.parameters(recurse=False), layer.buffers(recurse=False))).device
 
 
 def process_loaded_weights(model: nn.Module) -> None:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.linear import LinearBase, LinearMethodBase, RowParallelLinear
-from pagedllm.layers.quantization.base import config_error
+from pagedllm.layers.quantization.base import config_error, layer_device
 
 TYPES = ("hadamard", "random-hadamard", "random-matrix")
 ONLINE = ("input", "output")
@@ -254,7 +254,7 @@ def attach_transforms(model: nn.Module, config: TransformConfig,
         if not isinstance(layer, LinearBase):
             continue
         shards = _shards(model, name, layer)
-        device = next(layer.parameters()).device
+        device = layer_device(layer)
 
         def resolve(location: str, module: str, size: int) -> Rotation | None:
             ts = [t for t in config.online if t.location == location and t.matches(module)]

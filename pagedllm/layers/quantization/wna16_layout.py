@@ -6,6 +6,10 @@ Layout: ``qweight`` [K / pack, N] int32 with ``pack = 32 // bits`` unsigned valu
 float32, unsigned like the values; ``w[n, k] = (q[k, n] - zeros[g, n]) * scales[g, n]``. Symmetric formats
 get their implicit midpoint ``2**(bits-1)`` as the zero point.
 
+On the CPU the same weights are kept as rows (``WNA16Rows``): ``qrows`` [N, K / pack], the transpose of ``qweight``
+(the values stay packed along the input), with float32 ``scales`` and ``zeros`` [N, G], for the compiled kernel
+``kernels/cpu/wna16_gemm.py``.
+
 GPTQ act-order: the input rows are permuted once at load so that rows of one group are adjacent
 (``perm``, a stable sort of ``g_idx``), and each call gathers the activation columns by the same
 permutation (``x[:, perm]``, a small copy next to the product). When every group then holds exactly
@@ -33,6 +37,10 @@ class WNA16Weights:
     g_idx: torch.Tensor | None = None  # [K] int32 group of each (permuted) input row
     perm: torch.Tensor | None = None  # [K] int64: kernel row i is checkpoint input perm[i]
 
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
     def dequantize(self) -> torch.Tensor:  # [N, K] float32, inputs in checkpoint order
         q = unpack_int32(self.qweight, self.bits, 0)  # [K, N]
         k = q.shape[0]
@@ -41,6 +49,48 @@ class WNA16Weights:
         if self.perm is not None:
             w = torch.empty_like(w).index_copy_(1, self.perm, w)
         return w
+
+
+@dataclass
+class WNA16Rows:
+    """The common layout as rows of W for the CPU kernel: every tensor the transpose of ``WNA16Weights``'."""
+
+    qrows: torch.Tensor  # [N, K / pack] int32
+    scales: torch.Tensor  # [N, G] float32
+    zeros: torch.Tensor  # [N, G] float32
+    bits: int
+    group_size: int
+    perm: torch.Tensor | None = None  # [K] int64: kernel input i is checkpoint input perm[i]
+
+    @property
+    def device(self) -> torch.device:
+        return self.qrows.device
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] float32, inputs in checkpoint order
+        from pagedllm.kernels.cpu.wna16_gemm import wna16_decode
+
+        w = wna16_decode(self.qrows, self.scales, self.zeros, self.bits, self.group_size)
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w
+
+
+def _cpu_kernel_takes(w: WNA16Weights) -> bool:
+    from pagedllm.kernels.cpu import wna16_gemm
+
+    k = w.qweight.shape[0] * (32 // w.bits)
+    return w.g_idx is None and wna16_gemm.supports(w.bits, w.group_size, k) and wna16_gemm.available()
+
+
+def as_rows(w: WNA16Weights) -> WNA16Rows:
+    return WNA16Rows(w.qweight.t().contiguous(), w.scales.t().float().contiguous(), w.zeros.t().float().contiguous(),
+                     w.bits, w.group_size, w.perm)
+
+
+def as_common(r: WNA16Rows) -> WNA16Weights:
+    """``as_rows``' inverse (float32 scales): the layout the grouped MoE kernel stacks."""
+    return WNA16Weights(r.qrows.t().contiguous(), r.scales.t().contiguous(), r.zeros.t().contiguous(), r.bits,
+                        r.group_size, None, r.perm)
 
 
 def _with_act_order(qweight: torch.Tensor, g_idx: torch.Tensor, bits: int, group_size: int, **kw) -> WNA16Weights:
@@ -99,11 +149,12 @@ def in_checkpoint_order(w: WNA16Weights) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_int32(q_ckpt, w.bits, 0).contiguous(), g_ckpt.to(torch.int32)
 
 
-def stack_experts(experts: list[list[WNA16Weights]]):
+def stack_experts(experts: list[list[WNA16Weights | WNA16Rows]]):
     """A layer's experts for the grouped MoE kernel: ``experts[e]`` is expert e's projections, concatenated along
     the outputs (gate then up, or down alone). Returns ``kernels.moe``'s ``PackedExpertWeights``."""
     from pagedllm.kernels.moe.grouped_gemm import PackedExpertWeights
 
+    experts = [[as_common(w) if isinstance(w, WNA16Rows) else w for w in projections] for projections in experts]
     first = experts[0][0]
     for e, projections in enumerate(experts):
         for w in projections:
@@ -125,26 +176,39 @@ def stack_experts(experts: list[list[WNA16Weights]]):
 
 
 def use_kernel(layer: nn.Module) -> bool:
-    """Whether a weight-only linear on this device takes the Triton kernel (CUDA) rather than the torch path."""
-    return any(p.is_cuda for p in layer.parameters(recurse=False))
+    """Whether a weight-only linear on this device takes a kernel: the Triton kernel on CUDA, the compiled one on
+    the CPU (where it builds) rather than the torch path."""
+    if any(p.is_cuda for p in layer.parameters(recurse=False)):
+        return True
+    from pagedllm.kernels.cpu import wna16_gemm
+
+    return wna16_gemm.available()
 
 
 def attach(layer: nn.Module, w: WNA16Weights, replaced: tuple[str, ...]) -> None:
-    """Stores the common layout on ``layer`` and frees the checkpoint tensors it was built from."""
+    """Stores the common layout on ``layer`` (as rows on the CPU, where the CPU kernel reads it) and frees the
+    checkpoint tensors it was built from."""
     for name in replaced:
         delattr(layer, name)
-    layer.wna16 = w
+    layer.wna16 = as_rows(w) if not w.qweight.is_cuda and _cpu_kernel_takes(w) else w
 
 
 def apply(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [..., K] -> [..., N]
-    from pagedllm.kernels.wna16 import wna16_matmul
-
-    w: WNA16Weights = layer.wna16
+    w: WNA16Weights | WNA16Rows = layer.wna16
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    if isinstance(w, WNA16Weights) and not w.qweight.is_cuda:  # the CPU, where its kernel does not read this shape
+        return torch_apply(w, x, bias)
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)
-    y = wna16_matmul(x2, w.qweight, w.scales, w.zeros, w.bits, w.group_size, w.g_idx)
+    if isinstance(w, WNA16Rows):
+        from pagedllm.kernels.cpu.wna16_gemm import wna16_mm
+
+        y = wna16_mm(x2.float(), w.qrows, w.scales, w.zeros, w.bits, w.group_size).to(x.dtype)
+    else:
+        from pagedllm.kernels.wna16 import wna16_matmul
+
+        y = wna16_matmul(x2, w.qweight, w.scales, w.zeros, w.bits, w.group_size, w.g_idx)
     if bias is not None:
         y = y + bias
     return y.reshape(*shape[:-1], y.shape[-1])
