@@ -6,7 +6,8 @@ quantizes each row of a 16/32-bit weight symmetrically as compressed-tensors doe
 127.5, rounded to nearest, clamped to [-128, 127]), so both give the same weights. Activations follow the
 same arithmetic per token, symmetric or asymmetric (a zero point per token). The product multiplies the
 int8 operands exactly in int32 (``torch._int_mm``) and applies the scales, and the activations' zero points
-through each row's weight sum, to that; asymmetric weights take the dequantized float path instead. On CUDA
+through each row's weight sum, to that (on the CPU through ``kernels/cpu/int8_gemm.py``, which torch's int8 product
+took 10-37x the time of); asymmetric weights take the dequantized float path instead. On CUDA
 a symmetric product of at most 16 rows (decode) takes ``kernels/int8_gemm.py`` (int32 product and epilogue
 in one launch, one row's quantization too), from ``int8_gemm.TILES_MIN_ROWS`` on its tiles after a row
 quantizer; the rows between quantize and scale in ``kernels/int8_quant.py``'s launches around cuBLAS's int8
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import int8_gemm, int8_quant
+from pagedllm.kernels.cpu import int8_gemm as cpu_int8
 from pagedllm.kernels.int8_quant import quantize_int8_rows
 from pagedllm.layers.quantization.base import QuantizedLinearMethod
 from pagedllm.layers.quantization.packed_params import PackedParam
@@ -37,6 +39,8 @@ def _int_mm_usable(xq: torch.Tensor, wq: torch.Tensor) -> bool:
 
 def _int_mm(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:  # [T, K] int8 x [N, K] int8 -> [T', N] int32
     """The exact int32 product; on CUDA its first T rows are the product (T' >= T rows, padded)."""
+    if xq.is_cpu and cpu_int8.available():
+        return cpu_int8.int8_mm(xq.contiguous(), wq.contiguous())
     if xq.is_cuda and xq.shape[0] < _INT_MM_MIN_ROWS:
         xq = F.pad(xq, (0, 0, 0, _INT_MM_MIN_ROWS - xq.shape[0]))
     return torch._int_mm(xq, wq.t())
