@@ -85,3 +85,24 @@ def test_int8_refuses_other_operands():
         int8_gemm.int8_mm(torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.int8))
     with pytest.raises(ValueError, match="wq: 16 inputs a row for xq's 8"):
         int8_gemm.int8_mm(torch.zeros(1, 8, dtype=torch.int8), torch.zeros(4, 16, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("m,k", [(1, 640), (5, 2048), (16, 100)])
+def test_int8_row_quantizer_and_epilogue_are_the_torch_arithmetic(m, k):
+    """Bit for bit ``quantize_int8_rows``' symmetric scales and values (a row of zeros, ties at half steps, the
+    clamp at -128) and the torch epilogue ``acc.float() * xs * ws``."""
+    from pagedllm.kernels.int8_quant import quantize_int8_rows
+
+    gen = torch.Generator().manual_seed(m * k)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m).unsqueeze(1)
+    x[0, :4] = torch.tensor([2.5, -2.5, 127.5, -127.5])  # with max |x| = 127.5 the scale is 1: ties to even
+    x[0, 4:] = x[0, 4:].clamp(-127.5, 127.5)
+    if m > 1:
+        x[1] = 0.0
+    q, xs = int8_gemm.quantize_rows(x)
+    q_ref, xs_ref, _ = quantize_int8_rows(x, symmetric=True)
+    assert torch.equal(q, q_ref) and torch.equal(xs, xs_ref)
+    wq = torch.randint(-128, 128, (48, k), generator=gen, dtype=torch.int8)
+    ws = torch.rand(48, 1, generator=gen) * 0.01
+    acc = int8_gemm.int8_mm(q, wq)
+    assert torch.equal(int8_gemm.scale_rows(acc, xs, ws), acc.float() * xs * ws.float().view(1, -1))

@@ -4,7 +4,9 @@
    Sixteen weights widen to 16-bit lanes and meet x's (widened once per call) in one multiply-add of pairs into
    32-bit lanes: every product and sum is exact (|q| <= 128: a pair sums to at most 2^15, a row of K to at most
    K * 2^14), so the result equals torch._int_mm's bit for bit whatever the order. */
+#include <float.h>
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -60,4 +62,25 @@ int int8_mm_i32(const int8_t *x, int64_t M, int64_t K, const int8_t *w, int64_t 
     }
     free(x16);
     return 0;
+}
+
+/* Each row of x [M, K] quantized symmetrically as int8_quant.quantize_int8_rows does: scale = max |x| / 127.5 (FLT_EPSILON
+   for a row of zeros), q = x / scale clamped to [-128, 127] and rounded half to even (the default rounding mode);
+   IEEE division in both places, as torch divides on the CPU. */
+void quantize_rows_sym(const float *x, int64_t M, int64_t K, int8_t *q, float *scale) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
+        float s = amax / 127.5f;
+        if (s == 0.0f) s = FLT_EPSILON;
+        scale[m] = s;
+        for (int64_t k = 0; k < K; k++) q[m * K + k] = (int8_t)nearbyintf(fminf(fmaxf(row[k] / s, -128.0f), 127.0f));
+    }
+}
+
+/* out [M, N] = (acc * xs[m]) * ws[n], rounded after each product as the torch epilogue rounds. */
+void scale_rows(const int32_t *acc, int64_t M, int64_t N, const float *xs, const float *ws, float *out) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) out[m * N + n] = ((float)acc[m * N + n] * xs[m]) * ws[n];
 }

@@ -6,8 +6,8 @@ quantizes each row of a 16/32-bit weight symmetrically as compressed-tensors doe
 127.5, rounded to nearest, clamped to [-128, 127]), so both give the same weights. Activations follow the
 same arithmetic per token, symmetric or asymmetric (a zero point per token). The product multiplies the
 int8 operands exactly in int32 (``torch._int_mm``) and applies the scales, and the activations' zero points
-through each row's weight sum, to that (on the CPU through ``kernels/cpu/int8_gemm.py``, which torch's int8 product
-took 10-37x the time of); asymmetric weights take the dequantized float path instead. On CUDA
+through each row's weight sum, to that (on the CPU through ``kernels/cpu/int8_gemm.py``: torch's int8 product took
+10-37x its time, and symmetric rows quantize and scale there too); asymmetric weights take the dequantized float path instead. On CUDA
 a symmetric product of at most 16 rows (decode) takes ``kernels/int8_gemm.py`` (int32 product and epilogue
 in one launch, one row's quantization too), from ``int8_gemm.TILES_MIN_ROWS`` on its tiles after a row
 quantizer; the rows between quantize and scale in ``kernels/int8_quant.py``'s launches around cuBLAS's int8
@@ -53,6 +53,11 @@ def w8a8_linear(
     bias: torch.Tensor | None,  # [N]
     act_symmetric: bool,
 ) -> torch.Tensor:  # [T, N] in x's dtype
+    if x.is_cpu and act_symmetric and x.dtype == torch.float32 and cpu_int8.available():
+        # The CPU's kernels, each the arithmetic of the torch ops below.
+        xq, xs = cpu_int8.quantize_rows(x.contiguous())
+        y = cpu_int8.scale_rows(cpu_int8.int8_mm(xq, weight.contiguous()), xs, weight_scale.float().contiguous())
+        return y if bias is None else y + bias.float()
     if act_symmetric and int8_quant.usable(x) and int8_gemm.usable(x, weight):
         # Decode rows: one or two launches, where the path below takes four and cuBLAS's int8 product is
         # slow on a few rows. The same arithmetic.
