@@ -209,25 +209,11 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     if args.fp8_block:
-        rows = fp8_block_rows(args, dev)
-        if args.out:
-            path = os.path.join(args.out, "quant_kernels.json") if os.path.isdir(args.out) else args.out
-            with open(path, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(dev), "fp8_block_rows": rows}, f, indent=1)
-        return
+        return _write(args.out, dev, "fp8_block_rows", fp8_block_rows(args, dev))
     if args.dequant:
-        rows = dequant_rows(args, dev)
-        if args.out:
-            path = os.path.join(args.out, "quant_kernels.json") if os.path.isdir(args.out) else args.out
-            with open(path, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(dev), "dequant_rows": rows}, f, indent=1)
-        return
+        return _write(args.out, dev, "dequant_rows", dequant_rows(args, dev))
     if args.int8:
-        rows = int8_rows(args, dev, time.monotonic() + args.sweep_budget_s)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(dev), "int8_rows": rows}, f, indent=1)
-        return
+        return _write(args.out, dev, "int8_rows", int8_rows(args, dev, time.monotonic() + args.sweep_budget_s))
     rows = []
     print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'wna16':>8} {'ratio':>6} {'tile':>8} {'dense':>8} {'gemv':>8}"
           f"{'  best tile (us, block, split, warps/stages)' if args.sweep else ''}")
@@ -285,10 +271,15 @@ def main() -> None:
             else:
                 extra = f"  {best[0]:.1f} {best[1]} {best[2]} {best[3]}{' swap' if best[4] else ''}" if best else ""
             print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {got:>8.1f} {got / ref:>6.2f} {tile:>8.1f} {deq:>8.1f} {gemv:>8.1f}{extra}", flush=True)
-    if args.out:
-        path = os.path.join(args.out, "quant_kernels.json") if os.path.isdir(args.out) else args.out
+    _write(args.out, dev, "rows", rows)
+
+
+def _write(out: str | None, dev: torch.device, key: str, rows: list[dict]) -> None:
+    """The rows as JSON under ``key`` in ``out`` (a folder, where quant_kernels.json is written, or a file)."""
+    if out:
+        path = os.path.join(out, "quant_kernels.json") if os.path.isdir(out) else out
         with open(path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(dev), "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(dev), key: rows}, f, indent=1)
 
 
 if __name__ == "__main__":

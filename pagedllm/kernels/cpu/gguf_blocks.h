@@ -23,9 +23,9 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+#include "work_items.h"
 
-#define INLINE static inline __attribute__((always_inline))
+enum { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 INLINE int block_elems(const int type) { return type >= Q4_K ? 256 : 32; }
 

@@ -190,13 +190,6 @@ INLINE void decode_row(const int type, const uint8_t *row, const int64_t K, floa
     }
 }
 
-/* Rows of W per work item of a product: about 8 items per thread, handed out as threads ask, so that a
-   thread the OS runs late (the cores are shared) leaves its items to the others instead of holding up all. */
-static int64_t row_chunk(const int64_t N, const int nthreads) {
-    const int64_t want = (N + 8 * nthreads - 1) / (8 * nthreads);
-    return want < 16 ? 16 : (want + 7) / 8 * 8;
-}
-
 /* One entry point per type, so that each inlined kernel is specialised on its constant type (the type
    must be a literal inside the parallel region, which the compiler outlines before inlining). */
 #define DEFINE_TYPE(T)                                                                                     \

@@ -181,13 +181,6 @@ INLINE void q8_span(const int type, const QuantX *q, const int64_t M, const int6
     }
 }
 
-/* Rows of W per work item: about 8 items per thread, handed out as threads ask (a thread the OS runs late
-   leaves its items to the others). */
-static int64_t row_chunk(const int64_t N, const int nthreads) {
-    const int64_t want = (N + 8 * nthreads - 1) / (8 * nthreads);
-    return want < 16 ? 16 : (want + 7) / 8 * 8;
-}
-
 /* One entry point per type, so that each inlined kernel is specialised on its constant type. */
 #define DEFINE_Q8(T)                                                                                       \
     static void q8_##T(const QuantX *q, int64_t M, int64_t K, const uint8_t *w, int64_t row_bytes, int64_t N,  \

@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define INLINE static inline __attribute__((always_inline))
+#include "work_items.h"
 
 INLINE int32_t hsum_epi32(const __m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -49,9 +49,7 @@ int int8_mm_i32(const int8_t *x, int64_t M, int64_t K, const int8_t *w, int64_t 
     if (!x16) return -2;
     for (int64_t i = 0; i < M * K; i++) x16[i] = x[i];
     if (M * N * K < (1 << 18)) nthreads = 1;  // a second thread costs more than such a product
-    // Rows of w per work item: about 8 items a thread, handed out as threads ask (the cores may be shared).
-    const int64_t want = (N + 8 * nthreads - 1) / (8 * nthreads), chunk = want < 16 ? 16 : (want + 7) / 8 * 8;
-    const int64_t items = (N + chunk - 1) / chunk;
+    const int64_t chunk = row_chunk(N, nthreads), items = (N + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t t = 0; t < items; t++) {
         const int64_t n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;

@@ -13,7 +13,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define INLINE static inline __attribute__((always_inline))
+#include "work_items.h"
 
 /* The inputs a vector of eight words covers. */
 INLINE int64_t chunk_elems(const int bits) { return 8 * (32 / bits); }
@@ -85,12 +85,6 @@ static void permute_x(const int bits, const float *x, const int64_t M, const int
         for (int64_t k0 = 0; k0 < K; k0 += ce)
             for (int64_t i = 0; i < pack; i++)
                 for (int64_t j = 0; j < 8; j++) xp[m * K + k0 + 8 * i + j] = x[m * K + k0 + pack * j + i];
-}
-
-/* Rows of W per work item: about 8 items a thread, handed out as threads ask (the cores may be shared). */
-static int64_t row_chunk(const int64_t N, const int nthreads) {
-    const int64_t want = (N + 8 * nthreads - 1) / (8 * nthreads);
-    return want < 16 ? 16 : (want + 7) / 8 * 8;
 }
 
 #define DEFINE_BITS(B)                                                                                        \
