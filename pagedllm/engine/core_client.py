@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import time
 from typing import Any, Callable
@@ -80,7 +81,14 @@ class CoreClient:
             # rank, and notices a vanished front-end through the parent pid it is given instead.
             daemon=engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size == 1,
         )
-        self.proc.start()
+        # A signal inside start() can land after the spawn but before the Process records its child, which
+        # shutdown() would then not see: SIGTERM and SIGINT wait until start() returns (the child, which
+        # inherits the mask, clears it first thing in run_engine_core).
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        try:
+            self.proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def wait_ready(self, timeout_s: float = 900.0) -> None:
         """Blocks until the core has built its engine; raises RuntimeError (and shuts the process

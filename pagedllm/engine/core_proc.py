@@ -40,6 +40,7 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
     # a start-up (the front-end's own fallback, too) but is ignored once serving (below).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})  # held by the parent's start()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s core: %(message)s", datefmt="%H:%M:%S")
     # On the CPU, oneDNN and torch's ideep layer keep a primitive per product shape, 1,024 of each by
     # default: a server meets a new shape with every new prompt-chunk length or batch size, and the cache
