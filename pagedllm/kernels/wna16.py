@@ -13,7 +13,7 @@ casts to the activation dtype and multiplies on the tensor cores with float32 ac
 exists unpacked in memory. For few tokens the input is split over ``SPLIT_K`` programs per tile so that the
 grid fills the device; their float32 partial sums are added afterwards. Past 64 rows the tiles compute
 W x^T, the unpacked weight being the dot's first operand. One row (batch-1 decode) takes a GEMV without
-tensor cores (``wna16_gemv``); from ``DENSE_FROM_ROWS`` rows (half as many for small weights) the weight is
+tensor cores (``kernels/wna16_gemv.py``); from ``DENSE_FROM_ROWS`` rows (half as many for small weights) the weight is
 dequantized once and the dense GEMM runs.
 
 Integers become floats by or-ing them into the mantissa of 2**23 and subtracting 2**23 (exact for any value
@@ -29,33 +29,19 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels import launch
 from pagedllm.kernels.launch import max_shared_memory
+from pagedllm.kernels.wna16_gemv import MAGIC, MAGIC_BITS, pow2_neg, gemv_block_k, wna16_gemv
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SUPPORTED_BITS = (2, 4, 8)
 
 
-MAGIC_BITS = tl.constexpr(0x4B000000)  # float32 2**23: its 23 mantissa bits hold an unsigned integer exactly
-MAGIC = tl.constexpr(8388608.0)
 # A 4-bit value in the top four bits of a float32 mantissa (``_scaled_value``).
 KEEP_BITS = 0xF << 19
 # Outputs and rows from which the W x^T tiles dequantize with _scaled_tile: on an H100 it took gate_up at 256 rows
 # from 170.4 to 143.7 us, and lost on the narrower products (down 112.0 -> 117.8 us).
 FMA_DEQUANT_MIN_N = 16384
 FMA_DEQUANT_MIN_ROWS = 256
-
-
-@triton.jit
-def _float_bits(words, MASK: tl.constexpr, SH: tl.constexpr):
-    """``q * 2**SH`` as float32 for the value in bits [SH, SH + bits) of each int32 word (SH + bits <= 23) whose
-    exponent bits are already 2**23's (or'ed in by the caller, once for all values of the word)."""
-    return (words & (MAGIC_BITS | (MASK << SH))).to(tl.float32, bitcast=True) - MAGIC
-
-
-@triton.jit
-def _pow2_neg(SH: tl.constexpr):
-    return 1.0 / (1 << SH)
 
 
 @triton.jit
@@ -154,7 +140,7 @@ def _wna16_kernel(
             s1 = tl.load(s_ptr + g0 * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             z1 = tl.load(z_ptr + g0 * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             if FMA_DEQUANT:
-                w = _scaled_tile(words, (s1 * _pow2_neg(23 - BITS))[None, :], (-(z1 + (1 << BITS)) * s1)[None, :],
+                w = _scaled_tile(words, (s1 * pow2_neg(23 - BITS))[None, :], (-(z1 + (1 << BITS)) * s1)[None, :],
                                  keep_bits, magic_bits, BITS, BLOCK_K, BLOCK_N).to(a.dtype)
             else:
                 q = tl.reshape(_unpack(words[:, None, :], shifts[None, :, None], MASK), (BLOCK_K, BLOCK_N))
@@ -176,131 +162,6 @@ def _wna16_kernel(
     else:
         out = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _wna16_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
-    part_ptr,  # [splits, N] float32 partial sums (REDUCE_LAST)
-    lock_ptr,  # [>= column tiles] int32, zero between launches: splits of each column tile that have finished
-    N, K, CHUNKS_PER_SPLIT, num_splits,
-    GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    REDUCE_LAST: tl.constexpr,
-):
-    """One row of x, without a tensor-core tile to fill. Within a group (BLOCK_K divides GROUP) the zero point
-    and scale are applied once per word instead of per weight: ``sum_p x_p (q_p - z) s = s sum_p x_p q_p -
-    z s sum_p x_p``. A value is taken out of its word in place, scaled by its position: ``(word & (MASK << SH))
-    | 2**23's bits`` read as a float is ``2**23 + q 2**SH`` exactly, and the matching activation carries
-    ``2**-SH``; the exponent's bits are or'ed into the word once, so each weight costs one AND, one subtract and
-    one multiply-add (values above bit 22 share one shift of the word by 16), with no integer-to-float
-    conversion, which runs at a quarter of the rate."""
-    PACK: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
-    WORDS: tl.constexpr = BLOCK_K // PACK
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_w = tl.arange(0, WORDS)
-    c_start = pid_s * CHUNKS_PER_SPLIT
-    c_end = tl.minimum(c_start + CHUNKS_PER_SPLIT, K // BLOCK_K)
-    acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    for c in range(c_start, c_end):
-        k0 = c * BLOCK_K
-        words = tl.load(qw_ptr + (k0 // PACK + offs_w)[:, None] * N + offs_n[None, :], mask=n_ok[None, :],
-                        other=0)  # [WORDS, BN]
-        # 2**23's exponent bits or'ed in once a word (the values they cover are read from the shifted copy):
-        # then one AND a value keeps its bits and the exponent's.
-        low = words | MAGIC_BITS
-        high = (words >> 16) | MAGIC_BITS
-        part = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-        xsum = tl.zeros((WORDS,), dtype=tl.float32)
-        for p in tl.static_range(PACK):
-            xp = tl.load(x_ptr + k0 + offs_w * PACK + p).to(tl.float32)  # [WORDS]: input p of each word
-            xsum += xp
-            if p * BITS + BITS <= 23:
-                qf = _float_bits(low, MASK, p * BITS)
-                part += qf * (xp * _pow2_neg(p * BITS))[:, None]
-            else:
-                qf = _float_bits(high, MASK, p * BITS - 16)
-                part += qf * (xp * _pow2_neg(p * BITS - 16))[:, None]
-        g = k0 // GROUP
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        acc += part * s[None, :] - (z * s)[None, :] * xsum[:, None]
-    out = tl.sum(acc, axis=0)  # [BN]
-    if REDUCE_LAST:
-        # Each split leaves its float32 sums; the last split of a column tile to finish adds them in split order and
-        # writes the output, so the product takes one launch (no sum and cast launches after it), and its result
-        # never depends on which split ends first. That split then clears the count for the next launch.
-        tl.store(part_ptr + pid_s * N + offs_n, out, mask=n_ok)
-        tl.debug_barrier()  # every thread's partial sums stored before the count moves
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for sp in range(0, num_splits):
-                total += tl.load(part_ptr + sp * N + offs_n, mask=n_ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-    else:  # one split writes the output; several (no count buffer) write their rows of float32 partial sums
-        tl.store(out_ptr + pid_s * N + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-def _gemv_block_k(group_size: int, k: int, bits: int) -> int | None:
-    """The rows a GEMV step takes (dividing the group, so one scale row serves it), None where none fits."""
-    pack = 32 // bits
-    for bk in (128, 64, 32):
-        if group_size % bk == 0 and k % bk == 0 and bk % pack == 0:
-            return bk
-    return None
-
-
-def wna16_gemv(
-    x: torch.Tensor,  # [1, K]
-    qweight: torch.Tensor,  # [K / (32 // bits), N] int32
-    scales: torch.Tensor,  # [G, N]
-    zeros: torch.Tensor,  # [G, N] float
-    bits: int,
-    group_size: int,
-    block_n: int | None = None,  # None: 64 for wide outputs, else 128
-    split_k: int | None = None,
-    num_warps: int = 4,
-) -> torch.Tensor:  # [1, N] in x's dtype
-    """The one-row product without tensor cores (``_wna16_gemv_kernel``), which ``wna16_matmul`` takes for one
-    row; groups in order (no ``g_idx``) whose size a power-of-two step of 32-128 rows divides."""
-    m, k = x.shape
-    n = qweight.shape[1]
-    bk = _gemv_block_k(group_size, k, bits)
-    if m != 1 or bk is None:
-        raise ValueError(f"wna16_gemv: one row and a group size divisible by 32 (got {m} rows, group {group_size}, "
-                         f"K {k})")
-    chunks = k // bk
-    if block_n is None:
-        block_n = 64 if n >= 16384 else 128
-    split = split_k
-    if split is None:
-        split = 1
-        if x.device.type == "cuda":
-            # Many short programs keep more loads in flight than few long ones (an H100 sweep of Llama-3-8B's
-            # shapes): split the rows until about 16 programs an SM, each at least 4 steps long.
-            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-            tiles = triton.cdiv(n, block_n)
-            while tiles * split * 2 <= 16 * sms and chunks // (split * 2) >= 4:
-                split *= 2
-    per_split = triton.cdiv(chunks, split)
-    split = triton.cdiv(chunks, per_split)
-    tiles = triton.cdiv(n, block_n)
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    locks = launch.split_counts(x.device, tiles) if split > 1 else None
-    part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    _wna16_gemv_kernel[(tiles, split)](
-        x.contiguous(), qweight, scales, zeros, out if locks is not None else part, part,
-        locks if locks is not None else out, n, k, per_split, split,
-        GROUP=group_size, BITS=bits, BLOCK_N=block_n, BLOCK_K=bk, REDUCE_LAST=locks is not None, num_warps=num_warps,
-    )
-    if split > 1 and locks is None:  # no count buffer (first call inside a CUDA-graph capture): sum afterwards
-        return part.sum(0, keepdim=True).to(x.dtype)
-    return out
 
 
 @triton.jit
@@ -441,7 +302,7 @@ def wna16_matmul(
     if m >= dense_from_rows:
         return x @ wna16_dequantize(qweight, scales, zeros, bits, group_size, g_idx, x.dtype)
     if gemv is None:
-        gemv = m == 1 and g_idx is None and block is None and _gemv_block_k(group_size, k, bits) is not None
+        gemv = m == 1 and g_idx is None and block is None and gemv_block_k(group_size, k, bits) is not None
     if gemv:
         return wna16_gemv(x, qweight, scales, zeros, bits, group_size)
     bm, bn, bk, split, warps, stages, swap = _config(m, n, k, x.device, x.element_size())

@@ -59,6 +59,38 @@ def test_one_row_gemv_matches_oracle(dtype, k, n, bits, group):
     assert err <= 1e-2 * want.abs().max().item(), err
 
 
+UNIT = {torch.bfloat16: 2.0 ** -9, torch.float16: 2.0 ** -11}  # half a unit in the last place, relative
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k,n,group,zmax,split", [(4096, 28672, 128, 16, None), (14336, 4096, 128, 15, None),
+                                                  (4096, 200, 32, 15, 3), (2048, 4096, 64, 8, 1)])
+def test_pairs_gemv_is_within_its_rounding(dtype, k, n, group, zmax, split):
+    """The 4-bit GEMV that works on pairs of half-precision values (``_wna16_gemv_pairs_kernel``) against the exact
+    float64 product: each output within the bound of its eight-term half-precision sums (8 roundings of at most
+    ``UNIT`` times the sum of its terms' magnitudes, plus the output's rounding), and over all outputs within
+    twice the relative RMS error that such random roundings give (~1.6 UNIT, plus the output's). Zero points up to
+    16 (GPTQ's v1 offset), an output count no tile divides, groups of 32-128, split inputs."""
+    from pagedllm.kernels.wna16_gemv import wna16_gemv
+
+    gen = torch.Generator().manual_seed(k + n + zmax)
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    z = torch.randint(0, zmax + 1, (k // group, n), generator=gen).double()
+    s = (torch.rand(k // group, n, generator=gen) * 0.01 + 0.002).to(dtype)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    terms = x.double().t() * (q.double() - z.repeat_interleave(group, 0)) * s.double().repeat_interleave(group, 0)
+    want = terms.sum(0)  # [N]
+    args = (pack_int32(q, 4, 0).contiguous().cuda(), s.cuda(), z.float().cuda(), 4, group)
+    got = wna16_gemv(x.cuda(), *args, split_k=split, pairs=True)[0].double().cpu()
+    f32 = wna16_gemv(x.cuda(), *args, split_k=split, pairs=False)[0].double().cpu()
+    u = UNIT[dtype]
+    bound = 8 * u * terms.abs().sum(0) + u * want.abs() + 1e-6
+    assert ((got - want).abs() <= bound).all(), ((got - want).abs() / bound).max()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel <= 2 * (1.6 + 0.6) * u, rel
+    assert ((f32 - want).norm() / want.norm()).item() <= u  # the float32 kernel: the output's rounding alone
+
+
 def test_online_int4_on_the_gpu_equals_its_decoded_weights():
     """``--quantization int4`` on CUDA: each linear in the W4A16 layout through the kernel; greedy tokens equal the
     same model with the decoded weights, in float16, logprobs within 4e-2. The tiny random model's next-token
