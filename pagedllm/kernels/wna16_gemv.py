@@ -149,14 +149,26 @@ _PAIR_MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 
 
 @triton.jit
-def _prmt(a, b, SEL: tl.constexpr):
-    """One PRMT: the four bytes of ``(a, b)`` (bytes 0-3 of a, 4-7 of b) that SEL's digits name, lowest first."""
-    return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SEL};", "=r,r,r", [a, b], dtype=tl.int32,
-                                     is_pure=True, pack=1)
+def _prmt(a, b, SEL: tl.constexpr, EMULATE: tl.constexpr):
+    """One PRMT: the four bytes of ``(a, b)`` (bytes 0-3 of a, 4-7 of b) that SEL's digits name, lowest first;
+    under EMULATE (the interpreter) the same halves moved by integer ops, for the selectors used here."""
+    if EMULATE:
+        if SEL == 0x5410:
+            return (a & 0xFFFF) | (b << 16)
+        elif SEL == 0x7632:
+            return ((a >> 16) & 0xFFFF) | (b & -65536)
+        elif SEL == 0x3232:
+            return ((a >> 16) & 0xFFFF) | (a & -65536)
+        else:
+            tl.static_assert(SEL == 0x1010)
+            return (a & 0xFFFF) | (a << 16)
+    else:
+        return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SEL};", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)
 
 
 @triton.jit
-def _x_pairs(xw):
+def _x_pairs(xw, EMULATE: tl.constexpr):
     """The activation pairs ``(x_j, x_{j+4})`` j = 0..3 of the words whose inputs start at ``xw`` (int64 pointers
     to x's 16-bit values four a word): word w covers inputs 8w..8w+7, x's words 2w and 2w + 1."""
     x01 = tl.load(xw)
@@ -165,7 +177,30 @@ def _x_pairs(xw):
     x1 = (x01 >> 32).to(tl.int32)
     x2 = x23.to(tl.int32)
     x3 = (x23 >> 32).to(tl.int32)
-    return _prmt(x0, x2, 0x5410), _prmt(x0, x2, 0x7632), _prmt(x1, x3, 0x5410), _prmt(x1, x3, 0x7632)
+    return (_prmt(x0, x2, 0x5410, EMULATE), _prmt(x0, x2, 0x7632, EMULATE), _prmt(x1, x3, 0x5410, EMULATE),
+            _prmt(x1, x3, 0x7632, EMULATE))
+
+
+@triton.jit
+def _half_bits(h, BF16: tl.constexpr):
+    """The 16-bit float in ``h``'s low half (int32) as float32."""
+    if BF16:
+        return (h << 16).to(tl.float32, bitcast=True)
+    else:
+        return (h & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _word_products(w, nzf, p0, p1, p2, p3, BF16: tl.constexpr):
+    """_pair_asm's sum for one word in float32 arithmetic (the interpreter's stand-in): ``(M + q) + nz`` is
+    ``q - z``, times each pair's two activations."""
+    r = tl.zeros(w.shape, dtype=tl.float32)
+    for j in tl.static_range(4):
+        p = p0 if j == 0 else (p1 if j == 1 else (p2 if j == 2 else p3))
+        q_lo = ((w >> (4 * j)) & 0xF).to(tl.float32)
+        q_hi = ((w >> (16 + 4 * j)) & 0xF).to(tl.float32)
+        r += (q_lo + nzf) * _half_bits(p, BF16) + (q_hi + nzf) * _half_bits(p >> 16, BF16)
+    return r
 
 
 @triton.jit
@@ -176,6 +211,7 @@ def _wna16_gemv_pairs_kernel(
     MAGIC16: tl.constexpr,  # M: 128.0 (bfloat16) or 1024.0 (float16)
     ASM: tl.constexpr,  # _pair_asm's PTX for the activation dtype
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_LAST: tl.constexpr,
+    EMULATE: tl.constexpr,  # the interpreter: the PTX's arithmetic in float32 Triton ops, the rest as compiled
 ):
     """4-bit weights, 16-bit activations: ``_pair_asm`` over each two words, then one multiply-add by the scale."""
     HALF: tl.constexpr = BLOCK_K // 16  # word pairs a step
@@ -193,21 +229,26 @@ def _wna16_gemv_pairs_kernel(
         w0 = tl.load(w_ptr, mask=n_ok[None, :], other=0)  # [HALF, BN]: even words
         w1 = tl.load(w_ptr + N, mask=n_ok[None, :], other=0)  # the odd ones
         xw = x_ptr + k0 // 4 + offs_w[:, None] * 2  # [HALF, 1]
-        a0, a1, a2, a3 = _x_pairs(xw)
-        b0, b1, b2, b3 = _x_pairs(xw + 4)
+        a0, a1, a2, a3 = _x_pairs(xw, EMULATE)
+        b0, b1, b2, b3 = _x_pairs(xw + 2, EMULATE)  # the odd word: two int64 on
         g = k0 // GROUP
         s = tl.load(s_ptr + g * N + offs_n[None, :], mask=n_ok[None, :], other=0.0).to(tl.float32)  # [1, BN]
         z = tl.load(z_ptr + g * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
         if MAGIC16 == 128.0:  # -(M + z), exact: a bfloat16 is a float32's top half
             nz = (-MAGIC16 - z).to(tl.int32, bitcast=True)
-            nz = _prmt(nz, nz, 0x3232)
+            nz = _prmt(nz, nz, 0x3232, EMULATE)
         else:
             nz = (-MAGIC16 - z).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-            nz = _prmt(nz, nz, 0x1010)
-        r = tl.inline_asm_elementwise(
-            ASM, "=r,r,r,r,r,r,r,r,r,r,r,r",
-            [w0, w1, nz, a0, a1, a2, a3, b0, b1, b2, b3],
-            dtype=tl.float32, is_pure=True, pack=1)  # [HALF, BN]: each two words' sixteen products
+            nz = _prmt(nz, nz, 0x1010, EMULATE)
+        if EMULATE:
+            nzf = _half_bits(nz >> 16, MAGIC16 == 128.0) + MAGIC16  # the high half's -(M + z), plus M
+            r = (_word_products(w0, nzf, a0, a1, a2, a3, MAGIC16 == 128.0)
+                 + _word_products(w1, nzf, b0, b1, b2, b3, MAGIC16 == 128.0))
+        else:
+            r = tl.inline_asm_elementwise(
+                ASM, "=r,r,r,r,r,r,r,r,r,r,r,r",
+                [w0, w1, nz, a0, a1, a2, a3, b0, b1, b2, b3],
+                dtype=tl.float32, is_pure=True, pack=1)  # [HALF, BN]: each two words' sixteen products
         acc += r * s
     _write_row(tl.sum(acc, axis=0), out_ptr, part_ptr, lock_ptr, offs_n, n_ok, N, pid_n, pid_s, num_splits,
                REDUCE_LAST)
@@ -250,9 +291,10 @@ def wna16_gemv(
                          f"K {k})")
     if pairs is None:
         pairs = pairs_apply(x, bits)
-    elif pairs and not (bits == 4 and x.dtype in _PAIR_ASM and x.is_cuda and not launch.triton_interpreted()):
+    elif pairs and not (bits == 4 and x.dtype in _PAIR_ASM
+                        and (pairs_apply(x, bits) or launch.triton_interpreted())):
         raise ValueError(f"wna16_gemv: the pairs kernel takes 4-bit weights and 16-bit activations on an NVIDIA GPU "
-                         f"(got {bits} bits, {x.dtype} on {x.device})")
+                         f"or in Triton's interpreter (got {bits} bits, {x.dtype} on {x.device})")
     chunks = k // bk
     if block_n is None:
         block_n = 64 if n >= 16384 else 128
@@ -279,7 +321,7 @@ def wna16_gemv(
         _wna16_gemv_pairs_kernel[(tiles, split)](
             x.view(torch.int64), qweight, scales, zeros, dest, part, count, n, k, per_split, split,
             MAGIC16=_PAIR_MAGIC[x.dtype], ASM=_PAIR_ASM[x.dtype], GROUP=group_size, BLOCK_N=block_n, BLOCK_K=bk,
-            REDUCE_LAST=locks is not None, num_warps=num_warps,
+            REDUCE_LAST=locks is not None, EMULATE=launch.triton_interpreted(), num_warps=num_warps,
         )
     else:
         _wna16_gemv_kernel[(tiles, split)](

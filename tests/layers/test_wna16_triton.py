@@ -256,6 +256,25 @@ def test_one_row_gemv_against_the_oracle(bits, g, k, n, split, dtype):
     assert torch.allclose(got.float(), want, atol=tol * k ** 0.5, rtol=tol), (got.float() - want).abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k,n,g,zmax,split", [(512, 96, 128, 15, None), (256, 40, 32, 16, 3), (1024, 72, 64, 8, 2)])
+def test_pairs_gemv_moves_the_right_values(dtype, k, n, g, zmax, split):
+    """The pairs GEMV's data movement (each word's pairs of values, the activation pairs it regroups with PRMTs,
+    ``-(M + z)`` in half precision) under the interpreter, where its PTX's arithmetic runs as float32 Triton ops:
+    equal to the float32 kernel up to summation order. The PTX itself is checked on the GPU
+    (``tests/gpu/test_wna16_gpu.py``)."""
+    from pagedllm.kernels.wna16_gemv import wna16_gemv
+
+    gen = torch.Generator().manual_seed(k + n + zmax)
+    qw = pack_int32(torch.randint(0, 16, (k, n), generator=gen), 4, 0).contiguous()
+    z = torch.randint(0, zmax + 1, (k // g, n), generator=gen).float()
+    s = (torch.rand(k // g, n, generator=gen) * 0.01 + 0.002).to(dtype)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    got = wna16_gemv(x, qw, s, z, 4, g, block_n=32, split_k=split, pairs=True).float()
+    want = wna16_gemv(x, qw, s, z, 4, g, block_n=32, split_k=split, pairs=False).float()
+    assert torch.allclose(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item()), (got - want).abs().max()
+
+
 def _one_row_case(k: int, n: int, g: int, seed: int):  # -> x [1, K], 4-bit words [K / 8, N], scales, zeros [K / g, N]
     gen = torch.Generator().manual_seed(seed)
     qw = pack_int32(torch.randint(0, 16, (k, n), generator=gen), 4, 0).contiguous()
@@ -300,6 +319,9 @@ def test_one_row_gemv_refuses_what_it_cannot_run():
         wna16_gemv(torch.zeros(2, 128), qw, s, s, 4, 128)
     with pytest.raises(ValueError, match="group 48"):
         wna16_gemv(torch.zeros(1, 128), qw, s, s, 4, 48)
+    with pytest.raises(ValueError, match="4-bit weights and 16-bit activations"):
+        wna16_gemv(torch.zeros(1, 128, dtype=torch.float16), torch.zeros(32, 8, dtype=torch.int32), s, s, 8, 128,
+                   pairs=True)
 
 
 @pytest.mark.parametrize("bits,g,k,n,act_order,tile", [
