@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.launch import max_shared_memory
-from pagedllm.kernels.wna16_gemv import MAGIC, MAGIC_BITS, pow2_neg, gemv_block_k, wna16_gemv
+from pagedllm.kernels.wna16_gemv import (MAGIC, MAGIC_BITS, PAIR_MAGIC, gemv_block_k, neg_offset_pairs,
+                                         pairs_apply, pow2_neg, prmt, wna16_gemv)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SUPPORTED_BITS = (2, 4, 8)
@@ -73,16 +74,59 @@ def _scaled_tile(words, scale, neg_offset, keep, magic, BITS: tl.constexpr, BLOC
                  BLOCK_N: tl.constexpr):
     """The dequantized [BLOCK_K, BLOCK_N] float32 tile of 4-bit ``words`` [BLOCK_K / 8, BLOCK_N]: each word's eight
     values are joined in registers of one thread, so every rotation is a constant."""
-    t01 = tl.join(_scaled_value(words, 0, scale, neg_offset, keep, magic, BITS),
-                  _scaled_value(words, 1, scale, neg_offset, keep, magic, BITS))
-    t23 = tl.join(_scaled_value(words, 2, scale, neg_offset, keep, magic, BITS),
-                  _scaled_value(words, 3, scale, neg_offset, keep, magic, BITS))
-    t45 = tl.join(_scaled_value(words, 4, scale, neg_offset, keep, magic, BITS),
-                  _scaled_value(words, 5, scale, neg_offset, keep, magic, BITS))
-    t67 = tl.join(_scaled_value(words, 6, scale, neg_offset, keep, magic, BITS),
-                  _scaled_value(words, 7, scale, neg_offset, keep, magic, BITS))
-    t = tl.join(tl.join(t01, t23), tl.join(t45, t67))  # [W, N, i, j, l]: value 4 l + 2 j + i
+    return _join8(_scaled_value(words, 0, scale, neg_offset, keep, magic, BITS),
+                  _scaled_value(words, 1, scale, neg_offset, keep, magic, BITS),
+                  _scaled_value(words, 2, scale, neg_offset, keep, magic, BITS),
+                  _scaled_value(words, 3, scale, neg_offset, keep, magic, BITS),
+                  _scaled_value(words, 4, scale, neg_offset, keep, magic, BITS),
+                  _scaled_value(words, 5, scale, neg_offset, keep, magic, BITS),
+                  _scaled_value(words, 6, scale, neg_offset, keep, magic, BITS),
+                  _scaled_value(words, 7, scale, neg_offset, keep, magic, BITS), BLOCK_K, BLOCK_N)
+
+
+@triton.jit
+def _join8(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile whose row 8 w + i is ``v_i``'s row w (each [BLOCK_K / 8, BLOCK_N]), joined in
+    registers of one thread."""
+    t = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)),
+                tl.join(tl.join(v4, v5), tl.join(v6, v7)))  # [W, N, i, j, l]: value 4 l + 2 j + i
     return tl.reshape(tl.permute(t, (0, 4, 3, 2, 1)), (BLOCK_K, BLOCK_N))
+
+
+def _pairs_dequant_asm(half: str) -> str:
+    """PTX dequantizing one word of eight 4-bit values two at a time: ``$8`` the word, ``$9`` the pair ``-(M +
+    z)``, ``$10`` the pair ``(s, s)``; ``$0``-``$7`` the values ``(q_i - z) s`` in the half-precision dtype. As in
+    the pairs GEMV (``kernels/wna16_gemv.py``), values i and i + 4 come out of one shift and one LOP3 as ``(M + q,
+    M + q')``; one fused multiply-add takes ``M + z`` off exactly and one multiply rounds ``(q - z) s`` once, as
+    the torch path's float32 product cast to the dtype does: the same bits."""
+    magic, one = {"bf16": ("0x43004300", "0x3F803F80"), "f16": ("0x64006400", "0x3C003C00")}[half]
+    lines = [".reg .b32 t, v, one, nz;", f"mov.b32 one, {one};", "mov.b32 nz, 0x80008000;"]
+    for j in range(4):
+        src = "$8"
+        if j:
+            lines.append(f"shr.u32 t, $8, {4 * j};")
+            src = "t"
+        lines += [f"lop3.b32 v, {src}, 0x000f000f, {magic}, 0xea;", f"fma.rn.{half}x2 v, v, one, $9;",
+                  f"fma.rn.{half}x2 v, v, $10, nz;", f"mov.b32 {{${j}, ${j + 4}}}, v;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_PAIRS_DEQUANT_ASM = {torch.bfloat16: _pairs_dequant_asm("bf16"), torch.float16: _pairs_dequant_asm("f16")}
+
+
+@triton.jit
+def _pairs_tile(words, s_bits, nz_bits, ASM: tl.constexpr, BF16: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The dequantized [BLOCK_K, BLOCK_N] tile of 4-bit ``words`` [BLOCK_K / 8, BLOCK_N] in the 16-bit activation
+    dtype, two values an instruction (``_pairs_dequant_asm``); ``s_bits`` and ``nz_bits`` [1, BLOCK_N] int32 hold
+    the pairs ``(s, s)`` and ``(-(M + z), -(M + z))``."""
+    if BF16:
+        v = tl.inline_asm_elementwise(ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, nz_bits, s_bits],
+                                      dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    else:
+        v = tl.inline_asm_elementwise(ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, nz_bits, s_bits],
+                                      dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    return _join8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], BLOCK_K, BLOCK_N)
 
 
 @triton.jit
@@ -96,6 +140,9 @@ def _wna16_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
     SWAP_AB: tl.constexpr,
     FMA_DEQUANT: tl.constexpr,  # (4-bit, 16-bit activations, groups whole in the tile) _scaled_tile's dequantization
+    PAIRS_DEQUANT: tl.constexpr,  # (the same, compiled for NVIDIA, scales in x's dtype) _pairs_tile's
+    PAIRS_ASM: tl.constexpr,  # (PAIRS_DEQUANT) _pairs_dequant_asm's PTX for x's dtype
+    MAGIC16: tl.constexpr,  # (PAIRS_DEQUANT) M of that dtype
 ):
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -139,7 +186,14 @@ def _wna16_kernel(
             g0 = k0 // GROUP
             s1 = tl.load(s_ptr + g0 * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             z1 = tl.load(z_ptr + g0 * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            if FMA_DEQUANT:
+            if PAIRS_DEQUANT:
+                s_bits = tl.load(s_ptr + g0 * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
+                s_bits = s_bits.to(tl.int16, bitcast=True).to(tl.int32)
+                z_pairs = neg_offset_pairs(tl.load(z_ptr + g0 * N + offs_n[None, :], mask=n_ok[None, :], other=0.0),
+                                           MAGIC16, False)
+                w = _pairs_tile(words, prmt(s_bits, s_bits, 0x1010, False), z_pairs, PAIRS_ASM, MAGIC16 == 128.0,
+                                BLOCK_K, BLOCK_N)
+            elif FMA_DEQUANT:
                 w = _scaled_tile(words, (s1 * pow2_neg(23 - BITS))[None, :], (-(z1 + (1 << BITS)) * s1)[None, :],
                                  keep_bits, magic_bits, BITS, BLOCK_K, BLOCK_N).to(a.dtype)
             else:
@@ -278,6 +332,7 @@ def wna16_matmul(
     gemv: bool | None = None,  # one row through wna16_gemv; None: wherever its group condition holds
     swap_ab: bool | None = None,  # the tile product as W x^T (the weight as the first operand); None: by shape
     fma_dequant: bool | None = None,  # 4-bit tiles of 16-bit activations through _scaled_tile; None: by shape
+    pairs_dequant: bool | None = None,  # 4-bit tiles through _pairs_tile; None: wherever it runs
 ) -> torch.Tensor:  # [M, N] in x's dtype
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"wna16: activation dtype {x.dtype} is not one of {SUPPORTED_DTYPES}")
@@ -327,13 +382,21 @@ def wna16_matmul(
     if fma_dequant is None:
         fma_dequant = swap and n >= FMA_DEQUANT_MIN_N and m >= FMA_DEQUANT_MIN_ROWS
     fma_dequant = fma_dequant and bits == 4 and x.dtype != torch.float32 and not row_groups
+    pairs_ok = pairs_apply(x, bits) and not row_groups and scales.dtype == x.dtype
+    if pairs_dequant is None:
+        pairs_dequant = pairs_ok
+    elif pairs_dequant and not pairs_ok:
+        raise ValueError("wna16: pairs dequantization takes 4-bit weights, 16-bit activations on an NVIDIA GPU, "
+                         f"scales in their dtype and tiles within one group (got {bits} bits, {x.dtype} on "
+                         f"{x.device}, scales {scales.dtype}, group {group_size}, BLOCK_K {bk})")
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
     _wna16_kernel[grid](
         x, qweight, scales, zeros, gidx, out, m, n, k, k_per_split,
         x.stride(0), out.stride(1), out.stride(0), KEEP_BITS, MAGIC_BITS.value,
         GROUP=group_size, BITS=bits, HAS_GIDX=has_gidx, ROW_GROUPS=row_groups,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32, SWAP_AB=swap,
-        FMA_DEQUANT=fma_dequant, num_warps=warps, num_stages=stages,
+        FMA_DEQUANT=fma_dequant, PAIRS_DEQUANT=pairs_dequant, PAIRS_ASM=_PAIRS_DEQUANT_ASM.get(x.dtype, ""),
+        MAGIC16=PAIR_MAGIC.get(x.dtype, 0.0), num_warps=warps, num_stages=stages,
     )
     if split == 1:
         return out[0]

@@ -145,11 +145,11 @@ def _pair_asm(half: str) -> str:
 
 
 _PAIR_ASM = {torch.bfloat16: _pair_asm("bf16"), torch.float16: _pair_asm("f16")}
-_PAIR_MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}
+PAIR_MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 
 
 @triton.jit
-def _prmt(a, b, SEL: tl.constexpr, EMULATE: tl.constexpr):
+def prmt(a, b, SEL: tl.constexpr, EMULATE: tl.constexpr):
     """One PRMT: the four bytes of ``(a, b)`` (bytes 0-3 of a, 4-7 of b) that SEL's digits name, lowest first;
     under EMULATE (the interpreter) the same halves moved by integer ops, for the selectors used here."""
     if EMULATE:
@@ -168,6 +168,18 @@ def _prmt(a, b, SEL: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def neg_offset_pairs(z, MAGIC16: tl.constexpr, EMULATE: tl.constexpr):
+    """The int32 pairs ``(-(M + z), -(M + z))`` in half precision (bfloat16 where M is 128, float16 where 1024) of
+    float32 integer zero points ``z``: exact, as they are small integers."""
+    if MAGIC16 == 128.0:  # a bfloat16 is a float32's top half
+        nz = (-MAGIC16 - z).to(tl.int32, bitcast=True)
+        return prmt(nz, nz, 0x3232, EMULATE)
+    else:
+        nz = (-MAGIC16 - z).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+        return prmt(nz, nz, 0x1010, EMULATE)
+
+
+@triton.jit
 def _x_pairs(xw, EMULATE: tl.constexpr):
     """The activation pairs ``(x_j, x_{j+4})`` j = 0..3 of the words whose inputs start at ``xw`` (int64 pointers
     to x's 16-bit values four a word): word w covers inputs 8w..8w+7, x's words 2w and 2w + 1."""
@@ -177,8 +189,8 @@ def _x_pairs(xw, EMULATE: tl.constexpr):
     x1 = (x01 >> 32).to(tl.int32)
     x2 = x23.to(tl.int32)
     x3 = (x23 >> 32).to(tl.int32)
-    return (_prmt(x0, x2, 0x5410, EMULATE), _prmt(x0, x2, 0x7632, EMULATE), _prmt(x1, x3, 0x5410, EMULATE),
-            _prmt(x1, x3, 0x7632, EMULATE))
+    return (prmt(x0, x2, 0x5410, EMULATE), prmt(x0, x2, 0x7632, EMULATE), prmt(x1, x3, 0x5410, EMULATE),
+            prmt(x1, x3, 0x7632, EMULATE))
 
 
 @triton.jit
@@ -234,12 +246,7 @@ def _wna16_gemv_pairs_kernel(
         g = k0 // GROUP
         s = tl.load(s_ptr + g * N + offs_n[None, :], mask=n_ok[None, :], other=0.0).to(tl.float32)  # [1, BN]
         z = tl.load(z_ptr + g * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
-        if MAGIC16 == 128.0:  # -(M + z), exact: a bfloat16 is a float32's top half
-            nz = (-MAGIC16 - z).to(tl.int32, bitcast=True)
-            nz = _prmt(nz, nz, 0x3232, EMULATE)
-        else:
-            nz = (-MAGIC16 - z).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-            nz = _prmt(nz, nz, 0x1010, EMULATE)
+        nz = neg_offset_pairs(z, MAGIC16, EMULATE)
         if EMULATE:
             nzf = _half_bits(nz >> 16, MAGIC16 == 128.0) + MAGIC16  # the high half's -(M + z), plus M
             r = (_word_products(w0, nzf, a0, a1, a2, a3, MAGIC16 == 128.0)
@@ -320,7 +327,7 @@ def wna16_gemv(
     if pairs:
         _wna16_gemv_pairs_kernel[(tiles, split)](
             x.view(torch.int64), qweight, scales, zeros, dest, part, count, n, k, per_split, split,
-            MAGIC16=_PAIR_MAGIC[x.dtype], ASM=_PAIR_ASM[x.dtype], GROUP=group_size, BLOCK_N=block_n, BLOCK_K=bk,
+            MAGIC16=PAIR_MAGIC[x.dtype], ASM=_PAIR_ASM[x.dtype], GROUP=group_size, BLOCK_N=block_n, BLOCK_K=bk,
             REDUCE_LAST=locks is not None, EMULATE=launch.triton_interpreted(), num_warps=num_warps,
         )
     else:

@@ -59,6 +59,23 @@ def test_one_row_gemv_matches_oracle(dtype, k, n, bits, group):
     assert err <= 1e-2 * want.abs().max().item(), err
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k,n,group", [(16, 4096, 6144, 128), (64, 14336, 4096, 128), (256, 4096, 28672, 128),
+                                         (100, 4096, 200, 64)])
+def test_pairs_dequantization_is_the_two_step_weight(dtype, m, k, n, group):
+    """The tiles' 4-bit dequantization two values an instruction (``_pairs_tile``) gives the bits of the two-step
+    path's ``((q - z) * s)`` in the activation dtype, so the same tile's products are equal, at decode-batch and
+    prompt row counts, as x W^T and as W x^T tiles."""
+    gen = torch.Generator().manual_seed(m + n)
+    qw = pack_int32(torch.randint(0, 16, (k, n), generator=gen), 4, 0).contiguous().cuda()
+    z = torch.randint(0, 16, (k // group, n), generator=gen).float().cuda()
+    s = (torch.rand(k // group, n, generator=gen) * 0.01 + 0.002).to(dtype).cuda()
+    x = torch.randn(m, k, generator=gen).to(dtype).cuda()
+    kw = dict(dense_from_rows=1 << 30, gemv=False, fma_dequant=False)
+    got = wna16_matmul(x, qw, s, z, 4, group, pairs_dequant=True, **kw)
+    assert torch.equal(got, wna16_matmul(x, qw, s, z, 4, group, pairs_dequant=False, **kw))
+
+
 UNIT = {torch.bfloat16: 2.0 ** -9, torch.float16: 2.0 ** -11}  # half a unit in the last place, relative
 
 
