@@ -6,6 +6,10 @@ PTX for compute capability 9.0 with Triton's bundled ptxas. Prints one JSON line
 {"kernel", "wait", "trigger", "half_fma"} with the number of griddepcontrol.wait / launch_dependents
 and of half-precision fused multiply-adds in the PTX.
 
+``--inline-ptx``: the launches whose kernels carry inline PTX of their own (the W4A16 GEMV and tiles on pairs of
+16-bit values), one JSON line each with the packed half-precision instructions in the compiled PTX: {"kernel",
+"variant", "half2"}.
+
 ``--shared-memory``: the quantized products' launches instead (the grouped MoE GEMM over packed 4/8-bit, int8 and
 block-float8 experts at every tile config of its table, the block-float8 GEMM at each row tile), one JSON line
 each with the shared memory the compiled kernel needs: {"kernel", "variant", "shared"}.
@@ -122,6 +126,31 @@ def shared_memory() -> None:
                           "shared": _compiled(kernel, args, kwargs).metadata.shared}), flush=True)
 
 
+def inline_ptx() -> None:
+    """Compiles the W4A16 launches that carry inline PTX (ptxas checks it) and counts their packed half-precision
+    instructions."""
+    from pagedllm.kernels import wna16, wna16_gemv
+
+    wna16_gemv.pairs_apply = wna16.pairs_apply = lambda x, bits: bits == 4 and x.dtype != torch.float32
+    launches: list = []
+    for kernel in (wna16_gemv._wna16_gemv_pairs_kernel, wna16._wna16_kernel):
+        _record(kernel, launches)
+    variants = []
+    k, n = 1024, 512
+    qw = torch.zeros(k // 8, n, dtype=torch.int32)
+    for dt in (torch.bfloat16, torch.float16):
+        s, z = torch.zeros(k // 128, n, dtype=dt), torch.zeros(k // 128, n)
+        wna16_gemv.wna16_gemv(torch.zeros(1, k, dtype=dt), qw, s, z, 4, 128)
+        variants.append(f"gemv {dt}")
+        for m in (16, 64, 256):
+            wna16.wna16_matmul(torch.zeros(m, k, dtype=dt), qw, s, z, 4, 128, dense_from_rows=1 << 30)
+            variants.append(f"tiles {m} rows {dt}")
+    for (kernel, args, kwargs), variant in zip(launches, variants):
+        ptx = _compile(kernel, args, kwargs)
+        print(json.dumps({"kernel": kernel.__name__, "variant": variant,
+                          "half2": ptx.count("bf16x2") + ptx.count("f16x2")}), flush=True)
+
+
 def main() -> None:
     import pagedllm.kernels.launch as kl
 
@@ -197,4 +226,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(shared_memory() if "--shared-memory" in sys.argv else main())
+    sys.exit(shared_memory() if "--shared-memory" in sys.argv else inline_ptx() if "--inline-ptx" in sys.argv else main())
