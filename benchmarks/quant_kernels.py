@@ -2,7 +2,7 @@
 ``torch.matmul`` of the dense weight, on Llama-3-8B projection shapes at M = 1, 16, 256, 4096 rows.
 
 Prints a table (shape, M, bf16 us, wna16 us as the engine runs it, ratio, the tile kernel's, the
-dequantize-then-GEMM path's and, at one row, the GEMV's (``wna16_gemv``, then its float32 kernel) us) and, with ``--out DIR``, writes
+same tiles dequantizing in float32 (``pairs_dequant=False``), the dequantize-then-GEMM path's and, at one row, the GEMV's (``wna16_gemv``, then its float32 kernel) us) and, with ``--out DIR``, writes
 the rows as JSON. ``--sweep`` also times a grid of tile configs per row (up to ``--sweep-budget-s`` seconds over all shapes) and
 reports the best (at one row, a grid of GEMV configs: block_n, split, warps).
 ``--dequant`` times the many-row path's dequantization alone (``wna16_dequantize``) over a grid of its tiles, with the
@@ -215,7 +215,7 @@ def main() -> None:
     if args.int8:
         return _write(args.out, dev, "int8_rows", int8_rows(args, dev, time.monotonic() + args.sweep_budget_s))
     rows = []
-    print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'wna16':>8} {'ratio':>6} {'tile':>8} {'dense':>8} {'gemv':>8} {'f32':>7}"
+    print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'wna16':>8} {'ratio':>6} {'tile':>8} {'tile32':>7} {'dense':>8} {'gemv':>8} {'f32':>7}"
           f"{'  best tile (us, block, split, warps/stages)' if args.sweep else ''}")
     for name, k, n in SHAPES:
         deadline = time.monotonic() + args.sweep_budget_s / len(SHAPES)  # each shape its share of the sweep
@@ -231,13 +231,15 @@ def main() -> None:
             got = _time_us(lambda: wna16_matmul(x, qw, s, z, args.bits, args.group), args.iters)
             tile = _time_us(lambda: wna16_matmul(x, qw, s, z, args.bits, args.group, dense_from_rows=1 << 30,
                                                  gemv=False), args.iters)
+            tile_f32 = _time_us(lambda: wna16_matmul(x, qw, s, z, args.bits, args.group, dense_from_rows=1 << 30,
+                                                     gemv=False, pairs_dequant=False), args.iters)
             deq = _time_us(lambda: wna16_matmul(x, qw, s, z, args.bits, args.group, dense_from_rows=1), args.iters)
             gemv = (_time_us(lambda: wna16_gemv(x, qw, s, z, args.bits, args.group), args.iters) if m == 1
                     else float("nan"))  # the one-row kernel without tensor cores
             gemv_f32 = (_time_us(lambda: wna16_gemv(x, qw, s, z, args.bits, args.group, pairs=False), args.iters)
                         if m == 1 else float("nan"))  # its float32 kernel, where the default is the pairs one
             row = {"shape": name, "k": k, "n": n, "m": m, "bits": args.bits, "group": args.group,
-                   "bf16_us": ref, "wna16_us": got, "ratio": got / ref, "tile_us": tile, "dense_us": deq,
+                   "bf16_us": ref, "wna16_us": got, "ratio": got / ref, "tile_us": tile, "tile_f32_dequant_us": tile_f32, "dense_us": deq,
                    "gemv_us": gemv, "gemv_f32_us": gemv_f32, "dense_from_rows": DENSE_FROM_ROWS}
             best = None
             if args.sweep and m == 1:
@@ -272,7 +274,7 @@ def main() -> None:
                 extra = f"  {best[0]:.1f} {best[1]}"
             else:
                 extra = f"  {best[0]:.1f} {best[1]} {best[2]} {best[3]}{' swap' if best[4] else ''}" if best else ""
-            print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {got:>8.1f} {got / ref:>6.2f} {tile:>8.1f} {deq:>8.1f} {gemv:>8.1f} {gemv_f32:>7.1f}{extra}", flush=True)
+            print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {got:>8.1f} {got / ref:>6.2f} {tile:>8.1f} {tile_f32:>7.1f} {deq:>8.1f} {gemv:>8.1f} {gemv_f32:>7.1f}{extra}", flush=True)
     _write(args.out, dev, "rows", rows)
 
 
