@@ -99,23 +99,28 @@ def _pair_bits(lo: float, hi: float, half: str) -> int:
     return _to_bits(lo, half) | (_to_bits(hi, half) << 16)
 
 
+def _words(rng, words: int, dtype):
+    """Random 4-bit values [8 words], their int32 words and a zero point up to 16 with its ``-(M + z)`` pair."""
+    q = rng.integers(0, 16, 8 * words)
+    z = int(rng.integers(0, 17))
+    nz = -(PAIR_MAGIC[dtype] + z)
+    packed = [sum(int(q[8 * w + i]) << (4 * i) for i in range(8)) for w in range(words)]
+    return q, z, packed, _pair_bits(nz, nz, HALF[dtype][0])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gemv_ptx_sums_a_word_pair_of_products(dtype):
     half, bits = HALF[dtype]
     rng = np.random.default_rng(7)
     for _ in range(40):
-        q = rng.integers(0, 16, 16)
-        z = int(rng.integers(0, 17))
+        q, z, words, nz = _words(rng, 2, dtype)
         x = [_round(float(v), bits) for v in rng.standard_normal(16)]
-        words = [sum(int(q[8 * w + i]) << (4 * i) for i in range(8)) for w in (0, 1)]
-        nz = -(PAIR_MAGIC[dtype] + z)
         xs = [_pair_bits(x[8 * w + j], x[8 * w + j + 4], half) for w in (0, 1) for j in range(4)]
-        (got,) = run_ptx(_PAIR_ASM[dtype], [*words, _pair_bits(nz, nz, half), *xs], 1, half, bits)
+        (got,) = run_ptx(_PAIR_ASM[dtype], [*words, nz, *xs], 1, half, bits)
         terms = [(q[i] - z) * x[i] for i in range(16)]
-        exact = sum(terms)
         # Two lanes of eight terms, each product and sum rounded at most once to the half precision.
         bound = 8 * 2.0 ** -bits * sum(abs(t) for t in terms) + 1e-6
-        assert abs(_f32(got) - exact) <= bound, (_f32(got), exact, bound)
+        assert abs(_f32(got) - sum(terms)) <= bound, (_f32(got), sum(terms), bound)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -123,12 +128,7 @@ def test_tile_ptx_gives_the_two_step_weight(dtype):
     half, bits = HALF[dtype]
     rng = np.random.default_rng(11)
     for _ in range(40):
-        q = rng.integers(0, 16, 8)
-        z = int(rng.integers(0, 17))
+        q, z, (word,), nz = _words(rng, 1, dtype)
         s = _round(float(rng.uniform(0.002, 0.02)), bits)
-        word = sum(int(q[i]) << (4 * i) for i in range(8))
-        nz = -(PAIR_MAGIC[dtype] + z)
-        out = run_ptx(_PAIRS_DEQUANT_ASM[dtype], [word, _pair_bits(nz, nz, half), _pair_bits(s, s, half)], 8, half,
-                      bits)
-        want = [_to_bits(_round((int(q[i]) - z) * s, bits), half) for i in range(8)]
-        assert out == want
+        out = run_ptx(_PAIRS_DEQUANT_ASM[dtype], [word, nz, _pair_bits(s, s, half)], 8, half, bits)
+        assert out == [_to_bits(_round((int(q[i]) - z) * s, bits), half) for i in range(8)]
