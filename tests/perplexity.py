@@ -69,6 +69,24 @@ def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int
     return tokens
 
 
+def hf_greedy_noise_agreement(model, prompts: list[list[int]], max_tokens: int, draws: int = 3) -> int:
+    """How many prompts keep the model's greedy tokens when its input embeddings take relative noise of 2^-22 (one
+    unit in the last place of float32), the fewest over ``draws`` seeded draws: the agreement that rounding
+    differences alone leave, where a model's activations are rounded at run time."""
+    clean = hf_greedy(model, prompts, max_tokens)
+    emb = model.get_input_embeddings().weight
+    fewest = len(prompts)
+    with torch.no_grad():
+        saved = emb.detach().clone()
+        for seed in range(draws):
+            noise = torch.rand(emb.shape, generator=torch.Generator().manual_seed(seed)) - 0.5
+            emb.mul_(1 + noise * 2.0 ** -21)
+            noisy = hf_greedy(model, prompts, max_tokens)
+            emb.copy_(saved)
+            fewest = min(fewest, sum(a == b for a, b in zip(noisy, clean)))
+    return fewest
+
+
 def prompts_from(ids: list[int], count: int = 16, length: int = 24) -> list[list[int]]:
     """``count`` prompts of ``length`` tokens cut from the text at even steps, each starting with its BOS."""
     step = (len(ids) - length) // count

@@ -111,10 +111,12 @@ MISSED = {
     "awq-4b-g128": "AWQ measured 2.55x float32's perplexity on the whole text (round to nearest 5.52x), as for GPTQ",
 }
 # W8A8 rounds activations per token at run time: float rounding differences between two correct implementations
-# flip single roundings, and the flips compound through the layers, so greedy tokens diverge where two
-# candidates are close although perplexity agrees; the formats with float activations must match everywhere.
-GREEDY_MISSED = {fmt: "W8A8 greedy tokens diverge from the reference's in some of 16 prompts (rounding flips, above)"
-                 for fmt in ("w8a8", "w8a8-asym")}
+# flip single roundings, and the flips compound through the layers, so greedy tokens diverge although perplexity
+# agrees. The reference itself, given one-ulp noise on its input embeddings, keeps its own greedy tokens in only
+# 11-12 of the 16 prompts (an AMD EPYC, 2026-12-08), and which prompts flip moves with the machine's float
+# kernels. So a W8A8 checkpoint's greedy tokens must agree with the reference's in at least as many prompts as
+# the reference's noisy runs agree with it (``hf_greedy_noise_agreement``); the formats with float activations
+# must match everywhere.
 
 
 @pytest.mark.slow
@@ -131,11 +133,12 @@ def test_gemma_checkpoint_is_exact_to_its_format_and_useful(fmt: str, gemma, req
     if made is None:
         pytest.skip(f"{fmt} checkpoint not made; `PYTHONPATH=$PWD python tests/gemma_quant_checkpoints.py {fmt}`")
     ids, float_ppl = gemma
-    ours, same = _exact(made[0], made[1], ids, GEMMA_W8A8_PPL_TOLERANCE if fmt.startswith("w8a8") else PPL_TOLERANCE)
-    missed = [why for why in (GREEDY_MISSED.get(fmt), MISSED.get(fmt)) if why]
-    if missed:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="; ".join(missed)))
-    assert same == 16, f"{fmt}: greedy tokens match in {same} of 16 prompts"
+    w8a8 = fmt.startswith("w8a8")
+    ours, same = _exact(made[0], made[1], ids, GEMMA_W8A8_PPL_TOLERANCE if w8a8 else PPL_TOLERANCE)
+    if fmt in MISSED:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=MISSED[fmt]))
+    floor = pp.hf_greedy_noise_agreement(made[1], pp.prompts_from(ids), GREEDY_TOKENS) if w8a8 else 16
+    assert same >= floor, f"{fmt}: greedy tokens match in {same} of 16 prompts (the noisy reference: {floor})"
     assert ours / float_ppl <= TARGETS[fmt], f"{fmt}: perplexity {ours:.3f} is {ours / float_ppl:.3f}x float32's"
 
 
