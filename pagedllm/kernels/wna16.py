@@ -29,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels import launch
 from pagedllm.kernels.launch import max_shared_memory
-from pagedllm.kernels.wna16_gemv import (MAGIC, MAGIC_BITS, PAIR_MAGIC, gemv_block_k, neg_offset_pairs,
+from pagedllm.kernels.wna16_gemv import (MAGIC, MAGIC_BITS, PAIR_MAGIC, gemv_block_k, half_bits, neg_offset_pairs,
                                          pairs_apply, pow2_neg, prmt, wna16_gemv)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -115,12 +116,30 @@ _PAIRS_DEQUANT_ASM = {torch.bfloat16: _pairs_dequant_asm("bf16"), torch.float16:
 
 
 @triton.jit
-def _pairs_tile(words, s_bits, nz_bits, ASM: tl.constexpr, BF16: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+def _emulated(words, I: tl.constexpr, z, s, BF16: tl.constexpr):
+    """Value I of each word as ``_pairs_dequant_asm`` gives it: ``(q - z) * s`` rounded once to the dtype."""
+    w = (((words >> (4 * I)) & 0xF).to(tl.float32) - z) * s
+    if BF16:
+        return w.to(tl.bfloat16)
+    else:
+        return w.to(tl.float16)
+
+
+@triton.jit
+def _pairs_tile(words, s_bits, nz_bits, ASM: tl.constexpr, MAGIC16: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
     """The dequantized [BLOCK_K, BLOCK_N] tile of 4-bit ``words`` [BLOCK_K / 8, BLOCK_N] in the 16-bit activation
     dtype, two values an instruction (``_pairs_dequant_asm``); ``s_bits`` and ``nz_bits`` [1, BLOCK_N] int32 hold
-    the pairs ``(s, s)`` and ``(-(M + z), -(M + z))``."""
-    if BF16:
+    the pairs ``(s, s)`` and ``(-(M + z), -(M + z))``. Under EMULATE (the interpreter) the PTX's arithmetic runs
+    as Triton ops on the values those pairs hold."""
+    BF16: tl.constexpr = MAGIC16 == 128.0
+    if EMULATE:
+        s = half_bits(s_bits, BF16)
+        z = -half_bits(nz_bits, BF16) - MAGIC16
+        v = (_emulated(words, 0, z, s, BF16), _emulated(words, 1, z, s, BF16), _emulated(words, 2, z, s, BF16),
+             _emulated(words, 3, z, s, BF16), _emulated(words, 4, z, s, BF16), _emulated(words, 5, z, s, BF16),
+             _emulated(words, 6, z, s, BF16), _emulated(words, 7, z, s, BF16))
+    elif BF16:
         v = tl.inline_asm_elementwise(ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, nz_bits, s_bits],
                                       dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     else:
@@ -143,6 +162,7 @@ def _wna16_kernel(
     PAIRS_DEQUANT: tl.constexpr,  # (the same, compiled for NVIDIA, scales in x's dtype) _pairs_tile's
     PAIRS_ASM: tl.constexpr,  # (PAIRS_DEQUANT) _pairs_dequant_asm's PTX for x's dtype
     MAGIC16: tl.constexpr,  # (PAIRS_DEQUANT) M of that dtype
+    EMULATE: tl.constexpr,  # (PAIRS_DEQUANT) the interpreter: the PTX's arithmetic as Triton ops
 ):
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -190,9 +210,9 @@ def _wna16_kernel(
                 s_bits = tl.load(s_ptr + g0 * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
                 s_bits = s_bits.to(tl.int16, bitcast=True).to(tl.int32)
                 z_pairs = neg_offset_pairs(tl.load(z_ptr + g0 * N + offs_n[None, :], mask=n_ok[None, :], other=0.0),
-                                           MAGIC16, False)
-                w = _pairs_tile(words, prmt(s_bits, s_bits, 0x1010, False), z_pairs, PAIRS_ASM, MAGIC16 == 128.0,
-                                BLOCK_K, BLOCK_N)
+                                           MAGIC16, EMULATE)
+                w = _pairs_tile(words, prmt(s_bits, s_bits, 0x1010, EMULATE), z_pairs, PAIRS_ASM, MAGIC16, BLOCK_K,
+                                BLOCK_N, EMULATE)
             elif FMA_DEQUANT:
                 w = _scaled_tile(words, (s1 * pow2_neg(23 - BITS))[None, :], (-(z1 + (1 << BITS)) * s1)[None, :],
                                  keep_bits, magic_bits, BITS, BLOCK_K, BLOCK_N).to(a.dtype)
@@ -382,11 +402,13 @@ def wna16_matmul(
     if fma_dequant is None:
         fma_dequant = swap and n >= FMA_DEQUANT_MIN_N and m >= FMA_DEQUANT_MIN_ROWS
     fma_dequant = fma_dequant and bits == 4 and x.dtype != torch.float32 and not row_groups
-    pairs_ok = pairs_apply(x, bits) and not row_groups and scales.dtype == x.dtype
+    pairs_ok = not row_groups and scales.dtype == x.dtype
     if pairs_dequant is None:
-        pairs_dequant = pairs_ok
-    elif pairs_dequant and not pairs_ok:
-        raise ValueError("wna16: pairs dequantization takes 4-bit weights, 16-bit activations on an NVIDIA GPU, "
+        pairs_dequant = pairs_ok and pairs_apply(x, bits)
+    elif pairs_dequant and not (pairs_ok and bits == 4 and x.dtype in PAIR_MAGIC
+                                and (pairs_apply(x, bits) or launch.triton_interpreted())):
+        raise ValueError("wna16: pairs dequantization takes 4-bit weights, 16-bit activations on an NVIDIA GPU "
+                         "(or in Triton's interpreter), "
                          f"scales in their dtype and tiles within one group (got {bits} bits, {x.dtype} on "
                          f"{x.device}, scales {scales.dtype}, group {group_size}, BLOCK_K {bk})")
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
@@ -396,7 +418,7 @@ def wna16_matmul(
         GROUP=group_size, BITS=bits, HAS_GIDX=has_gidx, ROW_GROUPS=row_groups,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=x.dtype == torch.float32, SWAP_AB=swap,
         FMA_DEQUANT=fma_dequant, PAIRS_DEQUANT=pairs_dequant, PAIRS_ASM=_PAIRS_DEQUANT_ASM.get(x.dtype, ""),
-        MAGIC16=PAIR_MAGIC.get(x.dtype, 0.0), num_warps=warps, num_stages=stages,
+        MAGIC16=PAIR_MAGIC.get(x.dtype, 0.0), EMULATE=launch.triton_interpreted(), num_warps=warps, num_stages=stages,
     )
     if split == 1:
         return out[0]

@@ -194,7 +194,7 @@ def _x_pairs(xw, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _half_bits(h, BF16: tl.constexpr):
+def half_bits(h, BF16: tl.constexpr):
     """The 16-bit float in ``h``'s low half (int32) as float32."""
     if BF16:
         return (h << 16).to(tl.float32, bitcast=True)
@@ -211,7 +211,7 @@ def _word_products(w, nzf, p0, p1, p2, p3, BF16: tl.constexpr):
         p = p0 if j == 0 else (p1 if j == 1 else (p2 if j == 2 else p3))
         q_lo = ((w >> (4 * j)) & 0xF).to(tl.float32)
         q_hi = ((w >> (16 + 4 * j)) & 0xF).to(tl.float32)
-        r += (q_lo + nzf) * _half_bits(p, BF16) + (q_hi + nzf) * _half_bits(p >> 16, BF16)
+        r += (q_lo + nzf) * half_bits(p, BF16) + (q_hi + nzf) * half_bits(p >> 16, BF16)
     return r
 
 
@@ -248,7 +248,7 @@ def _wna16_gemv_pairs_kernel(
         z = tl.load(z_ptr + g * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
         nz = neg_offset_pairs(z, MAGIC16, EMULATE)
         if EMULATE:
-            nzf = _half_bits(nz >> 16, MAGIC16 == 128.0) + MAGIC16  # the high half's -(M + z), plus M
+            nzf = half_bits(nz >> 16, MAGIC16 == 128.0) + MAGIC16  # the high half's -(M + z), plus M
             r = (_word_products(w0, nzf, a0, a1, a2, a3, MAGIC16 == 128.0)
                  + _word_products(w1, nzf, b0, b1, b2, b3, MAGIC16 == 128.0))
         else:
