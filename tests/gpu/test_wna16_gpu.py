@@ -86,7 +86,8 @@ def test_pairs_gemv_is_within_its_rounding(dtype, k, n, group, zmax, split):
     """The 4-bit GEMV that works on pairs of half-precision values (``_wna16_gemv_pairs_kernel``) against the exact
     float64 product: each output within the bound of its eight-term half-precision sums (8 roundings of at most
     ``UNIT`` times the sum of its terms' magnitudes, plus the output's rounding), and over all outputs within
-    twice the relative RMS error that such random roundings give (~1.6 UNIT, plus the output's). Zero points up to
+    twice the relative RMS error that the PTX's simulation gives (1.5 UNIT in bfloat16 with the output's
+    rounding, which alone is 1.0). Zero points up to
     16 (GPTQ's v1 offset), an output count no tile divides, groups of 32-128, split inputs."""
     from pagedllm.kernels.wna16_gemv import wna16_gemv
 
@@ -104,8 +105,8 @@ def test_pairs_gemv_is_within_its_rounding(dtype, k, n, group, zmax, split):
     bound = 8 * u * terms.abs().sum(0) + u * want.abs() + 1e-6
     assert ((got - want).abs() <= bound).all(), ((got - want).abs() / bound).max()
     rel = ((got - want).norm() / want.norm()).item()
-    assert rel <= 2 * (1.6 + 0.6) * u, rel
-    assert ((f32 - want).norm() / want.norm()).item() <= u  # the float32 kernel: the output's rounding alone
+    assert rel <= 3 * u, rel  # simulated (test_pairs_ptx's simulator, K 4096): 1.5 UNIT in bf16, 0.8 in fp16
+    assert ((f32 - want).norm() / want.norm()).item() <= 1.5 * u  # the float32 kernel: the output's rounding alone
 
 
 def test_online_int4_on_the_gpu_equals_its_decoded_weights():
