@@ -158,18 +158,19 @@ def test_online_int4_on_the_gpu_equals_its_decoded_weights():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [16, 128, 256])
-@pytest.mark.parametrize("fma", [False, True])
-def test_sixteen_bit_tiles_read_the_rounded_weight(dtype, m, fma):
+@pytest.mark.parametrize("mode", ["two-step", "fma", "pairs"])
+def test_sixteen_bit_tiles_read_the_rounded_weight(dtype, m, mode):
     """Identity rows read the 4-bit tiles' dequantized weight out: the torch path's ``(q - z) * s`` rounded to the
-    activation dtype, exactly with the two-step dequantization and, with one fused multiply-add a value
-    (``_scaled_value``), but for rare ties and then by one unit at most."""
+    activation dtype, exactly with the two-step dequantization and the pairs one (``_pairs_tile``) and, with one
+    fused multiply-add a value (``_scaled_value``), but for rare ties and then by one unit at most."""
+    fma = mode == "fma"
     gen = torch.Generator().manual_seed(m)
     k, n = 4096, 14336
     qw, qz, s, g_idx = _gptq(k, n, 4, 128, False, gen)
     w = layout.from_gptq(qw.cuda(), qz.cuda(), s.to(dtype).cuda(), None, 4, 128, 1)
     want = gptq_dequantize(qw, qz, s.to(dtype), g_idx, 4, 1).to(dtype).t()[:m].cuda()  # [m, N]
     got = wna16_matmul(torch.eye(m, k, dtype=dtype, device="cuda"), w.qweight, w.scales, w.zeros, 4, 128,
-                       fma_dequant=fma)
+                       fma_dequant=fma, pairs_dequant=mode == "pairs")
     ulp = (torch.nextafter(want.abs(), torch.tensor(float("inf"), dtype=dtype, device="cuda")) - want.abs()).float()
     diff = (got.float() - want.float()).abs()
     assert (diff <= ulp).all(), diff.max().item()
