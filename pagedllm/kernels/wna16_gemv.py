@@ -13,9 +13,9 @@ column tile to finish adds the others' float32 sums and writes the output, in sp
   instruction. One LOP3 turns two values of a word into the half-precision pair ``(M + q, M + q')`` (``M`` is
   128 in bfloat16, 1024 in float16, whose last mantissa bit is worth 1), one fused multiply-add subtracts
   ``M + z`` exactly (``z`` is an integer), and one more multiplies the pair by two activations and adds it to a
-  running pair; a word's four pairs are summed that way and widened to float32 once. The products and the four
-  running sums are rounded to the activation dtype, so the result is within a few units in the last place of
-  the float32 kernel's, not equal to it.
+  running pair; each half of that pair sums eight products (two words) before it is widened to float32. The
+  products and running sums are rounded to the activation dtype, so the result is within a few units in the
+  last place of the float32 kernel's, not equal to it (``docs/performance.md`` gives the error measured).
 """
 from __future__ import annotations
 
@@ -325,8 +325,11 @@ def wna16_gemv(
     count = locks if locks is not None else out
     x = x.contiguous()
     if pairs:
+        words = x.reshape(k)
+        if words.storage_offset() % 4:  # the kernel reads x as int64 words
+            words = words.clone()
         _wna16_gemv_pairs_kernel[(tiles, split)](
-            x.view(torch.int64), qweight, scales, zeros, dest, part, count, n, k, per_split, split,
+            words.view(torch.int64), qweight, scales, zeros, dest, part, count, n, k, per_split, split,
             MAGIC16=PAIR_MAGIC[x.dtype], ASM=_PAIR_ASM[x.dtype], GROUP=group_size, BLOCK_N=block_n, BLOCK_K=bk,
             REDUCE_LAST=locks is not None, EMULATE=launch.triton_interpreted(), num_warps=num_warps,
         )
