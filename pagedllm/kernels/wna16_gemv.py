@@ -19,6 +19,8 @@ column tile to finish adds the others' float32 sums and writes the output, in sp
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -271,9 +273,15 @@ def gemv_block_k(group_size: int, k: int, bits: int) -> int | None:
 
 
 def pairs_apply(x: torch.Tensor, bits: int) -> bool:
-    """Whether ``wna16_gemv`` takes the two-values-an-instruction kernel for ``x`` by default."""
+    """Whether the 4-bit kernels take their two-values-an-instruction PTX for ``x`` by default: NVIDIA GPUs from
+    Ampere on (packed bfloat16 multiply-adds), compiled."""
     return (bits == 4 and x.dtype in _PAIR_ASM and x.is_cuda and torch.version.hip is None
-            and not launch.triton_interpreted())
+            and not launch.triton_interpreted() and _ampere_or_later(x.device.index or 0))
+
+
+@functools.cache
+def _ampere_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 8
 
 
 def wna16_gemv(
