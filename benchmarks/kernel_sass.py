@@ -1,0 +1,124 @@
+"""Instructions in the main loop of the W4A16 kernels, compiled for sm_90 on any machine (no GPU needed).
+
+The host wrappers run on small CPU tensors while each kernel's launch is recorded instead of run; every recorded
+launch is compiled for compute capability 9.0 with Triton's bundled ptxas and disassembled (``cuobjdump``). For
+each launch it prints the SASS instructions of the longest loop (the walk along K), that count per weight of one
+thread's share of a step, and the most frequent opcodes: the one-row GEMV (float32 and pairs kernels) at several
+``BLOCK_N``, and the tiles at the engine's configs for 16, 32, 128 and 256 rows with each dequantization
+(two-step float32, ``_scaled_tile``'s fused multiply-add, ``_pairs_tile``).
+
+    python benchmarks/kernel_sass.py [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+
+import torch
+
+# Tile rows -> the tile config the engine picks for Llama-3-8B's gate_up at that many rows (BLOCK_M, BLOCK_N,
+# BLOCK_K, warps, stages, W x^T), as ``kernels/wna16.py``'s _config does on an H100 / H200.
+TILES = {16: (16, 64, 128, 4, 3, False), 32: (32, 64, 64, 4, 3, False), 128: (128, 128, 64, 8, 3, True),
+         256: (256, 128, 64, 8, 4, True)}
+_OPTIONS = {"num_warps", "num_stages", "num_ctas", "launch_pdl", "maxnreg"}
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.int64: "i64"}
+
+
+def _record(kernel, launches: list) -> None:
+    def run(*args, grid, warmup, **kwargs):
+        launches.append((kernel, args, kwargs))
+
+    kernel.run = run
+
+
+def _sass(kernel, args, kwargs) -> str:
+    """SASS of one recorded launch, compiled for sm_90; tensors as 16-byte-aligned pointers, ints divisible by 16
+    where they are (as Triton specializes them at launch)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.tools.disasm import get_sass
+
+    signature, constexprs, attrs = {}, {}, {}
+    values = {p.name: p.default for p in kernel.params if p.has_default}
+    values.update(zip(kernel.arg_names, args))
+    values.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
+    for i, name in enumerate(kernel.arg_names):
+        value = values[name]
+        if i in kernel.constexprs:
+            signature[name], constexprs[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _DTYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        else:
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=options)
+    return get_sass(compiled.asm["cubin"])
+
+
+def main_loop(sass: str) -> list[str]:
+    """The opcodes of the longest backward branch's body."""
+    lines = sass.splitlines()
+    labels = {line.strip()[:-1]: i for i, line in enumerate(lines) if re.fullmatch(r"\s*\S+:", line)}
+    best: list[str] = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA (\S+);", line)
+        if m and labels.get(m.group(1), i) < i:
+            ops = [re.search(r"\t(?:@!?P\w+\s+)?([A-Z][A-Z0-9_]*)", x) for x in lines[labels[m.group(1)] + 1:i + 1]]
+            ops = [o.group(1) for o in ops if o]
+            best = max(best, ops, key=len)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="also write the rows as JSON into DIR")
+    args = ap.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)
+    from pagedllm.kernels import wna16, wna16_gemv
+
+    wna16_gemv.pairs_apply = wna16.pairs_apply = lambda x, bits: bits == 4 and x.dtype != torch.float32
+    launches: list = []
+    for kernel in (wna16_gemv._wna16_gemv_kernel, wna16_gemv._wna16_gemv_pairs_kernel, wna16._wna16_kernel):
+        _record(kernel, launches)
+    k, n, group = 4096, 28672, 128
+    qw = torch.zeros(k // 8, n, dtype=torch.int32)
+    s, z = torch.zeros(k // group, n, dtype=torch.bfloat16), torch.zeros(k // group, n)
+    names, weights = [], []  # a thread's weights a step
+    for bn in (64, 128, 256):
+        for pairs in (False, True):
+            wna16_gemv.wna16_gemv(torch.zeros(1, k, dtype=torch.bfloat16), qw, s, z, 4, group, block_n=bn,
+                                  split_k=1, pairs=pairs)
+            names.append(f"GEMV BLOCK_N {bn}, {'pairs' if pairs else 'float32'}")
+            weights.append(128 * bn // 128)
+    for rows, (bm, bn, bk, warps, stages, swap) in TILES.items():
+        for mode in ("two-step", "fma", "pairs"):
+            wna16.wna16_matmul(torch.zeros(rows, k, dtype=torch.bfloat16), qw, s, z, 4, group, block=(bm, bn, bk),
+                               warps_stages=(warps, stages), swap_ab=swap, split_k=1, dense_from_rows=1 << 30,
+                               gemv=False, fma_dequant=mode == "fma", pairs_dequant=mode == "pairs")
+            names.append(f"tiles {rows} rows ({bm}x{bn}x{bk}, {warps} warps), {mode}")
+            weights.append(bk * bn // (32 * warps))
+    rows_out = []
+    for (kernel, kargs, kwargs), name, per_thread in zip(launches, names, weights):
+        ops = main_loop(_sass(kernel, kargs, kwargs))
+        top = collections.Counter(ops).most_common(6)
+        rows_out.append({"launch": name, "loop": len(ops), "per_weight": len(ops) / per_thread, "top": top})
+        print(f"{name:52s} {len(ops):5d} a step  {len(ops) / per_thread:5.2f} a weight  "
+              + " ".join(f"{op} {c}" for op, c in top), flush=True)
+    if args.out:
+        with open(os.path.join(args.out, "kernel_sass.json"), "w") as f:
+            json.dump(rows_out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
