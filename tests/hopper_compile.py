@@ -6,8 +6,8 @@ PTX for compute capability 9.0 with Triton's bundled ptxas. Prints one JSON line
 {"kernel", "wait", "trigger", "half_fma"} with the number of griddepcontrol.wait / launch_dependents
 and of half-precision fused multiply-adds in the PTX.
 
-``--inline-ptx``: the launches whose kernels carry inline PTX of their own (the W4A16 GEMV and tiles on pairs of
-16-bit values), one JSON line each with the packed half-precision instructions in the compiled PTX: {"kernel",
+``--inline-ptx``: the launches whose kernels carry inline PTX of their own (the W4A16 GEMV, tiles and grouped MoE
+experts on pairs of 16-bit values), one JSON line each with the packed half-precision instructions in the compiled PTX: {"kernel",
 "variant", "half2"}.
 
 ``--shared-memory``: the quantized products' launches instead (the grouped MoE GEMM over packed 4/8-bit, int8 and
@@ -130,10 +130,15 @@ def inline_ptx() -> None:
     """Compiles the W4A16 launches that carry inline PTX (ptxas checks it) and counts their packed half-precision
     instructions."""
     from pagedllm.kernels import wna16, wna16_gemv
+    from pagedllm.kernels.moe import grouped_gemm as gg
+    from pagedllm.kernels.moe.configs import _TABLE
 
-    wna16_gemv.pairs_apply = wna16.pairs_apply = lambda x, bits: bits == 4 and x.dtype != torch.float32
+    def pairs(x, bits):  # as on an NVIDIA GPU
+        return bits == 4 and x.dtype != torch.float32
+
+    wna16_gemv.pairs_apply = wna16.pairs_apply = gg.pairs_apply = pairs
     launches: list = []
-    for kernel in (wna16_gemv._wna16_gemv_pairs_kernel, wna16._wna16_kernel):
+    for kernel in (wna16_gemv._wna16_gemv_pairs_kernel, wna16._wna16_kernel, gg._grouped_gemm_kernel):
         _record(kernel, launches)
     variants = []
     k, n = 1024, 512
@@ -145,6 +150,15 @@ def inline_ptx() -> None:
         for m in (16, 64, 256):
             wna16.wna16_matmul(torch.zeros(m, k, dtype=dt), qw, s, z, 4, 128, dense_from_rows=1 << 30)
             variants.append(f"tiles {m} rows {dt}")
+        # 4-bit experts (groups in order), gated, at the table's first tile.
+        e, h, i, config = 4, 512, 256, _TABLE[0][1]
+        w13 = gg.PackedExpertWeights(torch.zeros(e, h // 8, 2 * i, dtype=torch.int32), torch.zeros(e, h // 32, 2 * i,
+                                     dtype=dt), torch.zeros(e, h // 32, 2 * i), None, 4, 32)
+        rows = 2 * config["BLOCK_M"]
+        gg.grouped_gemm(torch.zeros(rows, h, dtype=dt), w13, torch.empty(rows, i, dtype=dt), None,
+                        torch.zeros(rows, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                        torch.zeros(1, dtype=torch.int32), 1, config, gated=True)
+        variants.append(f"experts {dt}")
     for (kernel, args, kwargs), variant in zip(launches, variants):
         ptx = _compile(kernel, args, kwargs)
         print(json.dumps({"kernel": kernel.__name__, "variant": variant,

@@ -86,8 +86,9 @@ def test_quantized_products_fit_hopper_shared_memory():
 
 
 def test_inline_ptx_compiles_for_hopper():
-    """The W4A16 GEMV and tiles on pairs of 16-bit values carry PTX of their own, which only a GPU runs: compiled for
+    """The W4A16 GEMV, tiles and MoE experts on pairs of 16-bit values carry PTX of their own, which only a GPU runs: compiled for
     sm_90 (ptxas reads it), in bfloat16 and float16, each launch keeps its packed multiply-adds."""
     rows = _hopper_compile("--inline-ptx")
-    assert len(rows) == 8 and {r["kernel"] for r in rows} == {"_wna16_gemv_pairs_kernel", "_wna16_kernel"}
+    assert len(rows) == 10 and {r["kernel"] for r in rows} == {"_wna16_gemv_pairs_kernel", "_wna16_kernel",
+                                                               "_grouped_gemm_kernel"}
     assert all(r["half2"] >= 8 for r in rows), rows

@@ -73,3 +73,21 @@ def test_packed_weights_state_their_stacked_shape():
     gen = torch.Generator().manual_seed(1)
     w = stack_experts([[_projection(24, 64, 4, 32, False, gen, torch.float32)] for _ in range(3)])
     assert isinstance(w, PackedExpertWeights) and w.shape == (3, 24, 64) and w.qweight.shape == (3, 8, 24)
+
+
+@pytest.mark.parametrize("tokens,config", [
+    (1, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)),
+    (9, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=2)),
+])
+def test_pairs_dequantization_of_experts_is_the_two_step_weight(tokens, config, monkeypatch):
+    """4-bit experts dequantized two values an instruction (``_pairs_tile``, as on NVIDIA GPUs), here with the PTX's
+    arithmetic as Triton ops under the interpreter: the same bits as the two-step path, so the same outputs."""
+    from pagedllm.kernels.moe import grouped_gemm as gg
+
+    w13, w2, _, _ = _experts(6, 64, 96, 4, 32, False, torch.float16, seed=tokens)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 64, generator=gen).half()
+    weights, ids = torch.rand(tokens, 6, generator=gen).softmax(-1).topk(2)
+    two_step = fused_experts(x, w13, w2, weights, ids.to(torch.int32), config=config)
+    monkeypatch.setattr(gg, "pairs_apply", lambda a, bits: bits == 4)
+    assert torch.equal(fused_experts(x, w13, w2, weights, ids.to(torch.int32), config=config), two_step)

@@ -34,7 +34,9 @@ import triton.language as tl
 
 from pagedllm.kernels.fp8_block import fp8_dot
 from pagedllm.kernels.numerics import add_rn, exact_rounding, mul_rn
-from pagedllm.kernels.wna16 import _unpack
+from pagedllm.kernels.launch import triton_interpreted
+from pagedllm.kernels.wna16 import _PAIRS_DEQUANT_ASM, _pairs_tile, _unpack
+from pagedllm.kernels.wna16_gemv import PAIR_MAGIC, neg_offset_pairs, pairs_apply, prmt
 
 
 @dataclass
@@ -96,33 +98,47 @@ def _packed_tile(
     k0, K, N_W, offs_n, n_ok,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, ROW_GROUPS: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # -> [BLOCK_K, BLOCK_N] float32: the dequantized weight of inputs k0.. and columns offs_n
+    PAIRS: tl.constexpr = False,  # (4-bit, 16-bit activations, scales in their dtype, no ROW_GROUPS) _pairs_tile
+    PAIRS_ASM: tl.constexpr = "",
+    MAGIC16: tl.constexpr = 0.0,
+    EMULATE: tl.constexpr = False,
+):  # -> [BLOCK_K, BLOCK_N] float32 (in the activation dtype with PAIRS): the dequantized weight of inputs k0..
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     WORDS: tl.constexpr = BLOCK_K // PACK
     offs_w = k0 // PACK + tl.arange(0, WORDS)
     words = tl.load(qw_ptr + offs_w[:, None] * N_W + offs_n[None, :], mask=(offs_w * PACK < K)[:, None] & n_ok[None, :],
                     other=0)  # [WORDS, BN]
-    shifts = tl.arange(0, PACK) * BITS
-    q = tl.reshape(_unpack(words[:, None, :], shifts[None, :, None], MASK), (BLOCK_K, BLOCK_N))
-    if ROW_GROUPS:
-        # Groups change inside the tile (act-order indices, or groups shorter than BLOCK_K): per-row gathers.
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        if HAS_GIDX:
-            g = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
-        else:
-            g = offs_k // GROUP
-        ok = k_ok[:, None] & n_ok[None, :]
-        s = tl.load(s_ptr + g[:, None] * N_W + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g[:, None] * N_W + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
-        w = (q - z) * s
-    else:
-        # The tile lies in one group: one row of scales and zero points (rows past K meet zero activations).
+    if PAIRS:
+        # Two values an instruction, the two-step path's bits (kernels/wna16.py); one group a tile.
         g0 = k0 // GROUP
-        s1 = tl.load(s_ptr + g0 * N_W + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        z1 = tl.load(z_ptr + g0 * N_W + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        w = (q - z1[None, :]) * s1[None, :]
+        s_bits = tl.load(s_ptr + g0 * N_W + offs_n[None, :], mask=n_ok[None, :], other=0.0)
+        s_bits = s_bits.to(tl.int16, bitcast=True).to(tl.int32)
+        z_pairs = neg_offset_pairs(tl.load(z_ptr + g0 * N_W + offs_n[None, :], mask=n_ok[None, :], other=0.0),
+                                   MAGIC16, EMULATE)
+        w = _pairs_tile(words, prmt(s_bits, s_bits, 0x1010, EMULATE), z_pairs, PAIRS_ASM, MAGIC16, BLOCK_K,
+                        BLOCK_N, EMULATE)
+    else:
+        shifts = tl.arange(0, PACK) * BITS
+        q = tl.reshape(_unpack(words[:, None, :], shifts[None, :, None], MASK), (BLOCK_K, BLOCK_N))
+        if ROW_GROUPS:
+            # Groups change inside the tile (act-order indices, or groups shorter than BLOCK_K): per-row gathers.
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            if HAS_GIDX:
+                g = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
+            else:
+                g = offs_k // GROUP
+            ok = k_ok[:, None] & n_ok[None, :]
+            s = tl.load(s_ptr + g[:, None] * N_W + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g[:, None] * N_W + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+            w = (q - z) * s
+        else:
+            # The tile lies in one group: one row of scales and zero points (rows past K meet zero activations).
+            g0 = k0 // GROUP
+            s1 = tl.load(s_ptr + g0 * N_W + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            z1 = tl.load(z_ptr + g0 * N_W + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            w = (q - z1[None, :]) * s1[None, :]
     return w
 
 
@@ -167,6 +183,10 @@ def _grouped_gemm_kernel(
     A_INT8: tl.constexpr = False,  # int8 rows and weights, int32 sums; W_SCALED holds the weight row scales
     A_ZP: tl.constexpr = False,  # A_INT8 rows quantized with a zero point each
     EXACT: tl.constexpr = False,  # A_ZP: round each epilogue product and difference (numerics.py)
+    PAIRS: tl.constexpr = False,  # packed 4-bit experts dequantized two values an instruction (_packed_tile)
+    PAIRS_ASM: tl.constexpr = "",
+    MAGIC16: tl.constexpr = 0.0,
+    EMULATE: tl.constexpr = False,  # (PAIRS) the interpreter: the PTX's arithmetic as Triton ops
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -219,7 +239,7 @@ def _grouped_gemm_kernel(
         else:
             if BITS:
                 w = _packed_tile(qw_e, s_e, z_e, g_e, k0, K, n_w, offs_n, n_ok, BITS, GROUP, HAS_GIDX, ROW_GROUPS,
-                                 BLOCK_K, BLOCK_N).to(a.dtype)
+                                 BLOCK_K, BLOCK_N, PAIRS, PAIRS_ASM, MAGIC16, EMULATE).to(a.dtype)
             else:
                 w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if W_SCALED:
@@ -233,7 +253,7 @@ def _grouped_gemm_kernel(
             if GATED:
                 if BITS:
                     w_up = _packed_tile(qw_e, s_e, z_e, g_e + K, k0, K, n_w, offs_n + N, n_ok, BITS, GROUP, HAS_GIDX,
-                                        ROW_GROUPS, BLOCK_K, BLOCK_N).to(a.dtype)
+                                        ROW_GROUPS, BLOCK_K, BLOCK_N, PAIRS, PAIRS_ASM, MAGIC16, EMULATE).to(a.dtype)
                 else:
                     w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 if W_SCALED:
@@ -296,6 +316,7 @@ def grouped_gemm(
     a_scale: torch.Tensor | None = None,  # [rows, ceil(K / bk)] float32: a's float8 group scales (block experts);
     # [rows, 1] float32: a's int8 row scales (int8 experts)
     a_zero: torch.Tensor | None = None,  # [rows, 1] float32: a's int8 row zero points (asymmetric int8 experts)
+    pairs: bool | None = None,  # packed 4-bit experts dequantized two values an instruction; None: where it runs
 ) -> None:
     n, k = out.shape[1], a.shape[1]
     if w.shape[1] != (2 * n if gated else n) or w.shape[2] != k:
@@ -314,7 +335,7 @@ def grouped_gemm(
         return
     if isinstance(w, PackedExpertWeights):
         _packed_launch(a, w, out, topk_weights, sorted_ids, expert_ids, num_padded, a_row_div, config, gated, grid,
-                       max_blocks)
+                       max_blocks, pairs)
         return
     scaled = w_scale is not None
     if scaled and (w_scale.shape != w.shape[:2] or w_scale.dtype != torch.float32 or not w_scale.is_contiguous()):
@@ -330,7 +351,7 @@ def grouped_gemm(
 
 
 def _packed_launch(a, w: PackedExpertWeights, out, topk_weights, sorted_ids, expert_ids, num_padded, a_row_div,
-                   config, gated, grid, max_blocks) -> None:
+                   config, gated, grid, max_blocks, pairs: bool | None) -> None:
     e, n_w, k = w.shape
     groups = w.scales.shape[1]
     if w.scales.shape != (e, groups, n_w) or w.zeros.shape != w.scales.shape:
@@ -347,6 +368,9 @@ def _packed_launch(a, w: PackedExpertWeights, out, topk_weights, sorted_ids, exp
     row_groups = w.g_idx is not None or w.group_size % block_k != 0
     # Per-row scale and zero-point gathers are staged like the weight: two stages keep them within shared memory.
     stages = min(config["num_stages"], 2) if row_groups else config["num_stages"]
+    if pairs is None:
+        pairs = pairs_apply(a, w.bits)
+    pairs = pairs and w.bits == 4 and a.dtype in PAIR_MAGIC and not row_groups and w.scales.dtype == a.dtype
     _grouped_gemm_kernel[grid](
         a, w.qweight, out, topk_weights if topk_weights is not None else out, w.scales, w.zeros,
         w.g_idx if w.g_idx is not None else out, out, sorted_ids, expert_ids, num_padded, out.shape[1], k, out.shape[0],
@@ -354,6 +378,8 @@ def _packed_launch(a, w: PackedExpertWeights, out, topk_weights, sorted_ids, exp
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=block_k, GROUP_M=config["GROUP_M"],
         GATED=gated, ROUTED=topk_weights is not None, W_SCALED=False, IEEE=a.dtype == torch.float32,
         BITS=w.bits, GROUP=w.group_size, HAS_GIDX=w.g_idx is not None, ROW_GROUPS=row_groups,
+        PAIRS=pairs, PAIRS_ASM=_PAIRS_DEQUANT_ASM.get(a.dtype, "") if pairs else "",
+        MAGIC16=PAIR_MAGIC.get(a.dtype, 0.0) if pairs else 0.0, EMULATE=pairs and triton_interpreted(),
         num_warps=config["num_warps"], num_stages=stages,
     )
 
