@@ -13,15 +13,18 @@ casts to the activation dtype and multiplies on the tensor cores with float32 ac
 exists unpacked in memory. For few tokens the input is split over ``SPLIT_K`` programs per tile so that the
 grid fills the device; their float32 partial sums are added afterwards. Past 64 rows the tiles compute
 W x^T, the unpacked weight being the dot's first operand. One row (batch-1 decode) takes a GEMV without
-tensor cores (``kernels/wna16_gemv.py``); from ``DENSE_FROM_ROWS`` rows (half as many for small weights) the weight is
-dequantized once and the dense GEMM runs.
+tensor cores (``kernels/wna16_gemv.py``); from ``DENSE_FROM_ROWS`` rows (half as many for small weights) the
+weight is dequantized once and the dense GEMM runs.
 
 Integers become floats by or-ing them into the mantissa of 2**23 and subtracting 2**23 (exact for any value
 below 2**23): the GPU converts integers to floats at a quarter of its float rate, and that conversion, once
 per weight, bound the kernels before. The W x^T tiles of wide outputs and many rows (``FMA_DEQUANT_MIN_N``,
 ``FMA_DEQUANT_MIN_ROWS``) go further for 4-bit weights and 16-bit activations (``_scaled_tile``): one rotate,
 one AND-OR and one fused multiply-add a value give ``(q - z) * s``, whose one rounding into the activation
-dtype may differ from the two-step path's in a rare tie, by one unit.
+dtype may differ from the two-step path's in a rare tie, by one unit. On NVIDIA GPUs from Ampere on, 4-bit tiles of
+16-bit activations within one group dequantize two values an instruction instead (``_pairs_tile``, inline PTX): a
+LOP3 makes the half-precision pair ``(M + q, M + q')``, a packed fused multiply-add takes ``M + z`` off exactly and
+a packed multiply by ``(s, s)`` rounds ``(q - z) s`` once, which is the two-step path's bits.
 """
 from __future__ import annotations
 

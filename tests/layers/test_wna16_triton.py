@@ -276,12 +276,14 @@ def test_pairs_gemv_moves_the_right_values(dtype, k, n, g, zmax, split):
     assert torch.allclose(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item()), (got - want).abs().max()
 
 
-@pytest.mark.parametrize("m,block,swap", [(5, (16, 32, 64), False), (40, (32, 32, 32), False), (70, (64, 32, 64), True)])
+@pytest.mark.parametrize("m,block,swap", [(5, (16, 32, 64), False), (40, (32, 32, 32), False),
+                                          (70, (64, 32, 64), True)])
 def test_pairs_dequantization_moves_the_right_values(m, block, swap):
     """The tiles' pairs dequantization (``_pairs_tile``: each word's values from its PTX, the scale and ``-(M + z)``
     pairs built from the scales and zero points, the values joined into the tile) under the interpreter, where the
     PTX's arithmetic runs as Triton ops: bit for bit the two-step path's product, x W^T and W x^T. Float16 (the
-    interpreter's bfloat16 is broken); the PTX itself is checked on the GPU and by ``tests/kernels/test_pairs_ptx.py``."""
+    interpreter's bfloat16 is broken); the PTX itself is checked on the GPU and by
+    ``tests/kernels/test_pairs_ptx.py``."""
     k, n, g = 256, 48, 64
     gen = torch.Generator().manual_seed(m)
     qw = pack_int32(torch.randint(0, 16, (k, n), generator=gen), 4, 0).contiguous()
