@@ -1,7 +1,8 @@
 """Instructions in the main loop of the W4A16 kernels, compiled for sm_90 on any machine (no GPU needed).
 
 The host wrappers run on small CPU tensors while each kernel's launch is recorded instead of run; every recorded
-launch is compiled for compute capability 9.0 with Triton's bundled ptxas and disassembled (``cuobjdump``). For
+launch is compiled for compute capability 9.0 with Triton's bundled ptxas (``tests/hopper_compile.py``'s recorder
+and compiler) and disassembled (``cuobjdump``). For
 each launch it prints the SASS instructions of the longest loop (the walk along K), that count per weight of one
 thread's share of a step, and the most frequent opcodes: the one-row GEMV (float32 and pairs kernels) at several
 ``BLOCK_N``, and the tiles at the engine's configs for 16, 32, 128 and 256 rows with each dequantization
@@ -16,54 +17,24 @@ import collections
 import json
 import os
 import re
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
 
 # Tile rows -> the tile config the engine picks for Llama-3-8B's gate_up at that many rows (BLOCK_M, BLOCK_N,
 # BLOCK_K, warps, stages, W x^T), as ``kernels/wna16.py``'s _config does on an H100 / H200.
 TILES = {16: (16, 64, 128, 4, 3, False), 32: (32, 64, 64, 4, 3, False), 128: (128, 128, 64, 8, 3, True),
          256: (256, 128, 64, 8, 4, True)}
-_OPTIONS = {"num_warps", "num_stages", "num_ctas", "launch_pdl", "maxnreg"}
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-           torch.int64: "i64"}
-
-
-def _record(kernel, launches: list) -> None:
-    def run(*args, grid, warmup, **kwargs):
-        launches.append((kernel, args, kwargs))
-
-    kernel.run = run
 
 
 def _sass(kernel, args, kwargs) -> str:
-    """SASS of one recorded launch, compiled for sm_90; tensors as 16-byte-aligned pointers, ints divisible by 16
-    where they are (as Triton specializes them at launch)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """SASS of one recorded launch, compiled for sm_90 as Triton specializes it at launch."""
+    from hopper_compile import _compiled
     from triton.tools.disasm import get_sass
 
-    signature, constexprs, attrs = {}, {}, {}
-    values = {p.name: p.default for p in kernel.params if p.has_default}
-    values.update(zip(kernel.arg_names, args))
-    values.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
-    for i, name in enumerate(kernel.arg_names):
-        value = values[name]
-        if i in kernel.constexprs:
-            signature[name], constexprs[name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + _DTYPES[value.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        else:
-            signature[name] = "i32"
-            if value % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=options)
-    return get_sass(compiled.asm["cubin"])
+    return get_sass(_compiled(kernel, args, kwargs, specialize=True).asm["cubin"])
 
 
 def main_loop(sass: str) -> list[str]:
@@ -85,6 +56,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="also write the rows as JSON into DIR")
     args = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
+    from hopper_compile import _record
+
     from pagedllm.kernels import wna16, wna16_gemv
 
     wna16_gemv.pairs_apply = wna16.pairs_apply = lambda x, bits: bits == 4 and x.dtype != torch.float32

@@ -152,6 +152,16 @@ def _pairs_tile(words, s_bits, nz_bits, ASM: tl.constexpr, MAGIC16: tl.constexpr
 
 
 @triton.jit
+def _pairs_group_tile(words, s_row, z_row, offs_n, n_ok, ASM: tl.constexpr, MAGIC16: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
+    """``_pairs_tile`` of a tile within one group, whose scales and zero points start at ``s_row`` and ``z_row``
+    (pointers to the group's row; columns ``offs_n``)."""
+    s_bits = tl.load(s_row + offs_n[None, :], mask=n_ok[None, :], other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
+    z_pairs = neg_offset_pairs(tl.load(z_row + offs_n[None, :], mask=n_ok[None, :], other=0.0), MAGIC16, EMULATE)
+    return _pairs_tile(words, prmt(s_bits, s_bits, 0x1010, EMULATE), z_pairs, ASM, MAGIC16, BLOCK_K, BLOCK_N, EMULATE)
+
+
+@triton.jit
 def _wna16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, out_ptr,
     M, N, K, K_PER_SPLIT,
@@ -210,12 +220,8 @@ def _wna16_kernel(
             s1 = tl.load(s_ptr + g0 * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             z1 = tl.load(z_ptr + g0 * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             if PAIRS_DEQUANT:
-                s_bits = tl.load(s_ptr + g0 * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
-                s_bits = s_bits.to(tl.int16, bitcast=True).to(tl.int32)
-                z_pairs = neg_offset_pairs(tl.load(z_ptr + g0 * N + offs_n[None, :], mask=n_ok[None, :], other=0.0),
-                                           MAGIC16, EMULATE)
-                w = _pairs_tile(words, prmt(s_bits, s_bits, 0x1010, EMULATE), z_pairs, PAIRS_ASM, MAGIC16, BLOCK_K,
-                                BLOCK_N, EMULATE)
+                w = _pairs_group_tile(words, s_ptr + g0 * N, z_ptr + g0 * N, offs_n, n_ok, PAIRS_ASM, MAGIC16, BLOCK_K,
+                                      BLOCK_N, EMULATE)
             elif FMA_DEQUANT:
                 w = _scaled_tile(words, (s1 * pow2_neg(23 - BITS))[None, :], (-(z1 + (1 << BITS)) * s1)[None, :],
                                  keep_bits, magic_bits, BITS, BLOCK_K, BLOCK_N).to(a.dtype)

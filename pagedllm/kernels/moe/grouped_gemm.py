@@ -35,8 +35,8 @@ import triton.language as tl
 from pagedllm.kernels.fp8_block import fp8_dot
 from pagedllm.kernels.numerics import add_rn, exact_rounding, mul_rn
 from pagedllm.kernels.launch import triton_interpreted
-from pagedllm.kernels.wna16 import _PAIRS_DEQUANT_ASM, _pairs_tile, _unpack
-from pagedllm.kernels.wna16_gemv import PAIR_MAGIC, neg_offset_pairs, pairs_apply, prmt
+from pagedllm.kernels.wna16 import _PAIRS_DEQUANT_ASM, _pairs_group_tile, _unpack
+from pagedllm.kernels.wna16_gemv import PAIR_MAGIC, pairs_apply
 
 
 @dataclass
@@ -112,12 +112,8 @@ def _packed_tile(
     if PAIRS:
         # Two values an instruction, the two-step path's bits (kernels/wna16.py); one group a tile.
         g0 = k0 // GROUP
-        s_bits = tl.load(s_ptr + g0 * N_W + offs_n[None, :], mask=n_ok[None, :], other=0.0)
-        s_bits = s_bits.to(tl.int16, bitcast=True).to(tl.int32)
-        z_pairs = neg_offset_pairs(tl.load(z_ptr + g0 * N_W + offs_n[None, :], mask=n_ok[None, :], other=0.0),
-                                   MAGIC16, EMULATE)
-        w = _pairs_tile(words, prmt(s_bits, s_bits, 0x1010, EMULATE), z_pairs, PAIRS_ASM, MAGIC16, BLOCK_K,
-                        BLOCK_N, EMULATE)
+        w = _pairs_group_tile(words, s_ptr + g0 * N_W, z_ptr + g0 * N_W, offs_n, n_ok, PAIRS_ASM, MAGIC16, BLOCK_K,
+                              BLOCK_N, EMULATE)
     else:
         shifts = tl.arange(0, PACK) * BITS
         q = tl.reshape(_unpack(words[:, None, :], shifts[None, :, None], MASK), (BLOCK_K, BLOCK_N))
