@@ -57,6 +57,21 @@ def _unpack(words, shifts, MASK: tl.constexpr):
 
 
 @triton.jit
+def row_group_scales(s_ptr, z_ptr, gidx_ptr, offs_k, k_ok, offs_n, n_ok, N, GROUP: tl.constexpr,
+                     HAS_GIDX: tl.constexpr):
+    """The float32 scales and zero points [BK, BN] of each input row ``offs_k``'s own group (``g_idx`` under
+    HAS_GIDX, else ``k // GROUP``), for tiles whose groups change inside them; rows [G, N] of ``N`` columns."""
+    if HAS_GIDX:
+        g = tl.load(gidx_ptr + offs_k, mask=k_ok, other=0)
+    else:
+        g = offs_k // GROUP
+    ok = k_ok[:, None] & n_ok[None, :]
+    s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
 def _scaled_value(words, P: tl.constexpr, scale, neg_offset, keep, magic, BITS: tl.constexpr):
     """Value ``P`` of each int32 word dequantized, ``(q - z) * s``, in two integer operations and one fused
     multiply-add: the word is rotated so that the value sits in the top ``BITS`` bits of a float32 mantissa and
@@ -206,13 +221,7 @@ def _wna16_kernel(
         if ROW_GROUPS:
             q = tl.reshape(_unpack(words[:, None, :], shifts[None, :, None], MASK), (BLOCK_K, BLOCK_N))
             # Groups change inside the tile (act-order indices, or groups smaller than BLOCK_K): per-row gathers.
-            if HAS_GIDX:
-                g = tl.load(gidx_ptr + offs_k, mask=k_ok, other=0)
-            else:
-                g = offs_k // GROUP
-            wk_ok = k_ok[:, None] & n_ok[None, :]
-            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=wk_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=wk_ok, other=0.0).to(tl.float32)
+            s, z = row_group_scales(s_ptr, z_ptr, gidx_ptr, offs_k, k_ok, offs_n, n_ok, N, GROUP, HAS_GIDX)
             w = ((q - z) * s).to(a.dtype)  # [BK, BN], rounded to the activation dtype as the torch path's weight
         else:
             # The whole tile lies in one group: one row of scales and zero points.

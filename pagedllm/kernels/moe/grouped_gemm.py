@@ -35,7 +35,7 @@ import triton.language as tl
 from pagedllm.kernels.fp8_block import fp8_dot
 from pagedllm.kernels.numerics import add_rn, exact_rounding, mul_rn
 from pagedllm.kernels.launch import triton_interpreted
-from pagedllm.kernels.wna16 import _PAIRS_DEQUANT_ASM, _pairs_group_tile, _unpack
+from pagedllm.kernels.wna16 import _PAIRS_DEQUANT_ASM, _pairs_group_tile, _unpack, row_group_scales
 from pagedllm.kernels.wna16_gemv import PAIR_MAGIC, pairs_apply
 
 
@@ -121,13 +121,7 @@ def _packed_tile(
             # Groups change inside the tile (act-order indices, or groups shorter than BLOCK_K): per-row gathers.
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
-            if HAS_GIDX:
-                g = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
-            else:
-                g = offs_k // GROUP
-            ok = k_ok[:, None] & n_ok[None, :]
-            s = tl.load(s_ptr + g[:, None] * N_W + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g[:, None] * N_W + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+            s, z = row_group_scales(s_ptr, z_ptr, g_ptr, offs_k, k_ok, offs_n, n_ok, N_W, GROUP, HAS_GIDX)
             w = (q - z) * s
         else:
             # The tile lies in one group: one row of scales and zero points (rows past K meet zero activations).
