@@ -183,7 +183,9 @@ def main() -> None:
     from pagedllm.kernels.attention import decode_pieces as dp
     from pagedllm.kernels.attention import paged_attention as pa
     from pagedllm.kernels.attention import reshape_and_cache as rc
-    from pagedllm.kernels import activation, fp8_quant, gemv, qk_norm_rotary, rmsnorm, rotary, skinny_gemm
+    from pagedllm.kernels import activation, fp8_quant, gemv, int8_gemm, int8_quant, qk_norm_rotary, rmsnorm, rotary
+    from pagedllm.kernels import skinny_gemm
+    from pagedllm.kernels.row_quant import QuantizedRows
     from pagedllm.layers.norm import RMSNorm
     from pagedllm.kernels.attention.fused_inputs import Rope
     from pagedllm.kernels.sampling import argmax as argmax_triton
@@ -193,7 +195,7 @@ def main() -> None:
                    qk_norm_rotary._qk_norm_rotary_kernel, rc._reshape_and_cache_kernel, pa._paged_attention_kernel,
                    pa._reduce_splits_kernel, dp._piece_ends_kernel, dp._decode_pieces_kernel, fp8_quant._quant_rows_kernel,
                    activation._act_and_mul_quant_kernel, argmax_triton._chunk_argmax_kernel,
-                   argmax_triton._row_argmax_kernel):
+                   argmax_triton._row_argmax_kernel, int8_gemm._w8a8_kernel):
         _record(kernel, launches)
     bf = torch.bfloat16
     gemv.gemv(torch.zeros(1, 1024, dtype=bf), torch.zeros(64, 1024, dtype=bf))
@@ -205,9 +207,15 @@ def main() -> None:
     # Swapped tiles (weight rows as the left operand), as 17-64 rows over a deep float8 weight take them.
     skinny_gemm.skinny_gemm(torch.zeros(16, 4096, dtype=bf), torch.zeros(1024, 4096, dtype=torch.float8_e4m3fn),
                             scale=torch.ones(1024), config=skinny_gemm.default_config(32, 1024, 4096))
-    rmsnorm.rms_norm(torch.zeros(2, 1024, dtype=bf), torch.ones(1024, dtype=bf), 1e-6, torch.zeros(2, 1024, dtype=bf),
-                     quantize=True)
-    activation.act_and_mul(torch.zeros(2, 2048, dtype=bf), "silu", quantize=True)
+    # Norms and activations that store a float8 or W8A8 linear's input quantized; one such int8 row read by the
+    # W8A8 decode kernel with its K split.
+    for kind in ("fp8", "int8"):
+        rmsnorm.rms_norm(torch.zeros(2, 1024, dtype=bf), torch.ones(1024, dtype=bf), 1e-6,
+                         torch.zeros(2, 1024, dtype=bf), quantize=kind)
+        activation.act_and_mul(torch.zeros(2, 2048, dtype=bf), "silu", quantize=kind)
+    int8_quant._quant_rows_kernel.run = lambda *a, **k: None  # the rows' own quantizer is the one recorded above
+    rows = QuantizedRows(*int8_quant.quantize_rows(torch.zeros(1, 4096, dtype=bf)), bf)
+    int8_gemm.w8a8_decode(rows, torch.zeros(4096, 4096, dtype=torch.int8), torch.ones(4096), split_k=2)
     split = skinny_gemm.GemmConfig(32, 32, 128, 4, 3, 4)  # the in-launch sum of a K split
     skinny_gemm.skinny_gemm(torch.zeros(16, 1024, dtype=bf), torch.zeros(1024, 1024, dtype=torch.float8_e4m3fn),
                             config=split, scale=torch.ones(1024))

@@ -1,7 +1,7 @@
 """Triton gated activations ``act(gate) * up`` over a fused ``[gate | up]`` row: SiLU and GELU (tanh or erf) in one kernel.
 
-A second kernel hands the rows to a float8 linear already quantized (``fp8_quant.Fp8Rows``): one program
-a row holds the row's products whole (up to ``launch.WHOLE_ROW_MAX`` of them; a longer row computes them
+A second kernel hands the rows to a float8 or int8 linear already quantized (``row_quant.QuantizedRows``): one
+program a row holds the row's products whole (up to ``launch.WHOLE_ROW_MAX`` of them; a longer row computes them
 twice, once for its largest magnitude and once to quantize them), so the 16-bit product is never written.
 """
 from __future__ import annotations
@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.fp8_quant import Fp8Rows, quantize_row_fp32, row_scale, to_fp8_range
+from pagedllm.kernels import row_quant
+from pagedllm.kernels.numerics import exact_rounding
 from pagedllm.kernels.launch import pdl_launch_args, row_tile, wait_for_previous_kernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -58,23 +59,25 @@ def _act_and_mul_kernel(
 @triton.jit
 def _act_and_mul_quant_kernel(
     x_ptr,  # [T, 2F], last dim contiguous
-    q_ptr,  # [T, F] float8 e4m3fn, contiguous
+    q_ptr,  # [T, F] float8 e4m3fn or int8, contiguous
     s_ptr,  # [T] float32 row scales
     n_cols,  # F
     stride_xt,
     ACT: tl.constexpr,
     BLOCK: tl.constexpr,
     WHOLE_ROW: tl.constexpr,  # BLOCK >= F: the products are computed once (launch.row_tile)
+    QUANT: tl.constexpr,  # row_quant.KINDS' code of q's type
+    EXACT: tl.constexpr,  # compiled NVIDIA code (numerics.exact_rounding), for int8's quantizer
     USE_GDC: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_GDC, False)
     tok = tl.program_id(0)
     row_ptr = x_ptr + tok * stride_xt
-    # fp8_quant._quant_rows_kernel's arithmetic over the 16-bit products the unfused kernel would store.
+    # The consumer's quantizer's arithmetic over the 16-bit products the unfused kernel would store.
     if WHOLE_ROW:
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        q, scale = quantize_row_fp32(_gated_product(row_ptr, cols, mask, n_cols, ACT), mask)
+        q, scale = row_quant.quantize_row(_gated_product(row_ptr, cols, mask, n_cols, ACT), mask, QUANT, EXACT)
         tl.store(s_ptr + tok, scale)
         tl.store(q_ptr + tok * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
@@ -82,12 +85,12 @@ def _act_and_mul_quant_kernel(
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             amax = tl.maximum(amax, tl.abs(_gated_product(row_ptr, cols, cols < n_cols, n_cols, ACT)))
-        scale = row_scale(tl.max(amax, axis=0))
+        scale = row_quant.scale_of(tl.max(amax, axis=0), QUANT, EXACT)
         tl.store(s_ptr + tok, scale)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             mask = cols < n_cols
-            q = to_fp8_range(_gated_product(row_ptr, cols, mask, n_cols, ACT), scale)
+            q = row_quant.quantized(_gated_product(row_ptr, cols, mask, n_cols, ACT), scale, QUANT, EXACT)
             tl.store(q_ptr + tok * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -98,15 +101,18 @@ def usable(x: torch.Tensor) -> bool:
     return x.dtype in SUPPORTED_DTYPES and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] % 2 == 0 and x.numel() > 0
 
 
-def act_and_mul(x: torch.Tensor, act: str = "silu", quantize: bool = False):  # x [T, 2F] -> [T, F] (or Fp8Rows)
+def act_and_mul(
+    x: torch.Tensor,  # [T, 2F]
+    act: str = "silu",
+    quantize: str | None = None,  # return the rows as QuantizedRows of this kind ("fp8", "int8")
+):  # [T, F] (or QuantizedRows)
     tokens, n_cols = x.shape[0], x.shape[1] // 2
     if quantize:
-        out = Fp8Rows(torch.empty((tokens, n_cols), dtype=torch.float8_e4m3fn, device=x.device),
-                      torch.empty((tokens, 1), dtype=torch.float32, device=x.device), x.dtype)
+        out = row_quant.empty_rows(quantize, tokens, n_cols, x.dtype, x.device)
         block, whole_row, warps = row_tile(n_cols)
         _act_and_mul_quant_kernel[(tokens,)](x, out.q, out.scales, n_cols, x.stride(0), ACT=_ACTS[act],
-                                             BLOCK=block, WHOLE_ROW=whole_row, num_warps=warps,
-                                             **pdl_launch_args(x))
+                                             BLOCK=block, WHOLE_ROW=whole_row, QUANT=row_quant.KINDS[quantize],
+                                             EXACT=exact_rounding(x), num_warps=warps, **pdl_launch_args(x))
         return out
     out = torch.empty((tokens, n_cols), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n_cols))

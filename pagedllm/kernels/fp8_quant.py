@@ -9,8 +9,6 @@ The arithmetic is ``layers.quantization.fp8.quantize_rows_ref``'s, so the two ag
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -26,30 +24,6 @@ MIN_SCALE_K = tl.constexpr(MIN_SCALE)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@dataclass(frozen=True)
-class Fp8Rows:
-    """Activation rows already quantized by the kernel that produced them (a norm or a gated activation),
-    handed to a float8 linear instead of the 16-bit rows: the quantizer's launch and a write and two reads
-    of the 16-bit rows are saved."""
-
-    q: torch.Tensor  # [T, K] float8_e4m3fn
-    scales: torch.Tensor  # [T, 1] float32
-    dtype: torch.dtype  # the 16-bit type the rows had, which the product returns
-
-    # What model code may ask of the rows it passes on (e.g. Gemma 3's MLP block checks the device).
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.q.is_cuda
-
-
 @triton.jit
 def row_scale(amax):
     """A row's scale from its largest magnitude. IEEE divisions throughout (Triton's `/` on float32 is
@@ -61,14 +35,6 @@ def row_scale(amax):
 def to_fp8_range(x, scale):
     """``x / scale`` clamped to the float8 range, ready for the rounding cast to float8."""
     return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX_K), FP8_MAX_K)
-
-
-@triton.jit
-def quantize_row_fp32(o, mask):
-    """(float8-range values [BLOCK], scale) of one row held whole in ``o`` (float32, already rounded to its
-    16-bit type): the arithmetic of ``_quant_rows_kernel``."""
-    scale = row_scale(tl.max(tl.where(mask, tl.abs(o), 0.0), axis=0))
-    return to_fp8_range(o, scale), scale
 
 
 @triton.jit
@@ -88,9 +54,10 @@ def _quant_rows_kernel(
     x_row = x_ptr + row * stride_xm
     if WHOLE_ROW:
         mask = cols < K
-        q, scale = quantize_row_fp32(tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32), mask)
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(x), axis=0))
         tl.store(s_ptr + row, scale)
-        tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + row * K + cols, to_fp8_range(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
     else:
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):

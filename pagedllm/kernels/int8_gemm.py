@@ -15,7 +15,8 @@ programs, so a weight tile is read from memory once. One row is quantized inside
 takes the row's largest magnitude (x stays in L2) and quantizes its x tile with ``int8_quant``'s own
 arithmetic (shared jit helpers, so the bits cannot drift apart), an IEEE division per value that every
 program repeats. From two rows on that repetition costs more than a launch, so the rows are quantized once
-first (``prequantize``, ``int8_quant.quantize_rows``) and the kernel reads them. At decode ``BLOCK_M`` is
+first (``prequantize``, ``int8_quant.quantize_rows``) and the kernel reads them; rows the norm or activation
+kernel before the linear already quantized (``row_quant.QuantizedRows``) are read so at any count. At decode ``BLOCK_M`` is
 the rows rounded up to a power of two (Triton pads the tensor-core tile); ``default_config`` holds the
 tiles an H100 sweep chose, ``tile_config`` those of more rows.
 """
@@ -31,6 +32,7 @@ from pagedllm.kernels import int8_quant, launch
 from pagedllm.kernels.int8_quant import SUPPORTED_DTYPES, quantize_int8, row_scale
 from pagedllm.kernels.launch import max_shared_memory, pdl_launch_args, wait_for_previous_kernel
 from pagedllm.kernels.numerics import add_rn, exact_rounding, mul_rn
+from pagedllm.kernels.row_quant import QuantizedRows
 
 # Rows the decode launch takes: one tensor-core tile's rows (the int8 mma is 16 rows deep).
 MAX_ROWS = 16
@@ -183,28 +185,43 @@ def default_config(m: int, n: int, k: int) -> TileConfig:
     return TileConfig(max(1, triton.next_power_of_2(m)), 64 if wide else 32, block_k, 4, 3)
 
 
-def _runnable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _operand(x: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype]:
+    """(the rows the kernel reads, their scales where a producer already quantized them, the output dtype)."""
+    if isinstance(x, QuantizedRows):
+        return x.q, x.scales, x.dtype
+    return x, None, x.dtype
+
+
+def _rows_ok(xin: torch.Tensor, xs: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """[M, K] rows with a contiguous last dim: float rows, or int8 rows with [M, 1] float32 scales."""
+    if xs is not None and (xin.dtype != torch.int8 or xs.dtype != torch.float32 or xs.shape != (xin.shape[0], 1)):
+        return False
+    return xin.dim() == 2 and dtype in SUPPORTED_DTYPES and (xs is not None or xin.dtype == dtype) and (
+        xin.numel() == 0 or xin.stride(-1) == 1)
+
+
+def _runnable(x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> bool:
+    xin, xs, dtype = _operand(x)
     return (
-        x.dim() == 2
-        and x.is_cuda
-        and x.dtype in SUPPORTED_DTYPES
-        and x.stride(-1) == 1
+        _rows_ok(xin, xs, dtype)
+        and xin.is_cuda
+        and xin.stride(-1) == 1
         and weight.dim() == 2
-        and weight.device == x.device
+        and weight.device == xin.device
         and weight.dtype == torch.int8
-        and weight.shape[1] == x.shape[1]
+        and weight.shape[1] == xin.shape[1]
         and weight.shape[1] <= MAX_K
         and weight.stride(-1) == 1
     )
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """1-16 rows on CUDA in a 16/32-bit float type against a contiguous-rowed int8 weight of the same input size
-    (at most ``MAX_K``): ``w8a8_decode``."""
+def usable(x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> bool:
+    """1-16 rows on CUDA in a 16/32-bit float type (or already quantized to int8) against a contiguous-rowed int8
+    weight of the same input size (at most ``MAX_K``): ``w8a8_decode``."""
     return 0 < x.shape[0] <= MAX_ROWS and _runnable(x, weight)
 
 
-def tiles_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def tiles_usable(x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> bool:
     """From ``TILES_MIN_ROWS`` rows on, otherwise as ``usable``: ``w8a8_tiles``."""
     return x.shape[0] >= TILES_MIN_ROWS and _runnable(x, weight)
 
@@ -219,12 +236,14 @@ def _check_config(cfg: TileConfig, m: int) -> None:
         raise ValueError(f"block_n={cfg.block_n}, block_k={cfg.block_k}: powers of two, block_k >= 32")
 
 
-def _check_operands(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def _check_operands(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None) -> None:
-    if x.dim() != 2 or x.dtype not in SUPPORTED_DTYPES or (x.numel() and x.stride(-1) != 1):
-        raise ValueError(f"x: a [M, K] float16/bfloat16/float32 tensor with contiguous rows, got "
-                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
-    k = x.shape[1]
+    xin, xs, dtype = _operand(x)
+    if not _rows_ok(xin, xs, dtype):
+        raise ValueError(f"x: a [M, K] float16/bfloat16/float32 tensor with contiguous rows (or QuantizedRows of "
+                         f"int8 and [M, 1] float32 scales), got {xin.dtype} {tuple(xin.shape)} strides {xin.stride()}"
+                         + ("" if xs is None else f", scales {xs.dtype} {tuple(xs.shape)}"))
+    k = xin.shape[1]
     if k > MAX_K:
         raise ValueError(f"x: K={k} past MAX_K={MAX_K}, where int32 sums could overflow")
     if weight.dim() != 2 or weight.dtype != torch.int8 or weight.shape[1] != k or weight.stride(-1) != 1:
@@ -238,10 +257,11 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         raise ValueError(f"bias: [{n}] floating point, got {bias.dtype} {tuple(bias.shape)}")
 
 
-def _launch(x: torch.Tensor, xin: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def _launch(xin: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
             bias: torch.Tensor | None, out: torch.Tensor, cfg: TileConfig, prequantized: bool,
             early_launch: bool) -> None:
-    m, k = x.shape
+    """``xin``: float rows, or (``prequantized``) int8 rows with their scales ``xs``."""
+    m, k = xin.shape
     n = weight.shape[0]
     row_tiles = triton.cdiv(m, cfg.block_m)
     tiles = row_tiles * triton.cdiv(n, cfg.block_n)
@@ -249,10 +269,10 @@ def _launch(x: torch.Tensor, xin: torch.Tensor, xs: torch.Tensor, weight: torch.
     steps = triton.cdiv(k, cfg.block_k)
     per_split = triton.cdiv(steps, max(1, min(cfg.split_k, steps)))
     splits = triton.cdiv(steps, per_split)
-    counts = launch.split_counts(x.device, tiles) if splits > 1 and prequantized else None
+    counts = launch.split_counts(xin.device, tiles) if splits > 1 and prequantized else None
     if counts is None:  # no count buffer (a first call inside a CUDA-graph capture): one program a tile
         splits, per_split = 1, steps
-    part = torch.empty((splits, m, n), dtype=torch.int32, device=x.device) if splits > 1 else out
+    part = torch.empty((splits, m, n), dtype=torch.int32, device=xin.device) if splits > 1 else out
     _w8a8_kernel[(tiles, splits)](
         xin, xs, weight, weight_scale.reshape(-1).contiguous(), bias.contiguous() if bias is not None else out, out,
         part, counts if counts is not None else out,
@@ -261,19 +281,19 @@ def _launch(x: torch.Tensor, xin: torch.Tensor, xs: torch.Tensor, weight: torch.
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        EXACT=exact_rounding(x),
-        RECIPROCAL=exact_rounding(x),  # as int8_quant.quantize_rows: torch's CUDA scalar division
+        EXACT=exact_rounding(xin),
+        RECIPROCAL=exact_rounding(xin),  # as int8_quant.quantize_rows: torch's CUDA scalar division
         EARLY_LAUNCH=early_launch,
         PREQUANT=prequantized,
         SPLIT=splits > 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl_launch_args(x),
+        **pdl_launch_args(xin),
     )
 
 
 def w8a8_decode(
-    x: torch.Tensor,  # [M, K] float16/bfloat16/float32, M <= 16, last dim contiguous
+    x: torch.Tensor | QuantizedRows,  # [M, K] float16/bfloat16/float32 (or int8 rows and scales), M <= 16
     weight: torch.Tensor,  # [N, K] int8, last dim contiguous
     weight_scale: torch.Tensor,  # [N, 1] or [N] float32
     bias: torch.Tensor | None = None,  # [N]
@@ -283,31 +303,34 @@ def w8a8_decode(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    split_k: int | None = None,  # programs along K per tile, over int8 rows only
     early_launch: bool = False,
     prequantize: bool | None = None,  # rows quantized in their own launch first; None: for more than one row
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """``x @ W^T`` of W8A8 int8: x's rows quantized symmetrically per row, the exact int32 product, scaled by
-    both scales (+ bias) in float32, rounded to x's dtype; one launch. Tile arguments left None take
-    ``default_config``'s."""
+    both scales (+ bias) in float32, rounded to x's dtype; one launch (or two, ``prequantize``). Rows a producer
+    already quantized (``QuantizedRows``) are read as they are. Tile arguments left None take ``default_config``'s."""
     _check_operands(x, weight, weight_scale, bias)
-    m, k = x.shape
+    xin, xs, dtype = _operand(x)
+    m, k = xin.shape
     if m > MAX_ROWS:
         raise ValueError(f"x has {m} rows: w8a8_decode takes at most {MAX_ROWS} (more take w8a8_tiles)")
     n = weight.shape[0]
-    given = (block_m, block_n, block_k, num_warps, num_stages)
+    given = (block_m, block_n, block_k, num_warps, num_stages, split_k)
     cfg = TileConfig(*(v if v is not None else d for v, d in zip(given, default_config(m, n, k))))
     _check_config(cfg, m)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=dtype, device=xin.device)
     if m == 0 or n == 0:
         return out
-    if prequantize is None:
-        # Every program quantizing all rows again costs more than a second launch from two rows on (H100).
-        prequantize = m > 1
-    xin, xs = x, out
-    if prequantize:
-        # Two launches, but no program repeats the rows' quantization (a division per value).
-        xin, xs = int8_quant.quantize_rows(x)
-    _launch(x, xin, xs, weight, weight_scale, bias, out, cfg, prequantize, early_launch)
+    if xs is None:
+        if prequantize is None:
+            # Every program quantizing all rows again costs more than a second launch from two rows on (H100).
+            prequantize = m > 1
+        xs = out
+        if prequantize:
+            # Two launches, but no program repeats the rows' quantization (a division per value).
+            xin, xs = int8_quant.quantize_rows(x)
+    _launch(xin, xs, weight, weight_scale, bias, out, cfg, xin.dtype == torch.int8, early_launch)
     return out
 
 
@@ -329,24 +352,27 @@ def tile_config(m: int, n: int, k: int, shared_memory: int = 227 * 1024) -> Tile
 
 
 def w8a8_tiles(
-    x: torch.Tensor,  # [M, K] float16/bfloat16/float32, last dim contiguous
+    x: torch.Tensor | QuantizedRows,  # [M, K] float16/bfloat16/float32 (or int8 rows and scales)
     weight: torch.Tensor,  # [N, K] int8, last dim contiguous
     weight_scale: torch.Tensor,  # [N, 1] or [N] float32
     bias: torch.Tensor | None = None,  # [N]
     *,
     config: TileConfig | None = None,  # None: tile_config's
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """``w8a8_decode``'s product for any number of rows: rows quantized in their own launch, then row and column
-    tiles of the same kernel (epilogue and bits as ``int8_quant.scale_rows`` over cuBLAS's product)."""
+    """``w8a8_decode``'s product for any number of rows: rows quantized in their own launch (unless a producer
+    already did), then row and column tiles of the same kernel (epilogue and bits as ``int8_quant.scale_rows``
+    over cuBLAS's product)."""
     _check_operands(x, weight, weight_scale, bias)
-    m, k = x.shape
+    xin, xs, dtype = _operand(x)
+    m, k = xin.shape
     n = weight.shape[0]
-    cfg = config or tile_config(m, n, k, max_shared_memory(x.device.index or 0) if x.is_cuda else 227 * 1024)
+    cfg = config or tile_config(m, n, k, max_shared_memory(xin.device.index or 0) if xin.is_cuda else 227 * 1024)
     if not all(v > 0 and v & (v - 1) == 0 for v in cfg[:3]) or cfg.block_k < 32 or cfg.split_k < 1:
         raise ValueError(f"{cfg}: block sizes must be powers of two, block_k >= 32, split_k >= 1")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=dtype, device=xin.device)
     if m == 0 or n == 0:
         return out
-    xin, xs = int8_quant.quantize_rows(x)
-    _launch(x, xin, xs, weight, weight_scale, bias, out, cfg, True, False)
+    if xs is None:
+        xin, xs = int8_quant.quantize_rows(xin)
+    _launch(xin, xs, weight, weight_scale, bias, out, cfg, True, False)
     return out

@@ -2,7 +2,8 @@
 
 The op order is ``pagedllm.layers.norm``'s: the residual add rounds to the input dtype, the
 statistics are float32, the normalized row is cast back before a Llama weight multiply (in the
-input dtype) or kept float32 through a Gemma ``(1 + w)`` multiply and cast after.
+input dtype) or kept float32 through a Gemma ``(1 + w)`` multiply and cast after. Where a float8 or int8 linear
+alone consumes the output, the kernel stores it quantized as that linear would quantize it (``row_quant.py``).
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.launch import pdl_launch_args, wait_for_previous_kernel
-from pagedllm.kernels.fp8_quant import Fp8Rows, quantize_row_fp32
+from pagedllm.kernels import row_quant
+from pagedllm.kernels.numerics import exact_rounding
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -23,8 +25,8 @@ def _rmsnorm_kernel(
     w_ptr,  # [H] contiguous
     out_ptr,  # [R0 * R1, H] contiguous
     res_out_ptr,  # [R0 * R1, H] contiguous; unused without HAS_RESIDUAL
-    q_ptr,  # [R0 * R1, H] float8 e4m3fn, contiguous; written instead of out with QUANT_OUT
-    s_ptr,  # [R0 * R1] float32 row scales (QUANT_OUT)
+    q_ptr,  # [R0 * R1, H] float8 e4m3fn or int8, contiguous; written instead of out with QUANT
+    s_ptr,  # [R0 * R1] float32 row scales (QUANT)
     n_inner,  # R1: rows per outer index (heads for q/k norm, 1 for hidden states)
     stride_x0, stride_x1,
     stride_r0, stride_r1,
@@ -32,7 +34,8 @@ def _rmsnorm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     GEMMA: tl.constexpr,
-    QUANT_OUT: tl.constexpr,  # store the output row as float8 plus its scale (fp8_quant.py's arithmetic)
+    QUANT: tl.constexpr,  # 0, or row_quant.KINDS' code: store the output row quantized, plus its scale
+    EXACT: tl.constexpr,  # compiled NVIDIA code (numerics.exact_rounding), for int8's quantizer
     BLOCK_H: tl.constexpr,  # next power of two >= hidden: the whole row is one tile
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
 ):
@@ -58,9 +61,9 @@ def _rmsnorm_kernel(
     else:
         # Llama casts the normalized row first, then multiplies in the input dtype (one rounding each).
         out = w.to(tl.float32) * normed.to(x.dtype).to(tl.float32)
-    if QUANT_OUT:
+    if QUANT:
         # The 16-bit output the unfused path would store, quantized as its own quantizer would.
-        q, scale = quantize_row_fp32(out.to(x.dtype).to(tl.float32), mask)
+        q, scale = row_quant.quantize_row(out.to(x.dtype).to(tl.float32), mask, QUANT, EXACT)
         tl.store(s_ptr + row, scale)
         tl.store(q_ptr + row * hidden + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
@@ -101,16 +104,15 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # like x
     gemma: bool = False,
-    quantize: bool = False,  # x [T, H]: return the output as Fp8Rows
-) -> tuple:  # out [..., H] (or Fp8Rows) (and new residual [..., H])
+    quantize: str | None = None,  # x [T, H]: return the output as QuantizedRows of this kind ("fp8", "int8")
+) -> tuple:  # out [..., H] (or QuantizedRows) (and new residual [..., H])
     hidden = x.shape[-1]
     rows = x.numel() // hidden
     xv, sx0, sx1, n_inner = _rows_view(x)
     if quantize:
         assert x.dim() == 2, "quantized output is for [T, H] hidden states"
-        out = Fp8Rows(torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
-                      torch.empty((rows, 1), dtype=torch.float32, device=x.device), x.dtype)
-        out_t, q_t, s_t = x, out.q, out.scales  # out_t: never written with QUANT_OUT
+        out = row_quant.empty_rows(quantize, rows, hidden, x.dtype, x.device)
+        out_t, q_t, s_t = x, out.q, out.scales  # out_t: never written with QUANT
     else:
         out = out_t = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         q_t = s_t = out
@@ -127,7 +129,8 @@ def rms_norm(
         n_inner, sx0, sx1, sr0, sr1, hidden, eps,
         HAS_RESIDUAL=residual is not None,
         GEMMA=gemma,
-        QUANT_OUT=quantize,
+        QUANT=row_quant.KINDS[quantize] if quantize else 0,
+        EXACT=exact_rounding(x),
         BLOCK_H=block,
         num_warps=num_warps,
         **pdl_launch_args(x),

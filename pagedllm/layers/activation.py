@@ -1,7 +1,7 @@
 """Gated activations of the MLPs: act(gate) * up over a fused [gate | up] input.
 
-``quantize_output`` (set when a float8 linear consumes the output) makes the CUDA kernel hand
-multi-row outputs over as ``Fp8Rows``, quantized as that linear would quantize them.
+``quantize_output`` (set when a float8 or int8 linear consumes the output) makes the CUDA kernel hand the rows
+over as ``QuantizedRows`` wherever that linear would quantize them, quantized as it would.
 """
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ from torch import nn
 
 
 def _kernel_act_and_mul(module: nn.Module, x: torch.Tensor, act: str):
-    """The Triton kernel's [T, F] result (or Fp8Rows), or None where it does not apply."""
+    """The Triton kernel's [T, F] result (or QuantizedRows), or None where it does not apply."""
     from pagedllm.kernels import activation as kernel  # one launch instead of two
-    from pagedllm.layers.quantization.fp8 import fuse_wanted
+    from pagedllm.layers.quantization.fused_rows import producer_quantization
 
     if not kernel.usable(x):
         return None
-    return kernel.act_and_mul(x, act, quantize=module.quantize_output and fuse_wanted(x, module.quantize_for))
+    return kernel.act_and_mul(x, act, quantize=producer_quantization(module, x))
 
 
 class SiluAndMul(nn.Module):
-    quantize_output = False
-    quantize_for: tuple[int, int] | None = None  # the float8 consumer's weight shape
+    quantize_output: str | None = None  # the consumer's kind of rows ("fp8", "int8"); fused_rows.flag_producers
+    quantize_for: tuple[int, int] | None = None  # the consumer's weight shape (outputs, inputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2F] -> [T, F]
         if x.is_cuda and (out := _kernel_act_and_mul(self, x, "silu")) is not None:
@@ -34,8 +34,8 @@ class SiluAndMul(nn.Module):
 class GeluAndMul(nn.Module):
     """GELU-gated unit; ``approximate="tanh"`` is HF's ``gelu_pytorch_tanh`` (Gemma)."""
 
-    quantize_output = False
-    quantize_for: tuple[int, int] | None = None  # the float8 consumer's weight shape
+    quantize_output: str | None = None  # the consumer's kind of rows ("fp8", "int8"); fused_rows.flag_producers
+    quantize_for: tuple[int, int] | None = None  # the consumer's weight shape (outputs, inputs)
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()

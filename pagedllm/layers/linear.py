@@ -39,6 +39,12 @@ class LinearMethodBase:
     ) -> torch.Tensor:  # [T, output_size]
         raise NotImplementedError
 
+    def quantized_input(self, layer: nn.Module) -> str | None:
+        """The kind of rows ("fp8", "int8") this method quantizes its input to, which the kernel that alone produces
+        that input may hand over already quantized (``layers/quantization/fused_rows.py``); None: it takes the rows
+        as they are."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     def create_weights(

@@ -14,12 +14,12 @@ class RMSNorm(nn.Module):
     The statistics are computed in float32 and the result is cast back before the weight multiply,
     exactly as HF's LlamaRMSNorm, so half-precision outputs round the same way.
 
-    ``quantize_output`` (set when a float8 linear consumes the output) makes the CUDA kernel hand
-    multi-row outputs over as ``Fp8Rows``, quantized as that linear would quantize them.
+    ``quantize_output`` (set when a float8 or int8 linear alone consumes the output) makes the CUDA kernel hand
+    the rows over as ``QuantizedRows`` wherever that linear would quantize them, quantized as it would.
     """
 
-    quantize_output = False
-    quantize_for: tuple[int, int] | None = None  # the float8 consumer's weight shape
+    quantize_output: str | None = None  # the consumer's kind of rows ("fp8", "int8"); fused_rows.flag_producers
+    quantize_for: tuple[int, int] | None = None  # the consumer's weight shape (outputs, inputs)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -44,10 +44,10 @@ class RMSNorm(nn.Module):
             from pagedllm.kernels import rmsnorm as kernel
 
             if kernel.usable(x, self.weight, residual):
-                from pagedllm.layers.quantization.fp8 import fuse_wanted
+                from pagedllm.layers.quantization.fused_rows import producer_quantization
 
                 return kernel.rms_norm(x, self.weight, self.eps, residual, gemma=isinstance(self, GemmaRMSNorm),
-                                       quantize=self.quantize_output and fuse_wanted(x, self.quantize_for))
+                                       quantize=producer_quantization(self, x))
         elif type(self) in _CPU_KERNEL_CLASSES:
             # One C pass per row instead of ~9 torch ops (a decode step makes ~100 norm calls); exact
             # classes only, since a subclass may apply its weight otherwise. None: tensors it does not take.

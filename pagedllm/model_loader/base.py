@@ -71,13 +71,17 @@ def finalize_model(
     model: nn.Module, device: torch.device | str, quantization: str | None = None, int8_activations: bool = False
 ) -> nn.Module:
     """The loaded model on ``device`` in eval mode, its linears quantized when ``quantization`` names a method
-    (``int8_activations``: int4's CPU products take 8-bit activations)."""
+    (``int8_activations``: int4's CPU products take 8-bit activations), and the kernels that produce a float8 or
+    int8 linear's input flagged to quantize it themselves."""
+    from pagedllm.layers.quantization.fused_rows import flag_producers
+
     model.requires_grad_(False)
     model = model.to(device).eval()
     if quantization is not None:
         from pagedllm.layers.quantization import quantize_model
 
         quantize_model(model, quantization, int8_activations)
+    flag_producers(model)
     return model
 
 

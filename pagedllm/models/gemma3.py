@@ -88,8 +88,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
 
-    def fp8_input_producers(self) -> list[tuple[nn.Module, nn.Module]]:
-        """(module, linear that alone consumes its output): where float8 quantization fuses into the producer."""
+    def quantized_input_producers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(module, linear that alone consumes its output): where a float8 or int8 linear's input quantization fuses
+        into the producer (``layers/quantization/fused_rows.py``)."""
         return [(self.input_layernorm, self.self_attn.qkv_proj), (self.pre_feedforward_layernorm, self.mlp.gate_up_proj),
                 (self.mlp.act_fn, self.mlp.down_proj)]
 

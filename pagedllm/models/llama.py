@@ -171,8 +171,9 @@ class LlamaDecoderLayer(nn.Module):
         """The layer's feed-forward block, ``[T, H] -> [T, H]``; mixture-of-experts families return theirs."""
         return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, bias=options.mlp_bias)
 
-    def fp8_input_producers(self) -> list[tuple[nn.Module, nn.Module]]:
-        """(module, linear that alone consumes its output): where float8 quantization fuses into the producer."""
+    def quantized_input_producers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(module, linear that alone consumes its output): where a float8 or int8 linear's input quantization fuses
+        into the producer (``layers/quantization/fused_rows.py``)."""
         pairs = [(self.input_layernorm, self.self_attn.qkv_proj)]
         if isinstance(self.mlp, LlamaMLP):
             pairs += [(self.post_attention_layernorm, self.mlp.gate_up_proj), (self.mlp.act_fn, self.mlp.down_proj)]

@@ -114,3 +114,33 @@ def test_row_tiles_give_the_exact_product(cfg):
         want = (exact * xs * ws.view(1, -1) + b.float()).to(x.dtype)
         for _ in range(2):
             assert torch.equal(int8_gemm.w8a8_tiles(x, w, ws, b, config=cfg), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_producer_kernels_store_the_quantizer_rows(dtype):
+    # Compiled: int8's scale through the reciprocal, as torch on CUDA divides by a scalar (row_quant.scale_of).
+    from pagedllm.kernels import activation, rmsnorm
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(37, 4096, device="cuda", generator=g) * 3).to(dtype)
+    res = torch.randn(37, 4096, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(4096, device="cuda", generator=g) * 0.1 + 1).to(dtype)
+    plain, _ = rmsnorm.rms_norm(x, w, 1e-5, res)
+    fused, _ = rmsnorm.rms_norm(x, w, 1e-5, res, quantize="int8")
+    q, s = int8_quant.quantize_rows(plain)
+    assert torch.equal(fused.q, q) and torch.equal(fused.scales, s)
+    gate_up = (torch.randn(37, 2 * 14336, device="cuda", generator=g) * 2).to(dtype)
+    fused = activation.act_and_mul(gate_up, "silu", quantize="int8")
+    q, s = int8_quant.quantize_rows(activation.act_and_mul(gate_up, "silu"))
+    assert torch.equal(fused.q, q) and torch.equal(fused.scales, s)
+
+
+@pytest.mark.parametrize("m", [1, 7, 30, 256])  # decode kernel, cuBLAS between, tiles
+def test_every_path_takes_producer_rows(m):
+    from pagedllm.kernels.row_quant import QuantizedRows
+
+    x, w, ws, b = _decode_case(m, 14336, 4096, torch.bfloat16, bias=True)
+    rows = QuantizedRows(*int8_quant.quantize_rows(x), x.dtype)
+    assert torch.equal(w8a8_linear(rows, w, ws, b, act_symmetric=True), w8a8_linear(x, w, ws, b, act_symmetric=True))
+    if m == 1:  # down's K split over programs, from the producer's row
+        assert torch.equal(int8_gemm.w8a8_decode(rows, w, ws, b, split_k=4), w8a8_linear(x, w, ws, b, True))

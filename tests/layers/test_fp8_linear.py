@@ -8,6 +8,7 @@ from tiny_models import make_tiny_model
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.fp8_quant import FP8_MAX, MIN_SCALE
+from pagedllm.kernels.row_quant import QuantizedRows
 from pagedllm.layers.quantization import quantize_model
 from pagedllm.layers.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod, fp8_linear_ref, quantize_rows_ref
 
@@ -145,12 +146,12 @@ def test_norm_kernel_quantizes_its_output_as_the_quantizer_would(residual: bool,
     res = torch.randn(6, 320, generator=gen).half().to(DEVICE) if residual else None
     w = (torch.randn(320, generator=gen) * 0.2 + (0.0 if gemma else 1.0)).half().to(DEVICE)
     plain = norm_k.rms_norm(x, w, 1e-6, res, gemma=gemma)
-    fused = norm_k.rms_norm(x, w, 1e-6, res, gemma=gemma, quantize=True)
+    fused = norm_k.rms_norm(x, w, 1e-6, res, gemma=gemma, quantize="fp8")
     if residual:
         (plain, plain_res), (fused, fused_res) = plain, fused
         assert torch.equal(plain_res, fused_res)
     q, s = fp8_quant.quantize_rows(plain)
-    assert isinstance(fused, fp8_quant.Fp8Rows) and fused.dtype == torch.float16 and fused.shape == (6, 320)
+    assert isinstance(fused, QuantizedRows) and fused.dtype == torch.float16 and fused.shape == (6, 320)
     assert torch.equal(fused.scales, s) and torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8))
 
 
@@ -165,7 +166,7 @@ def test_activation_kernel_quantizes_its_output_as_the_quantizer_would(act: str,
     gen = torch.Generator().manual_seed(12)
     x = (torch.randn(5, 2 * 1300, generator=gen) * 2).half().to(DEVICE)  # 1300: two column blocks, one partial
     q, s = fp8_quant.quantize_rows(act_k.act_and_mul(x, act))
-    fused = act_k.act_and_mul(x, act, quantize=True)
+    fused = act_k.act_and_mul(x, act, quantize="fp8")
     assert torch.equal(fused.scales, s) and torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8))
 
 
@@ -173,8 +174,8 @@ def test_quantized_model_flags_the_producers_of_float8_inputs(tiny_llama: str) -
     llm = _llm(tiny_llama, quantization="fp8")
     model = llm.llm_engine.engine_core.executor.worker.model_runner.model
     for layer in model.model.layers:
-        assert layer.input_layernorm.quantize_output and layer.post_attention_layernorm.quantize_output
-        assert layer.mlp.act_fn.quantize_output
+        assert layer.input_layernorm.quantize_output == layer.post_attention_layernorm.quantize_output == "fp8"
+        assert layer.mlp.act_fn.quantize_output == "fp8"
     assert not model.model.norm.quantize_output  # the final norm feeds the 16-bit LM head
 
 

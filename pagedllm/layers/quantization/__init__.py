@@ -41,12 +41,6 @@ def quantize_model(model: nn.Module, method: str, int8_activations: bool = False
         layer.quant_method = Fp8LinearMethod()
         layer.quant_method.process_weights_after_loading(layer)
         done += 1
-    # Kernels that produce a float8 linear's input quantize it themselves (the model names the pairs).
-    for module in model.modules():
-        for producer, consumer in getattr(module, "fp8_input_producers", lambda: [])():
-            if isinstance(consumer.quant_method, Fp8LinearMethod) and quantizable(consumer):
-                producer.quantize_output = True
-                producer.quantize_for = tuple(consumer.weight.shape)  # the consumer's (outputs, inputs)
     from pagedllm.layers.fused_moe import MoEExperts
 
     for module in model.modules():

@@ -9,7 +9,7 @@ a float8 checkpoint loads into the same layout as stored (``serialized``). A pro
 - the same GPUs, more tokens: each activation row is quantized the same way (one Triton launch) and
   ``torch._scaled_mm`` multiplies on the float8 tensor cores, applying both scales to the float32 sums
   (cuBLAS's row-wise scaling). Where a norm or gated activation kernel feeds the linear, that kernel
-  quantizes its own output instead (``quantize_output``, set by ``quantize_model``): ``Fp8Rows``.
+  quantizes its own output instead (``quantize_output``, set by ``fused_rows.flag_producers``): ``QuantizedRows``.
 - anywhere else (the CPU, older GPUs, float32 models): ``fp8_linear_ref``, the same quantization and
   the same scaled sum in float32, which is also the oracle of the fast paths.
 The embedding and the LM head stay in the model's dtype, as in vLLM.
@@ -21,7 +21,8 @@ import functools
 import torch
 from torch import nn
 
-from pagedllm.kernels.fp8_quant import FP8_MAX, MIN_SCALE, Fp8Rows
+from pagedllm.kernels.fp8_quant import FP8_MAX, MIN_SCALE
+from pagedllm.kernels.row_quant import QuantizedRows
 from pagedllm.layers.linear import LinearMethodBase, UnquantizedLinearMethod
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -119,7 +120,7 @@ def _load_weight_scale(layer: nn.Module, param: nn.Parameter, loaded: torch.Tens
 
 
 def _scaled_product(
-    x: Fp8Rows,  # [T, K] float8 rows and their [T, 1] scales
+    x: QuantizedRows,  # [T, K] float8 rows and their [T, 1] scales
     layer: nn.Module,
     bias: torch.Tensor | None,  # [N]
 ) -> torch.Tensor:  # [T, N] in x.dtype
@@ -155,9 +156,12 @@ class Fp8LinearMethod(LinearMethodBase):
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scales.reshape(-1).contiguous(), requires_grad=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
+    def quantized_input(self, layer: nn.Module) -> str | None:
+        return "fp8" if quantizable(layer) else None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
         w, w_scale = layer.weight, layer.weight_scale
-        if isinstance(x, Fp8Rows):  # quantized by the norm or activation kernel that produced the rows (fuse_wanted)
+        if isinstance(x, QuantizedRows):  # quantized by the norm or activation kernel that produced them (fuse_wanted)
             return _scaled_product(x, layer, bias)
         if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and float8_products(x.device.index or 0):
             if weight_only_rows(x.shape[0], w.shape):
@@ -171,5 +175,5 @@ class Fp8LinearMethod(LinearMethodBase):
 
             if x.shape[0] > 0 and fp8_quant.usable(x) and quantizable(layer):
                 q, scales = fp8_quant.quantize_rows(x)  # [T, K] float8, [T, 1]
-                return _scaled_product(Fp8Rows(q, scales, x.dtype), layer, bias)
+                return _scaled_product(QuantizedRows(q, scales, x.dtype), layer, bias)
         return fp8_linear_ref(x, w, w_scale, bias)

@@ -11,7 +11,8 @@ through each row's weight sum, to that (on the CPU through ``kernels/cpu/int8_ge
 a symmetric product of at most 16 rows (decode) takes ``kernels/int8_gemm.py`` (int32 product and epilogue
 in one launch, one row's quantization too), from ``int8_gemm.TILES_MIN_ROWS`` on its tiles after a row
 quantizer; the rows between quantize and scale in ``kernels/int8_quant.py``'s launches around cuBLAS's int8
-product. All give the torch ops' bits.
+product. Where a norm or gated activation kernel alone feeds a symmetric linear, it hands the rows over already
+quantized (``fused_rows.py``) and every path starts from them. All give the torch ops' bits.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch import nn
 from pagedllm.kernels import int8_gemm, int8_quant
 from pagedllm.kernels.cpu import int8_gemm as cpu_int8
 from pagedllm.kernels.int8_quant import quantize_int8_rows
+from pagedllm.kernels.row_quant import QuantizedRows
 from pagedllm.layers.quantization.base import QuantizedLinearMethod
 from pagedllm.layers.quantization.packed_params import PackedParam
 
@@ -46,32 +48,46 @@ def _int_mm(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:  # [T, K] int8 
     return torch._int_mm(xq, wq.t())
 
 
+def fuse_wanted(x: torch.Tensor, consumer: tuple[int, int] | None = None) -> bool:
+    """Whether a producer flagged for a symmetric W8A8 linear (whose weight's shape is ``consumer``) should hand
+    these rows over as int8: on CUDA, in a type the row quantizer takes. Every CUDA path of ``w8a8_linear``
+    quantizes symmetric rows with ``int8_quant``'s arithmetic (the decode kernel, the tiles, the quantizer
+    before cuBLAS, ``quantize_int8_rows``), so rows quantized by their producer give each path its own bits."""
+    return x.is_cuda and x.dim() == 2 and x.shape[0] > 0 and int8_quant.usable(x) and (
+        consumer is None or consumer[1] == x.shape[1])
+
+
 def w8a8_linear(
-    x: torch.Tensor,  # [T, K]
+    x: torch.Tensor | QuantizedRows,  # [T, K] (QuantizedRows: symmetric int8 rows a producer quantized)
     weight: torch.Tensor,  # [N, K] int8
     weight_scale: torch.Tensor,  # [N, 1]
     bias: torch.Tensor | None,  # [N]
     act_symmetric: bool,
 ) -> torch.Tensor:  # [T, N] in x's dtype
-    if x.is_cpu and act_symmetric and x.dtype == torch.float32 and cpu_int8.available():
+    rows = x if isinstance(x, QuantizedRows) else None
+    if rows is None and x.is_cpu and act_symmetric and x.dtype == torch.float32 and cpu_int8.available():
         # The CPU's kernels, each the arithmetic of the torch ops below.
         xq, xs = cpu_int8.quantize_rows(x.contiguous())
         y = cpu_int8.scale_rows(cpu_int8.int8_mm(xq, weight.contiguous()), xs, weight_scale.float().contiguous())
         return y if bias is None else y + bias.float()
-    if act_symmetric and int8_quant.usable(x) and int8_gemm.usable(x, weight):
-        # Decode rows: one or two launches, where the path below takes four and cuBLAS's int8 product is
-        # slow on a few rows. The same arithmetic.
-        return int8_gemm.w8a8_decode(x, weight, weight_scale.float(), bias)
-    if act_symmetric and int8_quant.usable(x) and int8_gemm.tiles_usable(x, weight):
-        # Many rows (a large decode batch, a prompt chunk): two launches, faster than cuBLAS's int8 product.
-        return int8_gemm.w8a8_tiles(x, weight, weight_scale.float(), bias)
-    if act_symmetric and int8_quant.usable(x) and _int_mm_usable(x, weight):
-        # One launch quantizes the rows, one scales the product back: the same arithmetic as below.
-        xq, xs = int8_quant.quantize_rows(x)
-        return int8_quant.scale_rows(_int_mm(xq, weight), xs, weight_scale, bias, x.dtype)
-    xq, xs, xz = quantize_int8_rows(x, act_symmetric)
+    if rows is not None or (act_symmetric and int8_quant.usable(x)):
+        if int8_gemm.usable(x, weight):
+            # Decode rows: one or two launches, where the path below takes four and cuBLAS's int8 product is
+            # slow on a few rows. The same arithmetic.
+            return int8_gemm.w8a8_decode(x, weight, weight_scale.float(), bias)
+        if int8_gemm.tiles_usable(x, weight):
+            # Many rows (a large decode batch, a prompt chunk): two launches, faster than cuBLAS's int8 product.
+            return int8_gemm.w8a8_tiles(x, weight, weight_scale.float(), bias)
+        if _int_mm_usable(rows.q if rows is not None else x, weight):
+            # One launch quantizes the rows, one scales the product back: the same arithmetic as below.
+            xq, xs = (rows.q, rows.scales) if rows is not None else int8_quant.quantize_rows(x)
+            return int8_quant.scale_rows(_int_mm(xq, weight), xs, weight_scale, bias, x.dtype)
+    if rows is not None:
+        xq, xs, xz = rows.q, rows.scales, None
+    else:
+        xq, xs, xz = quantize_int8_rows(x, act_symmetric)
     if _int_mm_usable(xq, weight):
-        acc = _int_mm(xq, weight)[: x.shape[0]]  # [T, N] int32, exact
+        acc = _int_mm(xq, weight)[: xq.shape[0]]  # [T, N] int32, exact
     else:
         acc = (xq.float() @ weight.float().t()).round().to(torch.int32)
     y = acc.float()
@@ -107,7 +123,11 @@ class W8A8Int8LinearMethod(QuantizedLinearMethod):
             w = w - layer.weight_zero_point.float()
         return w * layer.weight_scale.float()
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def quantized_input(self, layer: nn.Module) -> str | None:
+        # Symmetric rows and weights: the products that take rows a producer quantized (w8a8_linear).
+        return "int8" if self.act == "symmetric" and self.weight_symmetric else None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
         if self.act is None:
             return F.linear(x, self.dequantize(layer).to(x.dtype), bias)
         if self.weight_symmetric and x.shape[0] > 0:
