@@ -80,14 +80,17 @@ def _int8_tile_grid(m: int):
 
 def int8_rows(args, dev: torch.device, deadline: float) -> list[dict]:
     """``--int8``: the W8A8 linear at each row count: the one-launch decode kernel (up to 16 rows), its two-launch
-    form (rows quantized first), the tiles of more rows (``w8a8_tiles``), the cuBLAS path (row quantizer, cuBLAS
-    int8 product padded to 32 rows, epilogue) and each of its three parts."""
+    form (rows quantized first), the tiles of more rows (``w8a8_tiles``), the product from rows a norm or activation
+    kernel already quantized (``rows``: decode kernel or tiles, as the engine runs them since the producers store
+    int8 rows), the cuBLAS path (row quantizer, cuBLAS int8 product padded to 32 rows, epilogue) and each of its
+    three parts. The decode sweep also tries producer rows with K split over 1, 2 or 4 programs a tile."""
     from pagedllm.kernels import int8_quant
     from pagedllm.kernels.int8_gemm import MAX_ROWS, TileConfig, w8a8_decode, w8a8_tiles
+    from pagedllm.kernels.row_quant import QuantizedRows
     from pagedllm.layers.quantization.int8 import _int_mm
 
     rows = []
-    print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'decode':>8} {'prequant':>8} {'tiles':>8} {'ratio':>6}"
+    print(f"{'shape':>8} {'K':>6} {'N':>6} {'M':>5} {'bf16 us':>8} {'decode':>8} {'prequant':>8} {'tiles':>8} {'rows':>8} {'ratio':>6}"
           f" {'path':>8} {'quant':>8} {'int_mm':>8} {'epilog':>8}")
     for name, k, n in SHAPES:
         w = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8)
@@ -102,6 +105,9 @@ def int8_rows(args, dev: torch.device, deadline: float) -> list[dict]:
             pre = (_time_us(lambda: w8a8_decode(x, w, ws, None, prequantize=True), args.iters) if m <= MAX_ROWS
                    else float("nan"))
             tiles = _time_us(lambda: w8a8_tiles(x, w, ws, None), args.iters) if m > MAX_ROWS else float("nan")
+            given = QuantizedRows(xq, xs, x.dtype)
+            product = w8a8_decode if m <= MAX_ROWS else w8a8_tiles
+            from_rows = _time_us(lambda: product(given, w, ws, None), args.iters)
             path = _time_us(lambda: int8_quant.scale_rows(_int_mm(int8_quant.quantize_rows(x)[0], w), xs, ws, None,
                                                           x.dtype), args.iters)
             quant = _time_us(lambda: int8_quant.quantize_rows(x), args.iters)
@@ -110,15 +116,19 @@ def int8_rows(args, dev: torch.device, deadline: float) -> list[dict]:
             best = min(dec, pre, path) if m <= MAX_ROWS else min(tiles, path)
             tuned = None
             if args.sweep and m <= MAX_ROWS:
-                for bn, bk, warps, prequantize in itertools.product((16, 32, 64), (128, 256, 512), (4, 8),
-                                                                   (False, True)):
+                # mode: the row quantized in every program, in a launch before, or by its producer (K split n ways)
+                modes = ("in-kernel", "prequantize", "rows/1", "rows/2", "rows/4")
+                for bn, bk, warps, mode in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), modes):
                     if time.monotonic() > deadline:
                         break
-                    t = _time_us(lambda: w8a8_decode(x, w, ws, None, block_n=bn, block_k=bk, num_warps=warps,
-                                                     prequantize=prequantize), 10)
+                    tile = dict(block_n=bn, block_k=bk, num_warps=warps)
+                    if mode.startswith("rows"):
+                        t = _time_us(lambda: w8a8_decode(given, w, ws, None, split_k=int(mode[5:]), **tile), 10)
+                    else:
+                        t = _time_us(lambda: w8a8_decode(x, w, ws, None, prequantize=mode == "prequantize", **tile), 10)
                     if tuned is None or t < tuned[0]:
-                        tuned = (t, bn, bk, warps, prequantize)
-                print(f"   best decode tile (us, block_n, block_k, warps, prequantize): {tuned}", flush=True)
+                        tuned = (t, bn, bk, warps, mode)
+                print(f"   best decode tile (us, block_n, block_k, warps, rows quantized): {tuned}", flush=True)
             elif args.sweep:
                 shape_deadline = min(deadline, time.monotonic() + args.sweep_budget_s / len(SHAPES))
                 for cfg in _int8_tile_grid(m):
@@ -132,9 +142,9 @@ def int8_rows(args, dev: torch.device, deadline: float) -> list[dict]:
                         tuned = (t, *cfg)
                 print(f"   best tile (us, block_m, block_n, block_k, warps, stages, split_k): {tuned}", flush=True)
             rows.append({"shape": name, "k": k, "n": n, "m": m, "bf16_us": ref, "decode_us": dec,
-                         "prequantized_us": pre, "tiles_us": tiles, "path_us": path, "best_decode_tile": tuned,
+                         "prequantized_us": pre, "tiles_us": tiles, "rows_us": from_rows, "path_us": path, "best_decode_tile": tuned,
                          "ratio": best / ref, "quant_us": quant, "int_mm_us": mm, "epilogue_us": epi})
-            print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {dec:>8.1f} {pre:>8.1f} {tiles:>8.1f} {best / ref:>6.2f}"
+            print(f"{name:>8} {k:>6} {n:>6} {m:>5} {ref:>8.1f} {dec:>8.1f} {pre:>8.1f} {tiles:>8.1f} {from_rows:>8.1f} {best / ref:>6.2f}"
                   f" {path:>8.1f} {quant:>8.1f} {mm:>8.1f} {epi:>8.1f}", flush=True)
     return rows
 
