@@ -8,7 +8,6 @@ from tiny_models import make_tiny_model
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.fp8_quant import FP8_MAX, MIN_SCALE
-from pagedllm.kernels.row_quant import QuantizedRows
 from pagedllm.layers.quantization import quantize_model
 from pagedllm.layers.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod, fp8_linear_ref, quantize_rows_ref
 
@@ -133,50 +132,6 @@ def test_engine_args_name_the_bad_quantization() -> None:
     with pytest.raises(ValueError, match="quantization must be one of fp8, int8, int4, awq, gptq, compressed-tensors, modelopt, gguf, "
                                          "awq_marlin, gptq_marlin, moe_wna16 or None; got 'bitsandbytes'"):
         EngineArgs(model="x", quantization="bitsandbytes")._check()
-
-
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("gemma", [False, True])
-def test_norm_kernel_quantizes_its_output_as_the_quantizer_would(residual: bool, gemma: bool) -> None:
-    from pagedllm.kernels import fp8_quant
-    from pagedllm.kernels import rmsnorm as norm_k
-
-    gen = torch.Generator().manual_seed(11)
-    x = torch.randn(6, 320, generator=gen).half().to(DEVICE)
-    res = torch.randn(6, 320, generator=gen).half().to(DEVICE) if residual else None
-    w = (torch.randn(320, generator=gen) * 0.2 + (0.0 if gemma else 1.0)).half().to(DEVICE)
-    plain = norm_k.rms_norm(x, w, 1e-6, res, gemma=gemma)
-    fused = norm_k.rms_norm(x, w, 1e-6, res, gemma=gemma, quantize="fp8")
-    if residual:
-        (plain, plain_res), (fused, fused_res) = plain, fused
-        assert torch.equal(plain_res, fused_res)
-    q, s = fp8_quant.quantize_rows(plain)
-    assert isinstance(fused, QuantizedRows) and fused.dtype == torch.float16 and fused.shape == (6, 320)
-    assert torch.equal(fused.scales, s) and torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8))
-
-
-@pytest.mark.parametrize("whole_row_max", [16384, 512])  # the row's products computed once, or twice
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_activation_kernel_quantizes_its_output_as_the_quantizer_would(act: str, whole_row_max: int,
-                                                                         monkeypatch) -> None:
-    from pagedllm.kernels import activation as act_k
-    from pagedllm.kernels import fp8_quant, launch
-
-    monkeypatch.setattr(launch, "WHOLE_ROW_MAX", whole_row_max)
-    gen = torch.Generator().manual_seed(12)
-    x = (torch.randn(5, 2 * 1300, generator=gen) * 2).half().to(DEVICE)  # 1300: two column blocks, one partial
-    q, s = fp8_quant.quantize_rows(act_k.act_and_mul(x, act))
-    fused = act_k.act_and_mul(x, act, quantize="fp8")
-    assert torch.equal(fused.scales, s) and torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8))
-
-
-def test_quantized_model_flags_the_producers_of_float8_inputs(tiny_llama: str) -> None:
-    llm = _llm(tiny_llama, quantization="fp8")
-    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
-    for layer in model.model.layers:
-        assert layer.input_layernorm.quantize_output == layer.post_attention_layernorm.quantize_output == "fp8"
-        assert layer.mlp.act_fn.quantize_output == "fp8"
-    assert not model.model.norm.quantize_output  # the final norm feeds the 16-bit LM head
 
 
 @pytest.mark.parametrize(("m", "n", "k", "split", "bias"), [(5, 64, 256, 1, False), (16, 96, 512, 2, True),

@@ -1,7 +1,7 @@
-"""Rows a norm or gated activation kernel hands to a W8A8 int8 linear already quantized (``kernels/row_quant.py``,
-``layers/quantization/fused_rows.py``), under Triton's interpreter: the producers store the int8 rows and scales
-the row quantizer would, every product path given those rows returns the bits it returns for the 16-bit rows, and a
-loaded model flags each producer with the kind of rows its linear quantizes to."""
+"""Rows a norm or gated activation kernel hands to a float8 or W8A8 int8 linear already quantized
+(``kernels/row_quant.py``, ``layers/quantization/fused_rows.py``), under Triton's interpreter: the producers store
+the rows and scales the linear's own quantizer would, every int8 product path given those rows returns the bits it
+returns for the 16-bit rows, and a loaded model flags each producer with the kind of rows its linear quantizes to."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,7 @@ from tiny_models import make_tiny_model
 
 from pagedllm import LLM
 from pagedllm.kernels import activation as act_k
-from pagedllm.kernels import int8_gemm, int8_quant, launch
+from pagedllm.kernels import fp8_quant, int8_gemm, int8_quant, launch
 from pagedllm.kernels import rmsnorm as norm_k
 from pagedllm.kernels.row_quant import QuantizedRows
 from pagedllm.layers.quantization.int8 import W8A8Int8LinearMethod, fuse_wanted, w8a8_linear
@@ -19,35 +19,41 @@ from pagedllm.layers.quantization.int8 import W8A8Int8LinearMethod, fuse_wanted,
 pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
 
 
+def _same_rows(fused: QuantizedRows, kind: str, plain: torch.Tensor) -> None:
+    """``fused`` holds the rows and scales the consumer's own quantizer makes of the 16-bit ``plain`` rows."""
+    q, s = (fp8_quant if kind == "fp8" else int8_quant).quantize_rows(plain)
+    assert isinstance(fused, QuantizedRows) and fused.kind == kind and fused.dtype == plain.dtype
+    assert fused.q.dtype == q.dtype and fused.shape == plain.shape
+    assert torch.equal(fused.scales, s) and torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("gemma", [False, True])
-def test_norm_kernel_stores_the_int8_rows_of_its_output(dtype, residual: bool, gemma: bool) -> None:
+def test_norm_kernel_stores_the_quantized_rows_of_its_output(kind: str, dtype, residual: bool, gemma: bool) -> None:
     gen = torch.Generator().manual_seed(21)
     x = (torch.randn(5, 320, generator=gen) * torch.logspace(-2, 2, 5)[:, None]).to(dtype)
-    x[3] = 0.0  # with no residual, a row of zeros: the eps scale
+    x[3] = 0.0  # with no residual, a row of zeros: the smallest scale
     res = torch.randn(5, 320, generator=gen).to(dtype) if residual else None
     w = (torch.randn(320, generator=gen) * 0.2 + (0.0 if gemma else 1.0)).to(dtype)
     plain = norm_k.rms_norm(x, w, 1e-6, res, gemma=gemma)
-    fused = norm_k.rms_norm(x, w, 1e-6, res, gemma=gemma, quantize="int8")
+    fused = norm_k.rms_norm(x, w, 1e-6, res, gemma=gemma, quantize=kind)
     if residual:
         (plain, plain_res), (fused, fused_res) = plain, fused
         assert torch.equal(plain_res, fused_res)
-    q, s = int8_quant.quantize_rows(plain)
-    assert isinstance(fused, QuantizedRows) and fused.kind == "int8" and fused.dtype == dtype
-    assert fused.q.dtype == torch.int8 and fused.shape == (5, 320)
-    assert torch.equal(fused.scales, s) and torch.equal(fused.q, q)
+    _same_rows(fused, kind, plain)
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("whole_row_max", [16384, 512])  # the row's products computed once, or twice
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_activation_kernel_stores_the_int8_rows_of_its_output(act: str, whole_row_max: int, monkeypatch) -> None:
+def test_activation_kernel_stores_the_quantized_rows_of_its_output(kind: str, act: str, whole_row_max: int,
+                                                                   monkeypatch) -> None:
     monkeypatch.setattr(launch, "WHOLE_ROW_MAX", whole_row_max)
     gen = torch.Generator().manual_seed(22)
     x = (torch.randn(4, 2 * 1300, generator=gen) * 2).half()  # 1300: two column blocks, one partial
-    q, s = int8_quant.quantize_rows(act_k.act_and_mul(x, act))
-    fused = act_k.act_and_mul(x, act, quantize="int8")
-    assert fused.kind == "int8" and torch.equal(fused.scales, s) and torch.equal(fused.q, q)
+    _same_rows(act_k.act_and_mul(x, act, quantize=kind), kind, act_k.act_and_mul(x, act))
 
 
 def _weight(n: int, k: int, seed: int):  # int8 [n, k], scales [n, 1], bias [n]
