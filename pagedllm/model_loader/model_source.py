@@ -27,17 +27,37 @@ def _text_config(hf_config: Any) -> Any:
     return hf_config
 
 
-def _modelopt_config(hf_config: Any, path: str) -> None:
-    """NVIDIA Model Optimizer's older exports state their quantization only in ``hf_quant_config.json``
-    (``{"quantization": {"quant_algo": ...}}``); it becomes the config's ``quantization_config``, as newer exports
-    write it."""
-    file = os.path.join(path, "hf_quant_config.json")
-    if getattr(hf_config, "quantization_config", None) is not None or not os.path.isfile(file):
-        return
-    with open(file) as f:
-        quantization = json.load(f).get("quantization")
-    if isinstance(quantization, dict):
-        hf_config.quantization_config = {"quant_method": "modelopt", **quantization}
+# Files beside config.json that older quantizers state their quantization in, and the quant_method each implies
+# when the file names none: NVIDIA Model Optimizer's older exports, AutoGPTQ (GPTQModel writes it too), AutoAWQ.
+_SIDE_CONFIGS = (("hf_quant_config.json", "modelopt"), ("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+
+
+def _side_quant_config(hf_config: Any, path: str) -> str | None:
+    """A checkpoint whose config.json has no ``quantization_config`` but whose quantizer wrote its settings into a
+    file of its own gets them as its ``quantization_config``, as newer exports write it; returns the file read.
+
+    Model Optimizer's ``{"quantization": {"quant_algo": ...}}`` becomes ``quant_method`` ``modelopt``; AutoAWQ's
+    ``{"w_bit", "q_group_size", "zero_point", "version"}`` (in either file) ``awq``; AutoGPTQ's ``{"bits",
+    "group_size", "desc_act", "sym"}`` ``gptq``; a ``quant_method`` the file names wins."""
+    if getattr(hf_config, "quantization_config", None) is not None:
+        return None
+    for name, method in _SIDE_CONFIGS:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            continue
+        with open(file) as f:
+            cfg = json.load(f)
+        if not isinstance(cfg, dict):
+            continue
+        if method == "modelopt":
+            if not isinstance(cfg.get("quantization"), dict):
+                continue
+            cfg = {"quant_method": method, **cfg["quantization"]}
+        elif "quant_method" not in cfg:
+            cfg = {"quant_method": "awq" if "w_bit" in cfg or "q_group_size" in cfg else method, **cfg}
+        hf_config.quantization_config = cfg
+        return name
+    return None
 
 
 def _generation_defaults(path: str) -> dict:
@@ -100,7 +120,7 @@ def load_model_source(
         )
     path = resolve_model_path(model, download_dir)
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    _modelopt_config(hf_config, path)
+    _side_quant_config(hf_config, path)
     if load_format == "auto":
         files = os.listdir(path)
         if any(f.endswith(".safetensors") for f in files):

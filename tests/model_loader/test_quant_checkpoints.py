@@ -117,6 +117,27 @@ def test_fp8_block_checkpoint_in_vllm_layout_equals_compressed_tensors(tmp_path)
     assert [list(o.outputs[0].token_ids) for o in outs] == pagedllm_greedy(src)
 
 
+@pytest.mark.parametrize("file", ["quantize_config.json", "quant_config.json"])
+def test_quantization_stated_only_in_the_quantizers_own_file(tmp_path, file: str) -> None:
+    """Older checkpoints whose config.json states no quantization: AutoGPTQ's ``quantize_config.json`` (no
+    quant_method) and AutoAWQ's ``quant_config.json`` (its own key names) load as the config.json entry does."""
+    src = qc.make_gptq(4, 128, True, False)[0] if file == "quantize_config.json" else qc.make_awq(128)[0]
+    dst = tmp_path / "side"
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    quant = config.pop("quantization_config")
+    del quant["quant_method"]
+    if file == "quant_config.json":
+        quant = {"zero_point": True, "q_group_size": quant["group_size"], "w_bit": quant["bits"], "version": "GEMM"}
+    (dst / "config.json").write_text(json.dumps(config))
+    (dst / file).write_text(json.dumps(quant))
+    llm = _llm(str(dst))
+    assert llm.llm_engine.config.model_config.quantization == ("gptq" if file == "quantize_config.json" else "awq")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == pagedllm_greedy(src)
+
+
 @pytest.mark.parametrize(("legacy", "per_channel"), [(False, False), (True, False), (False, True)])
 def test_modelopt_fp8_checkpoint_matches_its_float8_products(legacy: bool, per_channel: bool) -> None:
     """NVIDIA Model Optimizer's FP8 export (made by nvidia-modelopt), with its config in config.json or, as older
