@@ -55,6 +55,12 @@ def _side_quant_config(hf_config: Any, path: str) -> str | None:
             cfg = {"quant_method": method, **cfg["quantization"]}
         elif "quant_method" not in cfg:
             cfg = {"quant_method": "awq" if "w_bit" in cfg or "q_group_size" in cfg else method, **cfg}
+        from pagedllm.layers.quantization.registry import parse_quantization_config
+
+        try:  # refused here, so that the error names the file the settings came from
+            parse_quantization_config(cfg)
+        except (ValueError, NotImplementedError) as e:
+            raise type(e)(f"{file}: {e}") from None
         hf_config.quantization_config = cfg
         return name
     return None

@@ -136,6 +136,9 @@ def test_quantization_stated_only_in_the_quantizers_own_file(tmp_path, file: str
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == pagedllm_greedy(src)
+    (dst / file).write_text(json.dumps({**quant, "w_bit": 3} if "w_bit" in quant else {**quant, "bits": 3}))
+    with pytest.raises(ValueError, match=f"{file}: quantization_config \\((gptq|awq)\\): bits 3 is not supported"):
+        _llm(str(dst))
 
 
 @pytest.mark.parametrize(("legacy", "per_channel"), [(False, False), (True, False), (False, True)])
