@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels import int8_quant, launch
-from pagedllm.kernels.int8_quant import SUPPORTED_DTYPES, quantize_int8, row_scale
+from pagedllm.kernels.int8_quant import SUPPORTED_DTYPES, quantize_int8, row_scale, scaled_sums
 from pagedllm.kernels.launch import max_shared_memory, pdl_launch_args, wait_for_previous_kernel
-from pagedllm.kernels.numerics import add_rn, exact_rounding, mul_rn
+from pagedllm.kernels.numerics import add_rn, exact_rounding
 from pagedllm.kernels.row_quant import QuantizedRows
 
 # Rows the decode launch takes: one tensor-core tile's rows (the int8 mma is 16 rows deep).
@@ -72,11 +72,11 @@ def _w_tile(w_ptrs, k0, cols_in, ks, K):
 
 
 @triton.jit
-def _store_scaled(acc, xs, ws, b_ptr, out_ptr, rows, cols, cols_in, tile_in, N, HAS_BIAS: tl.constexpr,
-                  EXACT: tl.constexpr):
-    """int8_quant's epilogue of an int32 tile [BLOCK_M, BLOCK_N]: (acc * x scale) * w scale (+ bias), each rounded
-    as torch's float32 ops, stored in the output's dtype."""
-    y = mul_rn(mul_rn(acc.to(tl.float32), xs[:, None], EXACT), ws[None, :], EXACT)  # [BLOCK_M, BLOCK_N]
+def _store_scaled(acc, xs, ws, xz, row_sums, b_ptr, out_ptr, rows, cols, cols_in, tile_in, N, HAS_BIAS: tl.constexpr,
+                  EXACT: tl.constexpr, ZERO_POINTS: tl.constexpr):
+    """int8_quant's epilogue of an int32 tile [BLOCK_M, BLOCK_N]: (acc (- x zero * w row sum) * x scale) * w scale
+    (+ bias), each rounded as torch's float32 ops, stored in the output's dtype."""
+    y = scaled_sums(acc, xs[:, None], ws[None, :], xz[:, None], row_sums[None, :], EXACT, ZERO_POINTS)
     if HAS_BIAS:
         y = add_rn(y, tl.load(b_ptr + cols, mask=cols_in, other=0.0).to(tl.float32)[None, :], EXACT)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
@@ -87,6 +87,8 @@ def _store_scaled(acc, xs, ws, b_ptr, out_ptr, rows, cols, cols_in, tile_in, N, 
 def _w8a8_kernel(
     x_ptr,  # [M, K] float16/bfloat16/float32 (int8 under PREQUANT), last dim contiguous
     xs_ptr,  # [M] float32 row scales (read only under PREQUANT)
+    xz_ptr,  # [M] float32 row zero points (ZERO_POINTS only)
+    rs_ptr,  # [N] float32 sums of the weight rows (ZERO_POINTS only)
     w_ptr,  # [N, K] int8, last dim contiguous
     ws_ptr,  # [N] float32 weight row scales, contiguous
     b_ptr,  # [N] bias, contiguous (read only when HAS_BIAS)
@@ -110,6 +112,7 @@ def _w8a8_kernel(
     USE_GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel first (kernels/launch.py)
     PREQUANT: tl.constexpr,  # x is already int8_quant.quantize_rows's output, its scales at xs_ptr
     SPLIT: tl.constexpr,  # (PREQUANT) K in several programs a tile; the last of them to finish sums and stores
+    ZERO_POINTS: tl.constexpr = False,  # (PREQUANT) asymmetric rows: x's zero point times each weight row's sum off
 ):
     # The row tiles of one column tile run side by side, so its weight is read from memory once.
     pid = tl.program_id(0)
@@ -128,6 +131,12 @@ def _w8a8_kernel(
     ws = tl.load(ws_ptr + cols, mask=cols_in, other=0.0)  # [BLOCK_N]
     wait_for_previous_kernel(USE_GDC, EARLY_LAUNCH)
 
+    if ZERO_POINTS:
+        xz = tl.load(xz_ptr + rows, mask=rows_in, other=0.0)  # [BLOCK_M]
+        row_sums = tl.load(rs_ptr + cols, mask=cols_in, other=0.0)  # [BLOCK_N]
+    else:
+        xz = tl.zeros([BLOCK_M], dtype=tl.float32)
+        row_sums = tl.zeros([BLOCK_N], dtype=tl.float32)
     if PREQUANT:
         xs = tl.load(xs_ptr + rows, mask=rows_in, other=1.0)  # [BLOCK_M]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
@@ -165,10 +174,12 @@ def _w8a8_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
             for sp in range(0, tl.num_programs(1)):
                 acc += tl.load(part_ptr + sp * M * N + tile_off, mask=tile_in, other=0, cache_modifier=".cg")
-            _store_scaled(acc, xs, ws, b_ptr, out_ptr, rows, cols, cols_in, tile_in, N, HAS_BIAS, EXACT)
+            _store_scaled(acc, xs, ws, xz, row_sums, b_ptr, out_ptr, rows, cols, cols_in, tile_in, N, HAS_BIAS, EXACT,
+                          ZERO_POINTS)
             tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
     else:
-        _store_scaled(acc, xs, ws, b_ptr, out_ptr, rows, cols, cols_in, tile_in, N, HAS_BIAS, EXACT)
+        _store_scaled(acc, xs, ws, xz, row_sums, b_ptr, out_ptr, rows, cols, cols_in, tile_in, N, HAS_BIAS, EXACT,
+                      ZERO_POINTS)
 
 
 def default_config(m: int, n: int, k: int) -> TileConfig:
@@ -237,8 +248,13 @@ def _check_config(cfg: TileConfig, m: int) -> None:
 
 
 def _check_operands(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    bias: torch.Tensor | None) -> None:
+                    bias: torch.Tensor | None, row_sums: torch.Tensor | None = None) -> None:
     xin, xs, dtype = _operand(x)
+    if row_sums is not None and (xs is not None or row_sums.dtype != torch.float32 or
+                                 tuple(row_sums.shape) != (weight.shape[0],) or not row_sums.is_contiguous()):
+        raise ValueError(f"weight_row_sums: [{weight.shape[0]}] float32, contiguous, beside 16/32-bit rows (asymmetric "
+                         f"rows are quantized here); got {row_sums.dtype} {tuple(row_sums.shape)}"
+                         + (" beside QuantizedRows" if xs is not None else ""))
     if not _rows_ok(xin, xs, dtype):
         raise ValueError(f"x: a [M, K] float16/bfloat16/float32 tensor with contiguous rows (or QuantizedRows of "
                          f"int8 and [M, 1] float32 scales), got {xin.dtype} {tuple(xin.shape)} strides {xin.stride()}"
@@ -259,8 +275,9 @@ def _check_operands(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weigh
 
 def _launch(xin: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
             bias: torch.Tensor | None, out: torch.Tensor, cfg: TileConfig, prequantized: bool,
-            early_launch: bool) -> None:
-    """``xin``: float rows, or (``prequantized``) int8 rows with their scales ``xs``."""
+            early_launch: bool, zeros: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """``xin``: float rows, or (``prequantized``) int8 rows with their scales ``xs``; ``zeros``: the int8 rows'
+    zero points [M, 1] and the weight rows' sums [N] (asymmetric rows)."""
     m, k = xin.shape
     n = weight.shape[0]
     row_tiles = triton.cdiv(m, cfg.block_m)
@@ -274,7 +291,8 @@ def _launch(xin: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_sc
         splits, per_split = 1, steps
     part = torch.empty((splits, m, n), dtype=torch.int32, device=xin.device) if splits > 1 else out
     _w8a8_kernel[(tiles, splits)](
-        xin, xs, weight, weight_scale.reshape(-1).contiguous(), bias.contiguous() if bias is not None else out, out,
+        xin, xs, *(zeros if zeros is not None else (out, out)),
+        weight, weight_scale.reshape(-1).contiguous(), bias.contiguous() if bias is not None else out, out,
         part, counts if counts is not None else out,
         m, n, k, xin.stride(0), weight.stride(0), row_tiles, per_split * cfg.block_k,
         HAS_BIAS=bias is not None,
@@ -286,6 +304,7 @@ def _launch(xin: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_sc
         EARLY_LAUNCH=early_launch,
         PREQUANT=prequantized,
         SPLIT=splits > 1,
+        ZERO_POINTS=zeros is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch_args(xin),
@@ -306,11 +325,14 @@ def w8a8_decode(
     split_k: int | None = None,  # programs along K per tile, over int8 rows only
     early_launch: bool = False,
     prequantize: bool | None = None,  # rows quantized in their own launch first; None: for more than one row
+    weight_row_sums: torch.Tensor | None = None,  # [N] float32: x's rows take a zero point each (asymmetric)
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """``x @ W^T`` of W8A8 int8: x's rows quantized symmetrically per row, the exact int32 product, scaled by
     both scales (+ bias) in float32, rounded to x's dtype; one launch (or two, ``prequantize``). Rows a producer
-    already quantized (``QuantizedRows``) are read as they are. Tile arguments left None take ``default_config``'s."""
-    _check_operands(x, weight, weight_scale, bias)
+    already quantized (``QuantizedRows``) are read as they are. With ``weight_row_sums`` the rows are quantized
+    with a zero point each in a launch first, and each zero point times the weight row's sum comes off the int32
+    product. Tile arguments left None take ``default_config``'s."""
+    _check_operands(x, weight, weight_scale, bias, weight_row_sums)
     xin, xs, dtype = _operand(x)
     m, k = xin.shape
     if m > MAX_ROWS:
@@ -322,7 +344,11 @@ def w8a8_decode(
     out = torch.empty((m, n), dtype=dtype, device=xin.device)
     if m == 0 or n == 0:
         return out
-    if xs is None:
+    zeros = None
+    if weight_row_sums is not None:
+        xin, xs, xz = int8_quant.quantize_rows_with_zeros(xin)
+        zeros = (xz, weight_row_sums)
+    elif xs is None:
         if prequantize is None:
             # Every program quantizing all rows again costs more than a second launch from two rows on (H100).
             prequantize = m > 1
@@ -330,7 +356,7 @@ def w8a8_decode(
         if prequantize:
             # Two launches, but no program repeats the rows' quantization (a division per value).
             xin, xs = int8_quant.quantize_rows(x)
-    _launch(xin, xs, weight, weight_scale, bias, out, cfg, xin.dtype == torch.int8, early_launch)
+    _launch(xin, xs, weight, weight_scale, bias, out, cfg, xin.dtype == torch.int8, early_launch, zeros)
     return out
 
 
@@ -358,11 +384,12 @@ def w8a8_tiles(
     bias: torch.Tensor | None = None,  # [N]
     *,
     config: TileConfig | None = None,  # None: tile_config's
+    weight_row_sums: torch.Tensor | None = None,  # [N] float32: x's rows take a zero point each (asymmetric)
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """``w8a8_decode``'s product for any number of rows: rows quantized in their own launch (unless a producer
     already did), then row and column tiles of the same kernel (epilogue and bits as ``int8_quant.scale_rows``
     over cuBLAS's product)."""
-    _check_operands(x, weight, weight_scale, bias)
+    _check_operands(x, weight, weight_scale, bias, weight_row_sums)
     xin, xs, dtype = _operand(x)
     m, k = xin.shape
     n = weight.shape[0]
@@ -372,7 +399,11 @@ def w8a8_tiles(
     out = torch.empty((m, n), dtype=dtype, device=xin.device)
     if m == 0 or n == 0:
         return out
-    if xs is None:
+    zeros = None
+    if weight_row_sums is not None:
+        xin, xs, xz = int8_quant.quantize_rows_with_zeros(xin)
+        zeros = (xz, weight_row_sums)
+    elif xs is None:
         xin, xs = int8_quant.quantize_rows(xin)
-    _launch(xin, xs, weight, weight_scale, bias, out, cfg, True, False)
+    _launch(xin, xs, weight, weight_scale, bias, out, cfg, True, False, zeros)
     return out

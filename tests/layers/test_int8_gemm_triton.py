@@ -149,3 +149,36 @@ def test_cpu_tensors_keep_the_torch_path():
     x = torch.zeros(2, 64)
     w, _, _ = _weight(16, 64, torch.float32, seed=0)
     assert not int8_gemm.usable(x, w)
+
+
+@pytest.mark.parametrize("m,split_k", [(1, 1), (3, 3), (16, 1)])
+def test_asymmetric_rows_in_the_decode_kernel(m, split_k):
+    # Rows quantized with a zero point each in their own launch; the epilogue takes zero x row sum off first.
+    from test_int8_triton import _skewed_rows
+
+    x = _skewed_rows(m, 300, torch.float16, seed=m)
+    w, ws, b = _weight(40, 300, torch.float16, seed=13)
+    sums = w.sum(dim=1, dtype=torch.int32).float()
+    want = w8a8_linear(x, w, ws, b, act_symmetric=False)  # on CPU: quantize_int8_rows, the int32 product, torch ops
+    got = int8_gemm.w8a8_decode(x, w, ws, b, block_n=16, block_k=64, split_k=split_k, weight_row_sums=sums)
+    assert torch.equal(got, want)
+    tiles = int8_gemm.w8a8_tiles(x, w, ws, b, config=int8_gemm.TileConfig(16, 16, 64, 4, 2, 2), weight_row_sums=sums)
+    assert torch.equal(tiles, want)
+    assert torch.equal(w8a8_linear(x, w, ws, b, act_symmetric=False, row_sums=sums), want)
+    with pytest.raises(ValueError, match=r"weight_row_sums: \[40\] float32"):
+        int8_gemm.w8a8_decode(x, w, ws, b, weight_row_sums=sums[:8])
+
+
+def test_asymmetric_activations_keep_their_weight_row_sums():
+    from pagedllm.layers.linear import ColumnParallelLinear
+    from pagedllm.layers.quantization.int8 import W8A8Int8LinearMethod
+
+    layer = ColumnParallelLinear(64, 32, bias=False, quant_method=W8A8Int8LinearMethod("asymmetric"))
+    layer.weight.data = torch.randint(-128, 128, (32, 64), generator=torch.Generator().manual_seed(1),
+                                      dtype=torch.int8)
+    layer.weight_scale.data = torch.rand(32, 1) * 1e-2
+    layer.quant_method.process_weights_after_loading(layer)
+    assert torch.equal(layer.weight_row_sums, layer.weight.sum(dim=1, dtype=torch.int32).float())
+    assert "weight_row_sums" not in dict(layer.named_parameters())
+    x = torch.randn(5, 64)
+    assert torch.equal(layer(x), w8a8_linear(x, layer.weight, layer.weight_scale, None, act_symmetric=False))

@@ -53,3 +53,43 @@ def test_epilogue_matches_the_torch_product(dtype, bias):
     acc = torch.cat([acc, torch.full((3, n), 12345, dtype=torch.int32)])
     got = int8_quant.scale_rows(acc, xs, ws, b, dtype)
     assert torch.equal(got, w8a8_linear(x, w, ws, b, act_symmetric=True))
+
+
+def _skewed_rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """``_rows`` and rows an asymmetric quantizer meets: one all positive (zero point -128), one all negative
+    (zero point 127), one off-centre by far more than its spread."""
+    x = _rows(m, k, dtype, seed).float()
+    if m > 1:
+        x[1] = x[1].abs() + 0.25
+    if m > 3:
+        x[3] = -x[3].abs() - 2.0
+    if m > 4:
+        x[4] = 40.0 + 0.01 * x[4]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("whole_row_max", [16384, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k", [(2, 64), (6, 1000), (5, 2500)])
+def test_asymmetric_row_quantizer_is_bit_exact(m, k, dtype, whole_row_max, monkeypatch):
+    monkeypatch.setattr(launch, "WHOLE_ROW_MAX", whole_row_max)
+    x = _skewed_rows(m, k, dtype, seed=m + k)
+    q, s, z = int8_quant.quantize_rows_with_zeros(x)
+    q_ref, s_ref, z_ref = quantize_int8_rows(x, symmetric=False)
+    assert q.dtype == torch.int8 and s.shape == z.shape == (m, 1)
+    assert torch.equal(s, s_ref) and torch.equal(z, z_ref) and torch.equal(q, q_ref)
+    assert z[1].item() == -128.0 and (m <= 3 or z[3].item() == 127.0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_epilogue_takes_the_zero_points_off(bias):
+    m, k, n = 6, 96, 200
+    g = torch.Generator().manual_seed(8)
+    x = _skewed_rows(m, k, torch.float16, seed=8)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    ws = torch.rand(n, 1, generator=g) * 1e-2
+    b = (torch.randn(n, generator=g) * 0.1).half() if bias else None
+    xq, xs, xz = int8_quant.quantize_rows_with_zeros(x)
+    sums = w.sum(dim=1, dtype=torch.int32).float()
+    got = int8_quant.scale_rows(torch._int_mm(xq, w.t()), xs, ws, b, torch.float16, xz, sums)
+    assert torch.equal(got, w8a8_linear(x, w, ws, b, act_symmetric=False))

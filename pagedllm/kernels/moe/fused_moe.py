@@ -75,12 +75,14 @@ def _product_input(
     # scales [rows, groups] or None, their zero points [rows, 1] or None)
     """Block-wise float8 experts take their input rows quantized to float8 per group of a block's inputs, as the
     per-expert linears (``Fp8BlockLinearMethod``) quantize theirs; int8 experts take them as int8 rows with a scale
-    each (``w8a8_linear``'s quantization, bit for bit: one launch when symmetric, torch's ops with a zero point per
-    row when not); other experts take them as they are."""
+    each (``w8a8_linear``'s quantization, bit for bit: one launch, with a zero point per row when the experts'
+    activations are asymmetric); other experts take them as they are."""
     if isinstance(w, BlockFp8ExpertWeights):
         return *fp8_block.quantize_groups(x, w.block[1]), None
     if isinstance(w, Int8ExpertWeights):
         if w.row_sums is not None:
+            if int8_quant.usable(x):
+                return int8_quant.quantize_rows_with_zeros(x)
             return int8_quant.quantize_int8_rows(x, symmetric=False)
         return *int8_quant.quantize_rows(x), None
     return x, None, None

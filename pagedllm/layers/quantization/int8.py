@@ -8,10 +8,11 @@ same arithmetic per token, symmetric or asymmetric (a zero point per token). The
 int8 operands exactly in int32 (``torch._int_mm``) and applies the scales, and the activations' zero points
 through each row's weight sum, to that (on the CPU through ``kernels/cpu/int8_gemm.py``: torch's int8 product took
 10-37x its time, and symmetric rows quantize and scale there too); asymmetric weights take the dequantized float path instead. On CUDA
-a symmetric product of at most 16 rows (decode) takes ``kernels/int8_gemm.py`` (int32 product and epilogue
-in one launch, one row's quantization too), from ``int8_gemm.TILES_MIN_ROWS`` on its tiles after a row
-quantizer; the rows between quantize and scale in ``kernels/int8_quant.py``'s launches around cuBLAS's int8
-product. Where a norm or gated activation kernel alone feeds a symmetric linear, it hands the rows over already
+a product of at most 16 rows (decode) takes ``kernels/int8_gemm.py`` (int32 product and epilogue in one launch,
+one symmetric row's quantization too), from ``int8_gemm.TILES_MIN_ROWS`` on its tiles after a row quantizer; the
+rows between quantize and scale in ``kernels/int8_quant.py``'s launches around cuBLAS's int8 product. Rows with a
+zero point each take the same launches: the quantizer stores the zero points, and the epilogue takes each times the
+weight row's sum (computed once at load) off the int32 sums. Where a norm or gated activation kernel alone feeds a symmetric linear, it hands the rows over already
 quantized (``fused_rows.py``) and every path starts from them. All give the torch ops' bits.
 """
 from __future__ import annotations
@@ -63,6 +64,7 @@ def w8a8_linear(
     weight_scale: torch.Tensor,  # [N, 1]
     bias: torch.Tensor | None,  # [N]
     act_symmetric: bool,
+    row_sums: torch.Tensor | None = None,  # [N] float32: the weight rows' sums, for asymmetric rows
 ) -> torch.Tensor:  # [T, N] in x's dtype
     rows = x if isinstance(x, QuantizedRows) else None
     if rows is None and x.is_cpu and act_symmetric and x.dtype == torch.float32 and cpu_int8.available():
@@ -70,18 +72,24 @@ def w8a8_linear(
         xq, xs = cpu_int8.quantize_rows(x.contiguous())
         y = cpu_int8.scale_rows(cpu_int8.int8_mm(xq, weight.contiguous()), xs, weight_scale.float().contiguous())
         return y if bias is None else y + bias.float()
-    if rows is not None or (act_symmetric and int8_quant.usable(x)):
+    sums = None if act_symmetric else row_sums
+    if rows is not None or (int8_quant.usable(x) and (act_symmetric or sums is not None)):
         if int8_gemm.usable(x, weight):
             # Decode rows: one or two launches, where the path below takes four and cuBLAS's int8 product is
             # slow on a few rows. The same arithmetic.
-            return int8_gemm.w8a8_decode(x, weight, weight_scale.float(), bias)
+            return int8_gemm.w8a8_decode(x, weight, weight_scale.float(), bias, weight_row_sums=sums)
         if int8_gemm.tiles_usable(x, weight):
             # Many rows (a large decode batch, a prompt chunk): two launches, faster than cuBLAS's int8 product.
-            return int8_gemm.w8a8_tiles(x, weight, weight_scale.float(), bias)
+            return int8_gemm.w8a8_tiles(x, weight, weight_scale.float(), bias, weight_row_sums=sums)
         if _int_mm_usable(rows.q if rows is not None else x, weight):
             # One launch quantizes the rows, one scales the product back: the same arithmetic as below.
-            xq, xs = (rows.q, rows.scales) if rows is not None else int8_quant.quantize_rows(x)
-            return int8_quant.scale_rows(_int_mm(xq, weight), xs, weight_scale, bias, x.dtype)
+            if rows is not None:
+                xq, xs, xz = rows.q, rows.scales, None
+            elif sums is not None:
+                xq, xs, xz = int8_quant.quantize_rows_with_zeros(x)
+            else:
+                (xq, xs), xz = int8_quant.quantize_rows(x), None
+            return int8_quant.scale_rows(_int_mm(xq, weight), xs, weight_scale, bias, x.dtype, xz, sums)
     if rows is not None:
         xq, xs, xz = rows.q, rows.scales, None
     else:
@@ -92,7 +100,9 @@ def w8a8_linear(
         acc = (xq.float() @ weight.float().t()).round().to(torch.int32)
     y = acc.float()
     if xz is not None:
-        y = y - xz * weight.sum(dim=1, dtype=torch.int32).float()[None, :]
+        if row_sums is None:
+            row_sums = weight.sum(dim=1, dtype=torch.int32).float()
+        y = y - xz * row_sums[None, :]
     y = y * xs * weight_scale.float().view(1, -1)
     if bias is not None:
         y = y + bias.float()
@@ -123,6 +133,12 @@ class W8A8Int8LinearMethod(QuantizedLinearMethod):
             w = w - layer.weight_zero_point.float()
         return w * layer.weight_scale.float()
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.act == "asymmetric" and self.weight_symmetric:
+            # Each weight row's sum, which each row's zero point multiplies in the product: once, not every call.
+            layer.register_buffer("weight_row_sums", layer.weight.data.sum(dim=1, dtype=torch.int32).float(),
+                                  persistent=False)
+
     def quantized_input(self, layer: nn.Module) -> str | None:
         # Symmetric rows and weights: the products that take rows a producer quantized (w8a8_linear).
         return "int8" if self.act == "symmetric" and self.weight_symmetric else None
@@ -131,7 +147,8 @@ class W8A8Int8LinearMethod(QuantizedLinearMethod):
         if self.act is None:
             return F.linear(x, self.dequantize(layer).to(x.dtype), bias)
         if self.weight_symmetric and x.shape[0] > 0:
-            return w8a8_linear(x, layer.weight, layer.weight_scale, bias, self.act == "symmetric")
+            return w8a8_linear(x, layer.weight, layer.weight_scale, bias, self.act == "symmetric",
+                               getattr(layer, "weight_row_sums", None))
         xq, xs, xz = quantize_int8_rows(x, self.act == "symmetric")
         xd = (xq.float() - (xz if xz is not None else 0)) * xs
         return F.linear(xd, self.dequantize(layer), None if bias is None else bias.float()).to(x.dtype)
