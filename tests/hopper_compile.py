@@ -195,7 +195,8 @@ def main() -> None:
                    qk_norm_rotary._qk_norm_rotary_kernel, rc._reshape_and_cache_kernel, pa._paged_attention_kernel,
                    pa._reduce_splits_kernel, dp._piece_ends_kernel, dp._decode_pieces_kernel, fp8_quant._quant_rows_kernel,
                    activation._act_and_mul_quant_kernel, argmax_triton._chunk_argmax_kernel,
-                   argmax_triton._row_argmax_kernel, int8_gemm._w8a8_kernel):
+                   argmax_triton._row_argmax_kernel, int8_gemm._w8a8_kernel, int8_quant._quant_rows_kernel,
+                   int8_quant._scale_rows_kernel):
         _record(kernel, launches)
     bf = torch.bfloat16
     gemv.gemv(torch.zeros(1, 1024, dtype=bf), torch.zeros(64, 1024, dtype=bf))
@@ -213,9 +214,14 @@ def main() -> None:
         rmsnorm.rms_norm(torch.zeros(2, 1024, dtype=bf), torch.ones(1024, dtype=bf), 1e-6,
                          torch.zeros(2, 1024, dtype=bf), quantize=kind)
         activation.act_and_mul(torch.zeros(2, 2048, dtype=bf), "silu", quantize=kind)
-    int8_quant._quant_rows_kernel.run = lambda *a, **k: None  # the rows' own quantizer is the one recorded above
     rows = QuantizedRows(*int8_quant.quantize_rows(torch.zeros(1, 4096, dtype=bf)), bf)
     int8_gemm.w8a8_decode(rows, torch.zeros(4096, 4096, dtype=torch.int8), torch.ones(4096), split_k=2)
+    # W8A8 rows with a zero point each: their quantizer, the decode kernel and the epilogue after cuBLAS.
+    sums = torch.zeros(4096)
+    int8_gemm.w8a8_decode(torch.zeros(2, 4096, dtype=bf), torch.zeros(4096, 4096, dtype=torch.int8), torch.ones(4096),
+                          weight_row_sums=sums)
+    int8_quant.scale_rows(torch.zeros(32, 4096, dtype=torch.int32), torch.ones(30, 1), torch.ones(4096), None, bf,
+                          torch.zeros(30, 1), sums)
     split = skinny_gemm.GemmConfig(32, 32, 128, 4, 3, 4)  # the in-launch sum of a K split
     skinny_gemm.skinny_gemm(torch.zeros(16, 1024, dtype=bf), torch.zeros(1024, 1024, dtype=torch.float8_e4m3fn),
                             config=split, scale=torch.ones(1024))

@@ -64,7 +64,8 @@ def test_pdl_kernels_compile_for_hopper():
     assert seen == {"_gemv_kernel", "_skinny_gemm_kernel", "_rmsnorm_kernel", "_act_and_mul_kernel", "_rotary_kernel",
                     "_qk_norm_rotary_kernel", "_paged_attention_kernel", "_reduce_splits_kernel",
                     "_reshape_and_cache_kernel", "_piece_ends_kernel", "_decode_pieces_kernel", "_quant_rows_kernel",
-                    "_act_and_mul_quant_kernel", "_chunk_argmax_kernel", "_row_argmax_kernel", "_w8a8_kernel"}
+                    "_act_and_mul_quant_kernel", "_chunk_argmax_kernel", "_row_argmax_kernel", "_w8a8_kernel",
+                    "_scale_rows_kernel"}
     assert all(r["pdl"] and r["wait"] >= 1 for r in rows), rows
     # Small grids, and the skinny GEMM at <= 16 rows (whose successor then loads its weights during it).
     small = {"_rmsnorm_kernel", "_act_and_mul_kernel", "_rotary_kernel", "_qk_norm_rotary_kernel",

@@ -144,3 +144,22 @@ def test_every_path_takes_producer_rows(m):
     assert torch.equal(w8a8_linear(rows, w, ws, b, act_symmetric=True), w8a8_linear(x, w, ws, b, act_symmetric=True))
     if m == 1:  # down's K split over programs, from the producer's row
         assert torch.equal(int8_gemm.w8a8_decode(rows, w, ws, b, split_k=4), w8a8_linear(x, w, ws, b, True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k", [(1, 4096), (37, 14336), (256, 4096)])
+def test_asymmetric_row_quantizer_is_bit_exact(m, k, dtype):
+    g = torch.Generator(device="cuda").manual_seed(m + 1)
+    x = (torch.randn(m, k, device="cuda", generator=g) * 3 + torch.linspace(-4, 6, m, device="cuda")[:, None]).to(dtype)
+    q, s, z = int8_quant.quantize_rows_with_zeros(x)
+    q_ref, s_ref, z_ref = quantize_int8_rows(x, symmetric=False)
+    assert torch.equal(s, s_ref) and torch.equal(z, z_ref) and torch.equal(q, q_ref)
+
+
+@pytest.mark.parametrize("m", [1, 7, 30, 256])  # decode kernel, decode kernel, cuBLAS between, tiles
+def test_asymmetric_rows_take_every_path(m):
+    x, w, ws, b = _decode_case(m, 14336, 4096, torch.bfloat16, bias=True)
+    x = x + 0.5  # off-centre rows: zero points away from 0
+    sums = w.sum(dim=1, dtype=torch.int32).float()
+    want = w8a8_linear(x, w, ws, b, act_symmetric=False)  # torch's ops: no row sums given
+    assert torch.equal(w8a8_linear(x, w, ws, b, act_symmetric=False, row_sums=sums), want)
