@@ -8,7 +8,8 @@ full collections (PAGEDLLM_GC_FREEZE=0, ``engine/heap.py``); ``fp8kv`` keeps the
 (``kv_cache_dtype="fp8"``), ``fp8w`` quantizes the weights to float8 at load (``quantization="fp8"``),
 ``fp8all`` does both, ``int8w`` quantizes them to int8 (W8A8) at load; ``awq4`` and ``gptq4`` run the 8B's
 shape as a 4-bit group-128 AWQ / GPTQ checkpoint (random packed weights, the wna16 kernel), ``fp8block`` as a
-block-wise float8 checkpoint (128x128 blocks, ``kernels/fp8_block.py``); ``buckets8`` captures decode graphs every 8 requests, as vLLM does, through
+block-wise float8 checkpoint (128x128 blocks, ``kernels/fp8_block.py``), ``int8asym`` as a W8A8 checkpoint whose
+activations take a zero point per token; ``buckets8`` captures decode graphs every 8 requests, as vLLM does, through
 ``compilation_config``. Each variant runs (1) workload 3, Llama-3-8B batch 1, 1000-token prompt, time
 per output token, and (2) workload 1, Qwen3-0.6B 256 prompts in/out U[100, 1024], output tok/s; with
 ``--workload2`` also (3) workload 2, with ``--batches 2,4,...`` the 8B's time per output token at those
@@ -42,6 +43,7 @@ VARIANTS = {
     "awq4": {"BENCH_LLAMA_SHAPE": "llama-3-8b-awq"},
     "gptq4": {"BENCH_LLAMA_SHAPE": "llama-3-8b-gptq"},
     "fp8block": {"BENCH_LLAMA_SHAPE": "llama-3-8b-fp8-block"},
+    "int8asym": {"BENCH_LLAMA_SHAPE": "llama-3-8b-w8a8-asym"},
     # Decode graphs every 8 requests (vLLM's default buckets) instead of at powers of two.
     "buckets8": {"BENCH_COMPILATION_CONFIG": json.dumps(
         {"cudagraph_capture_sizes": [1, 2, 4] + list(range(8, 257, 8))})},
