@@ -16,9 +16,10 @@ takes the row's largest magnitude (x stays in L2) and quantizes its x tile with 
 arithmetic (shared jit helpers, so the bits cannot drift apart), an IEEE division per value that every
 program repeats. From two rows on that repetition costs more than a launch, so the rows are quantized once
 first (``prequantize``, ``int8_quant.quantize_rows``) and the kernel reads them; rows the norm or activation
-kernel before the linear already quantized (``row_quant.QuantizedRows``) are read so at any count. At decode ``BLOCK_M`` is
-the rows rounded up to a power of two (Triton pads the tensor-core tile); ``default_config`` holds the
-tiles an H100 sweep chose, ``tile_config`` those of more rows.
+kernel before the linear already quantized (``row_quant.QuantizedRows``) are read so at any count, and rows with
+a zero point each (asymmetric activations) are always quantized first. At decode ``BLOCK_M`` is the rows
+rounded up to a power of two (Triton pads the tensor-core tile); ``default_config`` holds the tiles an H100
+sweep chose, ``tile_config`` those of more rows.
 """
 from __future__ import annotations
 
