@@ -210,14 +210,17 @@ def main() -> None:
                             scale=torch.ones(1024), config=skinny_gemm.default_config(32, 1024, 4096))
     # Norms and activations that store a float8 or W8A8 linear's input quantized; one such int8 row read by the
     # W8A8 decode kernel with its K split.
-    for kind in ("fp8", "int8"):
+    for kind in ("fp8", "int8", "int8_zp"):
         rmsnorm.rms_norm(torch.zeros(2, 1024, dtype=bf), torch.ones(1024, dtype=bf), 1e-6,
                          torch.zeros(2, 1024, dtype=bf), quantize=kind)
         activation.act_and_mul(torch.zeros(2, 2048, dtype=bf), "silu", quantize=kind)
     rows = QuantizedRows(*int8_quant.quantize_rows(torch.zeros(1, 4096, dtype=bf)), bf)
     int8_gemm.w8a8_decode(rows, torch.zeros(4096, 4096, dtype=torch.int8), torch.ones(4096), split_k=2)
-    # W8A8 rows with a zero point each: their quantizer, the decode kernel and the epilogue after cuBLAS.
+    # W8A8 rows with a zero point each: their quantizer, the decode kernel (from a producer's rows too) and the
+    # epilogue after cuBLAS.
     sums = torch.zeros(4096)
+    int8_gemm.w8a8_decode(QuantizedRows(rows.q, rows.scales, bf, torch.zeros(1, 1)),
+                          torch.zeros(4096, 4096, dtype=torch.int8), torch.ones(4096), weight_row_sums=sums)
     int8_gemm.w8a8_decode(torch.zeros(2, 4096, dtype=bf), torch.zeros(4096, 4096, dtype=torch.int8), torch.ones(4096),
                           weight_row_sums=sums)
     int8_quant.scale_rows(torch.zeros(32, 4096, dtype=torch.int32), torch.ones(30, 1), torch.ones(4096), None, bf,

@@ -61,6 +61,7 @@ def _act_and_mul_quant_kernel(
     x_ptr,  # [T, 2F], last dim contiguous
     q_ptr,  # [T, F] float8 e4m3fn or int8, contiguous
     s_ptr,  # [T] float32 row scales
+    z_ptr,  # [T] float32 row zero points (QUANT 3: "int8_zp")
     n_cols,  # F
     stride_xt,
     ACT: tl.constexpr,
@@ -77,21 +78,26 @@ def _act_and_mul_quant_kernel(
     if WHOLE_ROW:
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        q, scale = row_quant.quantize_row(_gated_product(row_ptr, cols, mask, n_cols, ACT), mask, QUANT, EXACT)
-        tl.store(s_ptr + tok, scale)
+        q, scale, zero = row_quant.quantize_row(_gated_product(row_ptr, cols, mask, n_cols, ACT), mask, QUANT,
+                                                EXACT)
         tl.store(q_ptr + tok * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        lo = tl.zeros([BLOCK], dtype=tl.float32)  # masked products are 0, which the range holds anyway
+        hi = tl.zeros([BLOCK], dtype=tl.float32)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(_gated_product(row_ptr, cols, cols < n_cols, n_cols, ACT)))
-        scale = row_quant.scale_of(tl.max(amax, axis=0), QUANT, EXACT)
-        tl.store(s_ptr + tok, scale)
+            prod = _gated_product(row_ptr, cols, cols < n_cols, n_cols, ACT)
+            lo = tl.minimum(lo, prod)
+            hi = tl.maximum(hi, prod)
+        scale, zero = row_quant.params_of(tl.min(lo, axis=0), tl.max(hi, axis=0), QUANT, EXACT)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             mask = cols < n_cols
-            q = row_quant.quantized(_gated_product(row_ptr, cols, mask, n_cols, ACT), scale, QUANT, EXACT)
+            q = row_quant.quantized(_gated_product(row_ptr, cols, mask, n_cols, ACT), scale, zero, QUANT, EXACT)
             tl.store(q_ptr + tok * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + tok, scale)
+    if QUANT == 3:
+        tl.store(z_ptr + tok, zero)
 
 
 _ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -104,13 +110,14 @@ def usable(x: torch.Tensor) -> bool:
 def act_and_mul(
     x: torch.Tensor,  # [T, 2F]
     act: str = "silu",
-    quantize: str | None = None,  # return the rows as QuantizedRows of this kind ("fp8", "int8")
+    quantize: str | None = None,  # return the rows as QuantizedRows of this kind (row_quant.KINDS)
 ):  # [T, F] (or QuantizedRows)
     tokens, n_cols = x.shape[0], x.shape[1] // 2
     if quantize:
         out = row_quant.empty_rows(quantize, tokens, n_cols, x.dtype, x.device)
         block, whole_row, warps = row_tile(n_cols)
-        _act_and_mul_quant_kernel[(tokens,)](x, out.q, out.scales, n_cols, x.stride(0), ACT=_ACTS[act],
+        zeros = out.zeros if out.zeros is not None else out.scales
+        _act_and_mul_quant_kernel[(tokens,)](x, out.q, out.scales, zeros, n_cols, x.stride(0), ACT=_ACTS[act],
                                              BLOCK=block, WHOLE_ROW=whole_row, QUANT=row_quant.KINDS[quantize],
                                              EXACT=exact_rounding(x), num_warps=warps, **pdl_launch_args(x))
         return out

@@ -251,11 +251,15 @@ def _check_config(cfg: TileConfig, m: int) -> None:
 def _check_operands(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None, row_sums: torch.Tensor | None = None) -> None:
     xin, xs, dtype = _operand(x)
-    if row_sums is not None and (xs is not None or row_sums.dtype != torch.float32 or
-                                 tuple(row_sums.shape) != (weight.shape[0],) or not row_sums.is_contiguous()):
-        raise ValueError(f"weight_row_sums: [{weight.shape[0]}] float32, contiguous, beside 16/32-bit rows (asymmetric "
-                         f"rows are quantized here); got {row_sums.dtype} {tuple(row_sums.shape)}"
-                         + (" beside QuantizedRows" if xs is not None else ""))
+    if row_sums is not None and (row_sums.dtype != torch.float32 or tuple(row_sums.shape) != (weight.shape[0],)
+                                 or not row_sums.is_contiguous()):
+        raise ValueError(f"weight_row_sums: [{weight.shape[0]}] float32, contiguous; got {row_sums.dtype} "
+                         f"{tuple(row_sums.shape)}")
+    zeros = x.zeros if isinstance(x, QuantizedRows) else None
+    if xs is not None and (zeros is None) != (row_sums is None):
+        raise ValueError("weight_row_sums: given exactly when the QuantizedRows carry zero points; got "
+                         f"{'no ' if row_sums is None else ''}row sums for rows {'with' if zeros is not None else 'without'}"
+                         " zero points")
     if not _rows_ok(xin, xs, dtype):
         raise ValueError(f"x: a [M, K] float16/bfloat16/float32 tensor with contiguous rows (or QuantizedRows of "
                          f"int8 and [M, 1] float32 scales), got {xin.dtype} {tuple(xin.shape)} strides {xin.stride()}"
@@ -272,6 +276,19 @@ def _check_operands(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weigh
                          f"{tuple(weight_scale.shape)}")
     if bias is not None and (bias.shape != (n,) or not bias.is_floating_point()):
         raise ValueError(f"bias: [{n}] floating point, got {bias.dtype} {tuple(bias.shape)}")
+
+
+def _kernel_rows(x: torch.Tensor | QuantizedRows, weight_row_sums: torch.Tensor | None, quantize: bool):
+    """(the rows the kernel reads, their scales or None, (zero points, weight row sums) or None): a producer's rows
+    as they are; float rows quantized here with a zero point each when ``weight_row_sums`` is given, else
+    symmetrically when ``quantize``."""
+    xin, xs, _ = _operand(x)
+    xz = x.zeros if isinstance(x, QuantizedRows) else None
+    if xs is None and weight_row_sums is not None:
+        xin, xs, xz = int8_quant.quantize_rows_with_zeros(xin)
+    elif xs is None and quantize:
+        xin, xs = int8_quant.quantize_rows(xin)
+    return xin, xs, None if xz is None else (xz, weight_row_sums)
 
 
 def _launch(xin: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -330,9 +347,9 @@ def w8a8_decode(
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """``x @ W^T`` of W8A8 int8: x's rows quantized symmetrically per row, the exact int32 product, scaled by
     both scales (+ bias) in float32, rounded to x's dtype; one launch (or two, ``prequantize``). Rows a producer
-    already quantized (``QuantizedRows``) are read as they are. With ``weight_row_sums`` the rows are quantized
-    with a zero point each in a launch first, and each zero point times the weight row's sum comes off the int32
-    product. Tile arguments left None take ``default_config``'s."""
+    already quantized (``QuantizedRows``) are read as they are. With ``weight_row_sums`` float rows are quantized
+    with a zero point each in a launch first (or a producer's rows carry theirs), and each zero point times the
+    weight row's sum comes off the int32 product. Tile arguments left None take ``default_config``'s."""
     _check_operands(x, weight, weight_scale, bias, weight_row_sums)
     xin, xs, dtype = _operand(x)
     m, k = xin.shape
@@ -345,19 +362,12 @@ def w8a8_decode(
     out = torch.empty((m, n), dtype=dtype, device=xin.device)
     if m == 0 or n == 0:
         return out
-    zeros = None
-    if weight_row_sums is not None:
-        xin, xs, xz = int8_quant.quantize_rows_with_zeros(xin)
-        zeros = (xz, weight_row_sums)
-    elif xs is None:
-        if prequantize is None:
-            # Every program quantizing all rows again costs more than a second launch from two rows on (H100).
-            prequantize = m > 1
-        xs = out
-        if prequantize:
-            # Two launches, but no program repeats the rows' quantization (a division per value).
-            xin, xs = int8_quant.quantize_rows(x)
-    _launch(xin, xs, weight, weight_scale, bias, out, cfg, xin.dtype == torch.int8, early_launch, zeros)
+    if prequantize is None:
+        # Every program quantizing all rows again costs more than a second launch from two rows on (H100); two
+        # launches, but no program repeats the rows' quantization (a division per value).
+        prequantize = m > 1
+    xin, xs, zeros = _kernel_rows(x, weight_row_sums, prequantize)
+    _launch(xin, out if xs is None else xs, weight, weight_scale, bias, out, cfg, xs is not None, early_launch, zeros)
     return out
 
 
@@ -400,11 +410,6 @@ def w8a8_tiles(
     out = torch.empty((m, n), dtype=dtype, device=xin.device)
     if m == 0 or n == 0:
         return out
-    zeros = None
-    if weight_row_sums is not None:
-        xin, xs, xz = int8_quant.quantize_rows_with_zeros(xin)
-        zeros = (xz, weight_row_sums)
-    elif xs is None:
-        xin, xs = int8_quant.quantize_rows(xin)
+    xin, xs, zeros = _kernel_rows(x, weight_row_sums, True)
     _launch(xin, xs, weight, weight_scale, bias, out, cfg, True, False, zeros)
     return out

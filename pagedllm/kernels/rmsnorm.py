@@ -27,6 +27,7 @@ def _rmsnorm_kernel(
     res_out_ptr,  # [R0 * R1, H] contiguous; unused without HAS_RESIDUAL
     q_ptr,  # [R0 * R1, H] float8 e4m3fn or int8, contiguous; written instead of out with QUANT
     s_ptr,  # [R0 * R1] float32 row scales (QUANT)
+    z_ptr,  # [R0 * R1] float32 row zero points (QUANT 3: "int8_zp")
     n_inner,  # R1: rows per outer index (heads for q/k norm, 1 for hidden states)
     stride_x0, stride_x1,
     stride_r0, stride_r1,
@@ -63,8 +64,10 @@ def _rmsnorm_kernel(
         out = w.to(tl.float32) * normed.to(x.dtype).to(tl.float32)
     if QUANT:
         # The 16-bit output the unfused path would store, quantized as its own quantizer would.
-        q, scale = row_quant.quantize_row(out.to(x.dtype).to(tl.float32), mask, QUANT, EXACT)
+        q, scale, zero = row_quant.quantize_row(out.to(x.dtype).to(tl.float32), mask, QUANT, EXACT)
         tl.store(s_ptr + row, scale)
+        if QUANT == 3:
+            tl.store(z_ptr + row, zero)
         tl.store(q_ptr + row * hidden + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + row * hidden + cols, out.to(x.dtype), mask=mask)
@@ -104,7 +107,7 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # like x
     gemma: bool = False,
-    quantize: str | None = None,  # x [T, H]: return the output as QuantizedRows of this kind ("fp8", "int8")
+    quantize: str | None = None,  # x [T, H]: return the output as QuantizedRows of this kind (row_quant.KINDS)
 ) -> tuple:  # out [..., H] (or QuantizedRows) (and new residual [..., H])
     hidden = x.shape[-1]
     rows = x.numel() // hidden
@@ -113,9 +116,10 @@ def rms_norm(
         assert x.dim() == 2, "quantized output is for [T, H] hidden states"
         out = row_quant.empty_rows(quantize, rows, hidden, x.dtype, x.device)
         out_t, q_t, s_t = x, out.q, out.scales  # out_t: never written with QUANT
+        z_t = out.zeros if out.zeros is not None else s_t
     else:
         out = out_t = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        q_t = s_t = out
+        q_t = s_t = z_t = out
     if residual is not None:
         rv, sr0, sr1, _ = _rows_view(residual)
         res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -125,7 +129,7 @@ def rms_norm(
     # Wide rows (hidden states) get more warps so each thread holds a few elements; head-dim rows need few.
     num_warps = 8 if block >= 4096 else (4 if block >= 1024 else (2 if block >= 256 else 1))
     _rmsnorm_kernel[(rows,)](
-        xv, rv, weight, out_t, res_out, q_t, s_t,
+        xv, rv, weight, out_t, res_out, q_t, s_t, z_t,
         n_inner, sx0, sx1, sr0, sr1, hidden, eps,
         HAS_RESIDUAL=residual is not None,
         GEMMA=gemma,

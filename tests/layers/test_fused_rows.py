@@ -20,14 +20,20 @@ pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndi
 
 
 def _same_rows(fused: QuantizedRows, kind: str, plain: torch.Tensor) -> None:
-    """``fused`` holds the rows and scales the consumer's own quantizer makes of the 16-bit ``plain`` rows."""
-    q, s = (fp8_quant if kind == "fp8" else int8_quant).quantize_rows(plain)
+    """``fused`` holds the rows, scales (and zero points) the consumer's own quantizer makes of the 16-bit ``plain``
+    rows."""
+    if kind == "int8_zp":
+        q, s, z = int8_quant.quantize_rows_with_zeros(plain)
+        assert torch.equal(fused.zeros, z) and z.abs().max() > 0
+    else:
+        (q, s), z = (fp8_quant if kind == "fp8" else int8_quant).quantize_rows(plain), None
+        assert fused.zeros is None
     assert isinstance(fused, QuantizedRows) and fused.kind == kind and fused.dtype == plain.dtype
     assert fused.q.dtype == q.dtype and fused.shape == plain.shape
     assert torch.equal(fused.scales, s) and torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8))
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int8_zp"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("gemma", [False, True])
@@ -45,7 +51,7 @@ def test_norm_kernel_stores_the_quantized_rows_of_its_output(kind: str, dtype, r
     _same_rows(fused, kind, plain)
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int8_zp"])
 @pytest.mark.parametrize("whole_row_max", [16384, 512])  # the row's products computed once, or twice
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_activation_kernel_stores_the_quantized_rows_of_its_output(kind: str, act: str, whole_row_max: int,
@@ -75,6 +81,26 @@ def test_decode_kernel_reads_producer_rows(m: int, split_k: int) -> None:
     assert torch.equal(w8a8_linear(rows, w, ws, b, act_symmetric=True), want)  # the torch path from the rows
 
 
+@pytest.mark.parametrize("m", [1, 16, 70])
+def test_every_path_reads_producer_rows_with_zero_points(m: int) -> None:
+    from test_int8_triton import _skewed_rows
+
+    x = _skewed_rows(m, 300, torch.float16, seed=m)
+    w, ws, b = _weight(40, 300, seed=14)
+    sums = w.sum(dim=1, dtype=torch.int32).float()
+    q, s, z = int8_quant.quantize_rows_with_zeros(x)
+    rows = QuantizedRows(q, s, x.dtype, z)
+    want = w8a8_linear(x, w, ws, b, act_symmetric=False)
+    if m <= int8_gemm.MAX_ROWS:
+        got = int8_gemm.w8a8_decode(rows, w, ws, b, block_n=16, block_k=64, weight_row_sums=sums)
+    else:
+        got = int8_gemm.w8a8_tiles(rows, w, ws, b, config=int8_gemm.TileConfig(64, 32, 64, 4, 2), weight_row_sums=sums)
+    assert torch.equal(got, want)
+    assert torch.equal(w8a8_linear(rows, w, ws, b, act_symmetric=False, row_sums=sums), want)
+    with pytest.raises(ValueError, match="weight_row_sums: given exactly when the QuantizedRows carry zero points"):
+        int8_gemm.w8a8_decode(rows if m <= 16 else QuantizedRows(q[:16], s[:16], x.dtype, z[:16]), w, ws, b)
+
+
 def test_tiles_read_producer_rows() -> None:
     x = _rows(70, 300, torch.float16, seed=70)
     w, ws, b = _weight(40, 300, seed=9)
@@ -93,9 +119,9 @@ def test_rows_that_do_not_match_their_kernel_are_refused() -> None:
         int8_gemm.w8a8_decode(QuantizedRows(q.float().to(torch.float8_e4m3fn), s, torch.float16), w, ws)
 
 
-def test_only_symmetric_products_on_cuda_take_producer_rows() -> None:
+def test_only_products_of_symmetric_weights_on_cuda_take_producer_rows() -> None:
     assert W8A8Int8LinearMethod("symmetric").quantized_input(None) == "int8"
-    assert W8A8Int8LinearMethod("asymmetric").quantized_input(None) is None  # a zero point per token
+    assert W8A8Int8LinearMethod("asymmetric").quantized_input(None) == "int8_zp"  # a zero point per token
     assert W8A8Int8LinearMethod("symmetric", weight_symmetric=False).quantized_input(None) is None
     assert W8A8Int8LinearMethod(None).quantized_input(None) is None  # W8A16: 16-bit activations
     assert not fuse_wanted(torch.zeros(3, 64, dtype=torch.float16), (32, 64))  # the CPU quantizes in its product
@@ -121,3 +147,17 @@ def test_loaded_models_flag_the_producers_of_quantized_inputs(tiny_models, kind:
     assert model.model.norm.quantize_output is None  # the final norm feeds the 16-bit LM head
     if kind == "gemma3":
         assert all(layer.post_feedforward_layernorm.quantize_output is None for layer in model.model.layers)
+
+
+@pytest.mark.parametrize(("name", "kind"), [("ct-w8a8", "int8"), ("ct-w8a8-asym-act", "int8_zp")])
+def test_w8a8_checkpoints_flag_their_kind_of_rows(name: str, kind: str) -> None:
+    pytest.importorskip("compressed_tensors")
+    import quant_checkpoints as qc
+
+    llm = LLM(model=qc.make_ct(name), dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 22, max_model_len=64,
+              skip_tokenizer_init=True)
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    layer = model.model.layers[0]
+    assert [p.quantize_output for p in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.act_fn)] == \
+        [kind] * 3
+    assert (getattr(layer.mlp.down_proj, "weight_row_sums", None) is not None) == (kind == "int8_zp")

@@ -33,7 +33,7 @@ def rows_wanted(
     """Whether the producer should hand these rows over quantized as ``kind``."""
     if kind == "fp8":
         from pagedllm.layers.quantization.fp8 import fuse_wanted
-    elif kind == "int8":
+    elif kind in ("int8", "int8_zp"):
         from pagedllm.layers.quantization.int8 import fuse_wanted
     else:
         return False

@@ -50,16 +50,16 @@ def _int_mm(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:  # [T, K] int8 
 
 
 def fuse_wanted(x: torch.Tensor, consumer: tuple[int, int] | None = None) -> bool:
-    """Whether a producer flagged for a symmetric W8A8 linear (whose weight's shape is ``consumer``) should hand
-    these rows over as int8: on CUDA, in a type the row quantizer takes. Every CUDA path of ``w8a8_linear``
-    quantizes symmetric rows with ``int8_quant``'s arithmetic (the decode kernel, the tiles, the quantizer
+    """Whether a producer flagged for a W8A8 linear with symmetric weights (whose weight's shape is ``consumer``)
+    should hand these rows over as int8: on CUDA, in a type the row quantizer takes. Every CUDA path of
+    ``w8a8_linear`` quantizes rows with ``int8_quant``'s arithmetic (the decode kernel, the tiles, the quantizer
     before cuBLAS, ``quantize_int8_rows``), so rows quantized by their producer give each path its own bits."""
     return x.is_cuda and x.dim() == 2 and x.shape[0] > 0 and int8_quant.usable(x) and (
         consumer is None or consumer[1] == x.shape[1])
 
 
 def w8a8_linear(
-    x: torch.Tensor | QuantizedRows,  # [T, K] (QuantizedRows: symmetric int8 rows a producer quantized)
+    x: torch.Tensor | QuantizedRows,  # [T, K] (QuantizedRows: int8 rows a producer quantized, as act_symmetric)
     weight: torch.Tensor,  # [N, K] int8
     weight_scale: torch.Tensor,  # [N, 1]
     bias: torch.Tensor | None,  # [N]
@@ -84,14 +84,14 @@ def w8a8_linear(
         if _int_mm_usable(rows.q if rows is not None else x, weight):
             # One launch quantizes the rows, one scales the product back: the same arithmetic as below.
             if rows is not None:
-                xq, xs, xz = rows.q, rows.scales, None
+                xq, xs, xz = rows.q, rows.scales, rows.zeros
             elif sums is not None:
                 xq, xs, xz = int8_quant.quantize_rows_with_zeros(x)
             else:
                 (xq, xs), xz = int8_quant.quantize_rows(x), None
             return int8_quant.scale_rows(_int_mm(xq, weight), xs, weight_scale, bias, x.dtype, xz, sums)
     if rows is not None:
-        xq, xs, xz = rows.q, rows.scales, None
+        xq, xs, xz = rows.q, rows.scales, rows.zeros
     else:
         xq, xs, xz = quantize_int8_rows(x, act_symmetric)
     if _int_mm_usable(xq, weight):
@@ -140,8 +140,10 @@ class W8A8Int8LinearMethod(QuantizedLinearMethod):
                                   persistent=False)
 
     def quantized_input(self, layer: nn.Module) -> str | None:
-        # Symmetric rows and weights: the products that take rows a producer quantized (w8a8_linear).
-        return "int8" if self.act == "symmetric" and self.weight_symmetric else None
+        # Symmetric weights: the products that take rows a producer quantized (w8a8_linear), with zero points or not.
+        if self.act is None or not self.weight_symmetric:
+            return None
+        return "int8" if self.act == "symmetric" else "int8_zp"
 
     def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
         if self.act is None:
