@@ -70,18 +70,25 @@ def test_quantized_model_graph_and_eager_identical(tmp_path) -> None:
     assert [len(t) for t in outs[0]] == [9, 17, 4, 23]
 
 
-@pytest.mark.parametrize("quantization", ["fp8", "int8"])
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize(("kind", "quantization"), [("llama", "fp8"), ("gemma3", "fp8"), ("llama", "int8"),
+                                                    ("gemma3", "int8"), ("llama", "int8_zp")])
 def test_fused_input_quantization_changes_no_bit(tmp_path, kind: str, quantization: str) -> None:
-    """Norms and activations that quantize their own output (float8, or W8A8's int8) give the logprobs of the
-    standalone quantizer; the 100-token prompt takes the int8 tiles, the others the decode kernel and cuBLAS."""
-    path = make_tiny_model(kind, tmp_path / kind)
+    """Norms and activations that quantize their own output (float8, or W8A8's int8: quantized at load, or a
+    checkpoint whose activations take a zero point per token) give the logprobs of the standalone quantizer; the
+    100-token prompt takes the int8 tiles, the others the decode kernel and cuBLAS."""
+    if quantization == "int8_zp":
+        pytest.importorskip("compressed_tensors")
+        import quant_checkpoints as qc
+
+        path, online = qc.make_ct("ct-w8a8-asym-act"), None
+    else:
+        path, online = make_tiny_model(kind, tmp_path / kind), quantization
     gen = torch.Generator().manual_seed(1)
     prompts = [{"prompt_token_ids": torch.randint(3, 380, (int(n),), generator=gen).tolist()}
                for n in (7, 30, 12, 100)]
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12, logprobs=5, detokenize=False)
     llm = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8, max_model_len=256, seed=0, dtype="bfloat16",
-              quantization=quantization, enforce_eager=True)
+              quantization=online, enforce_eager=True)
     model = llm.llm_engine.engine_core.executor.worker.model_runner.model
     producers = [m for m in model.modules() if getattr(m, "quantize_output", None) == quantization]
     # input norm -> qkv, the norm before the MLP -> gate_up, the activation -> down: three a layer

@@ -164,29 +164,3 @@ def test_asymmetric_rows_take_every_path(m):
     want = w8a8_linear(x, w, ws, b, act_symmetric=False)  # torch's ops: no row sums given
     assert torch.equal(w8a8_linear(x, w, ws, b, act_symmetric=False, row_sums=sums), want)
 
-
-def test_producer_rows_with_zero_points_change_no_bit():
-    """A W8A8 checkpoint whose activations take a zero point per token: norms and the activation store int8 rows
-    with their zero points, and the logprobs are those of the linears quantizing their own rows."""
-    pytest.importorskip("compressed_tensors")
-    import quant_checkpoints as qc
-
-    from pagedllm import LLM, SamplingParams
-
-    gen = torch.Generator().manual_seed(2)
-    prompts = [{"prompt_token_ids": torch.randint(3, 380, (int(n),), generator=gen).tolist()} for n in (7, 30, 100)]
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12, logprobs=5, detokenize=False)
-    llm = LLM(model=qc.make_ct("ct-w8a8-asym-act"), skip_tokenizer_init=True, max_num_seqs=8, max_model_len=256,
-              seed=0, dtype="bfloat16", enforce_eager=True)
-    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
-    producers = [m for m in model.modules() if getattr(m, "quantize_output", None) == "int8_zp"]
-    assert len(producers) == 3 * llm.llm_engine.config.model_config.hf_config.num_hidden_layers
-    fused = llm.generate(prompts, params, use_tqdm=False)
-    for m in producers:
-        m.quantize_output = None
-    plain = llm.generate(prompts, params, use_tqdm=False)
-    llm.llm_engine.engine_core.shutdown()
-    for a, b in zip(fused, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
-               [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]
