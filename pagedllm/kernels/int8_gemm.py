@@ -147,11 +147,14 @@ def _w8a8_kernel(
                          out_dtype=tl.int32)
     else:
         # Each row's scale as int8_quant's row quantizer computes it: max is exact and order-free, so
-        # reducing a [BLOCK_M, BLOCK_K] tile of running maxima gives its bits.
+        # reducing [BLOCK_M, BLOCK_K] tiles of running maxima gives its bits. Two tiles a step: their loads are in
+        # flight together, and the product cannot start before the last step.
         amax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        amax2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, 2 * BLOCK_K):
             amax = tl.maximum(amax, tl.abs(_x_tile(x_ptrs, k0, rows_in, ks, K)))
-        xs = row_scale(tl.max(amax, axis=1), EXACT, RECIPROCAL)  # [BLOCK_M]; EPS for a row of zeros (and rows >= M)
+            amax2 = tl.maximum(amax2, tl.abs(_x_tile(x_ptrs, k0 + BLOCK_K, rows_in, ks, K)))
+        xs = row_scale(tl.max(tl.maximum(amax, amax2), axis=1), EXACT, RECIPROCAL)  # [BLOCK_M]; EPS for zero rows
 
         # The exact int32 product: int8 x int8 tensor-core steps, K-major on both sides (W's rows are K-contiguous,
         # the layout 8-bit mma operands need). Masked entries quantize to 0 (0 / scale) and add nothing.
