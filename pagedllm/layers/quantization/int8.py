@@ -12,8 +12,9 @@ a product of at most 16 rows (decode) takes ``kernels/int8_gemm.py`` (int32 prod
 one symmetric row's quantization too), from ``int8_gemm.TILES_MIN_ROWS`` on its tiles after a row quantizer; the
 rows between quantize and scale in ``kernels/int8_quant.py``'s launches around cuBLAS's int8 product. Rows with a
 zero point each take the same launches: the quantizer stores the zero points, and the epilogue takes each times the
-weight row's sum (computed once at load) off the int32 sums. Where a norm or gated activation kernel alone feeds a symmetric linear, it hands the rows over already
-quantized (``fused_rows.py``) and every path starts from them. All give the torch ops' bits.
+weight row's sum (computed once at load) off the int32 sums. Where a norm or gated activation kernel alone feeds a
+linear with symmetric weights, it hands the rows over already quantized, zero points included
+(``fused_rows.py``), and every path starts from them. All give the torch ops' bits.
 """
 from __future__ import annotations
 
