@@ -21,7 +21,7 @@ def _kernel_act_and_mul(module: nn.Module, x: torch.Tensor, act: str):
 
 
 class SiluAndMul(nn.Module):
-    quantize_output: str | None = None  # the consumer's kind of rows ("fp8", "int8"); fused_rows.flag_producers
+    quantize_output: str | None = None  # the consumer's kind of rows (row_quant.KINDS); fused_rows.flag_producers
     quantize_for: tuple[int, int] | None = None  # the consumer's weight shape (outputs, inputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2F] -> [T, F]
@@ -34,7 +34,7 @@ class SiluAndMul(nn.Module):
 class GeluAndMul(nn.Module):
     """GELU-gated unit; ``approximate="tanh"`` is HF's ``gelu_pytorch_tanh`` (Gemma)."""
 
-    quantize_output: str | None = None  # the consumer's kind of rows ("fp8", "int8"); fused_rows.flag_producers
+    quantize_output: str | None = None  # the consumer's kind of rows (row_quant.KINDS); fused_rows.flag_producers
     quantize_for: tuple[int, int] | None = None  # the consumer's weight shape (outputs, inputs)
 
     def __init__(self, approximate: str = "none") -> None:

@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
     the rows over as ``QuantizedRows`` wherever that linear would quantize them, quantized as it would.
     """
 
-    quantize_output: str | None = None  # the consumer's kind of rows ("fp8", "int8"); fused_rows.flag_producers
+    quantize_output: str | None = None  # the consumer's kind of rows (row_quant.KINDS); fused_rows.flag_producers
     quantize_for: tuple[int, int] | None = None  # the consumer's weight shape (outputs, inputs)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None) -> None:

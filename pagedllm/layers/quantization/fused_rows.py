@@ -3,12 +3,15 @@
 A model names the (producer, linear) pairs where one module alone produces a linear's input: the norm before
 q/k/v and before gate/up, the gated activation before down. After loading, each pair whose linear quantizes its
 input per row (its method's ``quantized_input``) flags the producer with that kind; at run time the producer's
-kernel stores the rows quantized exactly when the linear would quantize those rows itself (``rows_wanted``).
+kernel stores the rows quantized exactly when the linear would quantize those rows itself
+(``producer_quantization``).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagedllm.layers.quantization import fp8, int8
 
 
 def flag_producers(model: nn.Module) -> int:
@@ -25,22 +28,14 @@ def flag_producers(model: nn.Module) -> int:
     return flagged
 
 
-def rows_wanted(
-    kind: str | None,  # the producer's quantize_output
-    x: torch.Tensor,  # [T, K]: the rows the producer computes
-    consumer: tuple[int, int] | None,  # the linear's weight shape (outputs, inputs)
-) -> bool:
-    """Whether the producer should hand these rows over quantized as ``kind``."""
-    if kind == "fp8":
-        from pagedllm.layers.quantization.fp8 import fuse_wanted
-    elif kind in ("int8", "int8_zp"):
-        from pagedllm.layers.quantization.int8 import fuse_wanted
-    else:
-        return False
-    return fuse_wanted(x, consumer)
-
-
 def producer_quantization(module: nn.Module, x: torch.Tensor) -> str | None:
-    """The ``quantize`` argument of a producer's kernel for rows ``x``: the kind, or None for 16-bit rows."""
+    """The ``quantize`` argument of a producer's kernel for rows ``x`` [T, K]: its kind where the linear it feeds
+    would quantize these rows itself, else None (16-bit rows)."""
     kind = module.quantize_output
-    return kind if rows_wanted(kind, x, module.quantize_for) else None
+    if kind == "fp8":
+        wanted = fp8.fuse_wanted(x, module.quantize_for)
+    elif kind in ("int8", "int8_zp"):
+        wanted = int8.fuse_wanted(x, module.quantize_for)
+    else:
+        return None
+    return kind if wanted else None
